@@ -1,0 +1,75 @@
+"""Region model: Fourier coordinate/size encoders and their decoders (MOONDREAM.md §7).
+
+Decoders read the text decoder's hidden state *before* `post_ln`. MD2 decoders are GELU-tanh
+MLPs; MD3 decoders are single Linears, preceded by the region LayerNorm only when the
+checkpoint has one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kestrel_jax.models.config import RegionConfig
+from kestrel_jax.models.layers import MLP, LayerNorm, Linear
+
+
+def coord_bin_to_value(bins: jax.Array) -> jax.Array:
+    """Coordinate bin -> value in [0, 1): bin / 1024 (float32)."""
+    return bins.astype(jnp.float32) / 1024.0
+
+
+def size_bin_to_value(bins: jax.Array) -> jax.Array:
+    """Size bin -> 2^(10 * bin/1023 - 10) in [2^-10, 1] (log scale, float32)."""
+    return jnp.exp2(bins.astype(jnp.float32) / 1023.0 * 10.0 - 10.0)
+
+
+def size_value_to_bin(s: jax.Array) -> jax.Array:
+    """Inverse of `size_bin_to_value` (for encoding targets): nearest bin."""
+    b = (jnp.log2(jnp.maximum(s, 1.0 / 1024.0)) + 10.0) / 10.0 * 1023.0
+    return jnp.clip(jnp.round(b), 0, 1023).astype(jnp.int32)
+
+
+class RegionModel(nnx.Module):
+    def __init__(self, cfg: RegionConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        normal = nnx.initializers.normal(1.0)
+        self.coord_features = nnx.Param(normal(rngs.params(), (1, cfg.coord_feat_dim // 2), dtype))
+        self.coord_encoder = Linear(cfg.coord_feat_dim, cfg.dim, dtype=dtype, rngs=rngs)
+        self.size_features = nnx.Param(normal(rngs.params(), (2, cfg.size_feat_dim // 2), dtype))
+        self.size_encoder = Linear(cfg.size_feat_dim, cfg.dim, dtype=dtype, rngs=rngs)
+        self.coord_decoder: MLP | Linear
+        self.size_decoder: MLP | Linear
+        if cfg.inner_dim is not None:
+            self.coord_decoder = MLP(cfg.dim, cfg.inner_dim, cfg.coord_out_dim, dtype=dtype, rngs=rngs)
+            self.size_decoder = MLP(cfg.dim, cfg.inner_dim, cfg.size_out_dim, dtype=dtype, rngs=rngs)
+        else:
+            self.coord_decoder = Linear(cfg.dim, cfg.coord_out_dim, dtype=dtype, rngs=rngs)
+            self.size_decoder = Linear(cfg.dim, cfg.size_out_dim, dtype=dtype, rngs=rngs)
+        self.ln = LayerNorm(cfg.dim, dtype=dtype) if cfg.has_ln else None
+
+    @staticmethod
+    def _fourier(x: jax.Array, freqs: jax.Array) -> jax.Array:
+        """x [N, k] @ freqs [k, F] -> [N, 2F] = [cos(2 pi x F) | sin(2 pi x F)], float32."""
+        f = (2.0 * math.pi) * jnp.dot(x.astype(jnp.float32), freqs.astype(jnp.float32),
+                                      precision=jax.lax.Precision.HIGHEST)
+        return jnp.concatenate([jnp.cos(f), jnp.sin(f)], axis=-1)
+
+    def encode_coordinate(self, v: jax.Array, dtype: jnp.dtype) -> jax.Array:  # [N, 1] -> [N, D]
+        return self.coord_encoder(self._fourier(v, self.coord_features[...]).astype(dtype))
+
+    def encode_size(self, s: jax.Array, dtype: jnp.dtype) -> jax.Array:  # [N, 2] -> [N, D]
+        return self.size_encoder(self._fourier(s, self.size_features[...]).astype(dtype))
+
+    def _in(self, h: jax.Array) -> jax.Array:
+        return self.ln(h) if self.ln is not None else h
+
+    def decode_coordinate(self, h: jax.Array) -> jax.Array:  # [N, D] -> [N, coord_bins] f32
+        return self.coord_decoder(self._in(h)).astype(jnp.float32)
+
+    def decode_size(self, h: jax.Array) -> jax.Array:  # [N, D] -> [N, 2, size_bins] f32 (w, h)
+        out = self.size_decoder(self._in(h)).astype(jnp.float32)
+        return out.reshape(h.shape[0], 2, -1)

@@ -1,0 +1,219 @@
+"""Text decoder: parallel-residual blocks, partial rotary, MD3 tau scaling, dense MLP / MoE.
+
+MOONDREAM.md §3-4. The decoder only knows about pages through `AttentionBatch` (slots, lengths,
+page tables) and the per-layer KV pool pair it passes to `kestrel_jax.pallas.ops`; it never sees
+requests. A forward pass over T tokens returns the pre-`post_ln` hidden states (what the region
+decoders read) and the updated KV cache; `logits()` applies `post_ln` + `lm_head` to chosen rows.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from kestrel_jax.models.config import TextConfig
+from kestrel_jax.models.layers import (
+    MLP,
+    LayerNorm,
+    Linear,
+    apply_rope,
+    gelu_erf,
+    rope_cos_sin,
+    tau_position_term,
+)
+from kestrel_jax.pallas import ops
+from kestrel_jax.pallas.moe import ExpertWeights
+
+
+class KVCache(NamedTuple):
+    """Per-layer paged pools (layout: `kestrel_jax.pallas.paged_attention`) and their scales."""
+
+    k: tuple[jax.Array, ...]  # L x [P, Hkv, S, Dh]
+    v: tuple[jax.Array, ...]  # L x [P, Hkv, S, Dh]
+    k_scale: jax.Array  # [L] f32 (ignored unless the pool is FP8)
+    v_scale: jax.Array  # [L] f32
+
+    @property
+    def page_size(self) -> int:  # pages are [P, Hkv, S, Dh] (head-major)
+        return int(self.k[0].shape[2])
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.k[0].shape[0])
+
+
+class AttentionBatch(NamedTuple):
+    """Where the T tokens of one forward pass sit. Decode when `cu_q_lens` is None (T == B).
+
+    Prefill: tokens of B sequences flattened in order; `cu_q_lens[b]:cu_q_lens[b+1]` are sequence
+    b's new tokens, `kv_lens[b]` its total length after this pass, `prefix_lens[b]` its
+    bidirectional prefix (730 with an image). Padding tokens have slot -1.
+    """
+
+    positions: jax.Array  # [T] int32 absolute positions
+    slots: jax.Array  # [T] int32 flat KV slot (page * page_size + offset), -1 = padding
+    kv_lens: jax.Array  # [B] int32
+    page_table: jax.Array  # [B, max_pages] int32
+    cu_q_lens: jax.Array | None = None  # [B + 1] int32 (prefill only)
+    prefix_lens: jax.Array | None = None  # [B] int32 (prefill only)
+
+
+class TauScaling(nnx.Module):
+    """MD3 per-head learned temperature on Q and V (MOONDREAM.md §3.3.2)."""
+
+    def __init__(self, cfg: TextConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(0.02)
+        self.wq = nnx.Param(init(rngs.params(), (cfg.n_heads, cfg.qkv_dim), dtype))
+        self.wv = nnx.Param(init(rngs.params(), (cfg.n_heads, cfg.qkv_dim), dtype))
+        self.alpha = nnx.Param(jnp.zeros((cfg.n_heads,), dtype))
+
+    def __call__(self, u: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """u [T, qkv] (full fused QKV output) -> tau_q, tau_v, tau_pos [T, H] float32."""
+        g = gelu_erf(u)
+        tok_q = jnp.tanh(jnp.dot(g, self.wq[...].astype(u.dtype).T).astype(jnp.float32))
+        tok_v = jnp.tanh(jnp.dot(g, self.wv[...].astype(u.dtype).T).astype(jnp.float32))
+        pos = tau_position_term(positions, self.alpha[...])
+        return tok_q + pos, tok_v + pos, pos
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: TextConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.qkv = Linear(cfg.dim, cfg.qkv_dim, dtype=dtype, rngs=rngs)
+        self.proj = Linear(cfg.dim, cfg.dim, dtype=dtype, rngs=rngs)
+        self.tau = TauScaling(cfg, dtype=dtype, rngs=rngs) if cfg.tau else None
+
+    def __call__(
+        self,
+        x: jax.Array,  # [T, D] normalised input
+        batch: AttentionBatch,
+        k_pages: jax.Array,
+        v_pages: jax.Array,
+        k_scale: jax.Array,
+        v_scale: jax.Array,
+        aux: dict[str, jax.Array] | None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        cfg = self.cfg
+        t = x.shape[0]
+        hd, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+        u = self.qkv(x)
+        q = u[:, : h * hd].reshape(t, h, hd)
+        k = u[:, h * hd : (h + hkv) * hd].reshape(t, hkv, hd)
+        v = u[:, (h + hkv) * hd :].reshape(t, hkv, hd)
+        if self.tau is not None:
+            tau_q, tau_v, tau_pos = self.tau(u, batch.positions)
+            q = (q * tau_q[:, :, None].astype(q.dtype))
+            v = (v * tau_v[:, :, None].astype(v.dtype))
+            if aux is not None:
+                aux.update(tau_q=tau_q, tau_v=tau_v, tau_pos=tau_pos)
+        cos, sin = rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta)
+        q = apply_rope(q, cos, sin, cfg.rotary_dim)
+        k = apply_rope(k, cos, sin, cfg.rotary_dim)
+        if aux is not None:
+            aux.update(k=k, v=v)
+        k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, batch.slots, k_scale, v_scale)
+        scale = hd**-0.5
+        if batch.cu_q_lens is None:
+            o = ops.decode_attention(q, k_pages, v_pages, batch.kv_lens, batch.page_table,
+                                     k_scale, v_scale, sm_scale=scale)
+        else:
+            assert batch.prefix_lens is not None
+            o = ops.prefill_attention(q, k_pages, v_pages, batch.cu_q_lens, batch.kv_lens,
+                                      batch.page_table, batch.prefix_lens, k_scale, v_scale,
+                                      sm_scale=scale)
+        return self.proj(o.reshape(t, h * hd)), k_pages, v_pages
+
+
+class MoE(nnx.Module):
+    """64-expert top-8 FFN; experts stored `[E, out, in]` (bf16, or e4m3 + per-row scales)."""
+
+    def __init__(self, cfg: TextConfig, *, dtype: jnp.dtype, fp8_experts: bool, rngs: nnx.Rngs):
+        assert cfg.moe is not None
+        e, inner, d = cfg.moe.num_experts, cfg.moe.expert_inner_dim, cfg.dim
+        self.top_k = cfg.moe.experts_per_token
+        self.router = Linear(d, e, dtype=dtype, rngs=rngs)
+        init = nnx.initializers.normal(0.02)
+        wdt = jnp.float8_e4m3fn if fp8_experts else dtype
+        self.fc1 = nnx.Param(init(rngs.params(), (e, 2 * inner, d), jnp.float32).astype(wdt))
+        self.fc2 = nnx.Param(init(rngs.params(), (e, d, inner), jnp.float32).astype(wdt))
+        self.fc1_scale = nnx.Param(jnp.ones((e, 2 * inner), jnp.float32)) if fp8_experts else None
+        self.fc2_scale = nnx.Param(jnp.ones((e, d), jnp.float32)) if fp8_experts else None
+
+    def experts(self) -> ExpertWeights:
+        return ExpertWeights(
+            self.fc1[...], self.fc2[...],
+            None if self.fc1_scale is None else self.fc1_scale[...],
+            None if self.fc2_scale is None else self.fc2_scale[...],
+        )
+
+    def __call__(self, x: jax.Array, aux: dict[str, jax.Array] | None) -> jax.Array:
+        router_w = self.router.kernel[...]
+        router_b = self.router.bias[...] if self.router.bias is not None else jnp.zeros(router_w.shape[1])
+        if aux is not None:
+            routing = ops.route(x, router_w, router_b, self.top_k)
+            aux.update(router_logits=routing.logits, topk_idx=routing.experts, topk_weight=routing.weights)
+        return ops.moe_layer(x, router_w, router_b, self.experts(), top_k=self.top_k)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: TextConfig, layer: int, *, dtype: jnp.dtype, fp8_experts: bool, rngs: nnx.Rngs):
+        self.ln = LayerNorm(cfg.dim, eps=cfg.ln_eps, dtype=dtype)
+        self.attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.mlp: MoE | MLP
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoE(cfg, dtype=dtype, fp8_experts=fp8_experts, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg.dim, cfg.ff_dim, cfg.dim, dtype=dtype, rngs=rngs)
+
+
+class KVScales(nnx.Variable):
+    """Per-layer (k_scale, v_scale) for an FP8 KV cache, from the checkpoint when it has them."""
+
+
+class TextModel(nnx.Module):
+    def __init__(self, cfg: TextConfig, *, dtype: jnp.dtype, fp8_experts: bool = False, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.wte = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.dim), dtype))
+        self.blocks = nnx.List([
+            Block(cfg, i, dtype=dtype, fp8_experts=fp8_experts, rngs=rngs) for i in range(cfg.n_layers)
+        ])
+        self.post_ln = LayerNorm(cfg.dim, eps=cfg.ln_eps, dtype=dtype)
+        self.lm_head = Linear(cfg.dim, cfg.vocab_size, dtype=dtype, rngs=rngs)
+        self.kv_scales = KVScales(jnp.ones((cfg.n_layers, 2), jnp.float32))
+
+    def embed(self, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:  # [T] -> [T, D]
+        return self.wte[...][ids].astype(dtype)
+
+    def __call__(
+        self,
+        x: jax.Array,  # [T, D] input embeddings
+        batch: AttentionBatch,
+        cache: KVCache,
+        *,
+        capture: bool = False,
+    ) -> tuple[jax.Array, KVCache, list[dict[str, jax.Array]]]:
+        """Run all blocks. Returns (hidden before post_ln [T, D], new cache, captures).
+
+        With `capture`, one dict per layer: `block_inputs`, `k`/`v` (post-rotary K, post-tau V),
+        MD3 `tau_q`/`tau_v`/`tau_pos` and, in MoE layers, `router_logits`/`topk_idx`/`topk_weight`.
+        """
+        ks, vs = list(cache.k), list(cache.v)
+        captured: list[dict[str, jax.Array]] = []
+        for i, block in enumerate(self.blocks):
+            aux: dict[str, jax.Array] | None = {} if capture else None
+            if aux is not None:
+                aux["block_inputs"] = x
+            n = block.ln(x)
+            a, ks[i], vs[i] = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux)
+            m = block.mlp(n, aux) if isinstance(block.mlp, MoE) else block.mlp(n)
+            x = (x + a) + m
+            if aux is not None:
+                captured.append(aux)
+        new_cache = KVCache(tuple(ks), tuple(vs), cache.k_scale, cache.v_scale)
+        return x, new_cache, captured
+
+    def logits(self, hidden: jax.Array) -> jax.Array:  # [N, D] -> [N, V] float32
+        return self.lm_head(self.post_ln(hidden)).astype(jnp.float32)

@@ -1,0 +1,83 @@
+"""The one interface through which the model reaches attention and MoE.
+
+Each op picks the Pallas kernel on a GPU (when the kernel supports the shapes) and the pure-jnp
+reference elsewhere. `use_backend("reference")` forces the references (parity runs, CPU tests).
+The choice is made at trace time, so it is baked into each jitted function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Literal
+
+import jax
+
+from kestrel_jax.pallas import moe as moe_ref_mod
+from kestrel_jax.pallas import paged_attention as attn_ref_mod
+from kestrel_jax.pallas.moe import ExpertWeights, Routing
+
+Backend = Literal["auto", "reference", "kernel"]
+_state = threading.local()
+
+
+def current_backend() -> Backend:
+    return getattr(_state, "backend", "auto")
+
+
+@contextlib.contextmanager
+def use_backend(backend: Backend) -> Iterator[None]:
+    if backend not in ("auto", "reference", "kernel"):
+        raise ValueError(f"unknown kernel backend {backend!r}; use auto, reference or kernel")
+    prev = current_backend()
+    _state.backend = backend
+    try:
+        yield
+    finally:
+        _state.backend = prev
+
+
+def _want_kernel() -> bool:
+    b = current_backend()
+    if b == "reference":
+        return False
+    if b == "kernel":
+        return True
+    return jax.default_backend() == "gpu"
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+
+
+def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array,
+             k_scale: jax.Array, v_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return attn_ref_mod.write_kv_ref(k_pages, v_pages, k, v, slots, k_scale, v_scale)
+
+
+def decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
+                     page_table: jax.Array, k_scale: jax.Array, v_scale: jax.Array, *, sm_scale: float) -> jax.Array:
+    return attn_ref_mod.decode_attention_ref(q, k_pages, v_pages, kv_lens, page_table, k_scale, v_scale,
+                                             sm_scale=sm_scale)
+
+
+def prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cu_q_lens: jax.Array,
+                      kv_lens: jax.Array, page_table: jax.Array, prefix_lens: jax.Array, k_scale: jax.Array,
+                      v_scale: jax.Array, *, sm_scale: float) -> jax.Array:
+    return attn_ref_mod.prefill_attention_ref(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table,
+                                              prefix_lens, k_scale, v_scale, sm_scale=sm_scale)
+
+
+# --------------------------------------------------------------------------------------------
+# MoE
+
+
+def route(x: jax.Array, router_w: jax.Array, router_b: jax.Array, top_k: int) -> Routing:
+    return moe_ref_mod.route_ref(x, router_w, router_b, top_k)
+
+
+def moe_layer(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: ExpertWeights, *,
+              top_k: int) -> jax.Array:
+    routing = moe_ref_mod.route_ref(x, router_w, router_b, top_k)
+    return moe_ref_mod.moe_ref(x, routing, experts)
