@@ -115,6 +115,33 @@ def adaptive_pool(grid: jax.Array, out: int) -> jax.Array:
     return pooled.reshape(out * out, -1).astype(grid.dtype)
 
 
+def tile_pool_matrices(tiling: tuple[int, int], cfg: VisionConfig, n_tiles: int) -> tuple[np.ndarray, np.ndarray]:
+    """Stitch + adaptive pooling as per-tile separable weights, for a fixed-shape encoder step.
+
+    pooled[a, b] = sum_t sum_{r, c} rows[t, a, r] * tiles[t, r, c] * cols[t, b, c], where rows[t]
+    holds the pooling weight of every grid row that tile t contributes (through its in-tile row
+    r) and zeros for rows it does not own. Tiles beyond rows*cols (padding up to `n_tiles`) get
+    zero weights. Returns (rows, cols), each [n_tiles, g, g] float32.
+    """
+    r_n, c_n = tiling
+    g = cfg.grid_size
+    t_idx, r_idx, c_idx = stitch_indices(r_n, c_n, g, cfg.overlap_margin)
+    ph = adaptive_pool_matrix(len(r_idx), g)  # [g, Hg]
+    pw = adaptive_pool_matrix(len(c_idx), g)  # [g, Wg]
+    rows = np.zeros((n_tiles, g, g), np.float32)
+    cols = np.zeros((n_tiles, g, g), np.float32)
+    tile_row = t_idx[:, 0] // c_n  # grid row y -> tile row i
+    tile_col = t_idx[0, :] % c_n  # grid col x -> tile col j
+    for i in range(r_n):
+        for j in range(c_n):
+            t = i * c_n + j
+            ys = np.nonzero(tile_row == i)[0]
+            xs = np.nonzero(tile_col == j)[0]
+            rows[t][:, r_idx[ys]] = ph[:, ys]
+            cols[t][:, c_idx[xs]] = pw[:, xs]
+    return rows, cols
+
+
 class ProjectorMLP(nnx.Module):
     def __init__(self, cfg: VisionConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.fc1 = Linear(2 * cfg.enc_dim, cfg.proj_inner_dim, dtype=dtype, rngs=rngs)
@@ -148,6 +175,19 @@ class VisionEncoder(nnx.Module):
         pooled = adaptive_pool(grid, self.cfg.grid_size)
         x = jnp.concatenate([features[0], pooled], axis=-1)
         return self.proj_mlp(x), grid, pooled
+
+    def encode_padded(self, crops_u8: jax.Array, pool_rows: jax.Array, pool_cols: jax.Array,
+                      dtype: jnp.dtype) -> jax.Array:
+        """Fixed-shape image encoding for the engine: crops [n, S, S, 3] (global first, then
+        tiles, zero-padded to a bucket) with `tile_pool_matrices` weights [n-1, g, g] ->
+        image tokens [g*g, D]. Equals `__call__` for the real crops."""
+        feats = self.encode_crops(crops_u8, dtype)
+        g = self.cfg.grid_size
+        tiles = feats[1:].reshape(-1, g, g, feats.shape[-1]).astype(jnp.float32)
+        pooled = jnp.einsum("tar,trce,tbc->abe", pool_rows, tiles, pool_cols,
+                            precision=jax.lax.Precision.HIGHEST)
+        x = jnp.concatenate([feats[0], pooled.reshape(g * g, -1).astype(feats.dtype)], axis=-1)
+        return self.proj_mlp(x)
 
     def __call__(self, crops_u8: jax.Array, tiling: tuple[int, int], dtype: jnp.dtype) -> jax.Array:
         """uint8 crops [1 + rows*cols, S, S, 3] -> image tokens [g*g, D]."""

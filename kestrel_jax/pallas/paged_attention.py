@@ -1,9 +1,8 @@
 """Paged attention over a (optionally FP8) KV cache: pool helpers and pure-jnp references.
 
 These are the definitions the Pallas kernels (`paged_attention_mgpu.py`,
-`paged_attention_prefill_mgpu.py`) are tested against, and the CPU path of the model.
-Signatures are identical to the kernels'; `write_kv`, `decode_attention` and `prefill_attention`
-at the bottom pick the kernel on a Hopper GPU and the reference elsewhere.
+`paged_attention_prefill_mgpu.py`) are tested against, and the CPU path of the model (through
+`kestrel_jax.pallas.ops`). Signatures are identical to the kernels'.
 
 KV pool layout (one pair of arrays per decoder layer), **head-major pages**:
     k_pages, v_pages: [num_pages, n_kv_heads, page_size, head_dim]

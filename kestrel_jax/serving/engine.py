@@ -1,0 +1,256 @@
+"""The asyncio inference engine: many concurrent requests, one device kept busy.
+
+    engine = await InferenceEngine.create(EngineConfig(model_path=...))
+    res = await engine.query(image, "What is in this image?", settings={"max_tokens": 64})
+    stream = await engine.caption(image, stream=True)
+    async for chunk in stream: ...
+    res = await stream.result()
+    await engine.shutdown()
+
+The API follows Kestrel's (`query`, `caption`, `detect`, `point`, settings dict with
+temperature / top_p / max_tokens / max_objects, results with `output`, `finish_reason` and
+`metrics`). Device work runs on one worker thread: schedule (host) -> run (device) -> commit
+(host); see `loop.py`. Input validation happens in the caller's coroutine, so a bad request
+fails alone and never reaches the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import itertools
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kestrel_jax.models.image_crops import ImageError, ImageInput, load_image, overlap_crops
+from kestrel_jax.prompts import (
+    Prompt,
+    caption_prompt,
+    default_query_reasoning,
+    detect_prompt,
+    point_prompt,
+    query_prompt,
+)
+from kestrel_jax.serving.runner import RunnerConfig
+from kestrel_jax.serving.skills import Job, Settings, SettingsError, Skill
+
+
+class EngineError(RuntimeError):
+    """The engine is not running (shut down, or its worker failed)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str | None = None  # None: the synthetic demo model
+    dtype: str = "bfloat16"
+    fp8_experts: bool | None = None  # None: as stored in the checkpoint
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
+    prefill_token_buckets: tuple[int, ...] = (128, 256, 768, 1024, 2048)
+    max_prefill_seqs: int = 8
+    enable_prefix_cache: bool = True
+    warmup: bool = True  # compile every bucket at start-up, then forbid recompiles
+    max_copies: int | None = None
+
+
+@dataclass
+class Metrics:
+    ttft_ms: float = 0.0
+    prefill_time_ms: float = 0.0
+    decode_time_ms: float = 0.0
+    queue_time_ms: float = 0.0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    tokens_per_s: float = 0.0
+
+
+@dataclass
+class Result:
+    output: dict[str, Any]
+    finish_reason: str
+    metrics: Metrics
+    request_id: int = 0
+
+
+class Stream:
+    """Async iterator of text chunks (answer text; reasoning is not streamed), then `result()`."""
+
+    def __init__(self, future: asyncio.Future[Result]):
+        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self._future = future
+
+    def _push(self, chunk: str | None) -> None:
+        self._queue.put_nowait(chunk)
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[str]:
+        while True:
+            chunk = await self._queue.get()
+            if chunk is None:
+                return
+            yield chunk
+
+    async def result(self) -> Result:
+        return await self._future
+
+
+@dataclass
+class Submission:
+    """Everything the worker needs for one request (built and validated on the caller's side)."""
+
+    job: Job
+    tokens: tuple[int, ...]  # positions after the image prefix (text-only: BOS first)
+    crops: np.ndarray | None
+    tiling: tuple[int, int] | None
+    digest: bytes | None
+    future: asyncio.Future[Result]
+    loop: asyncio.AbstractEventLoop
+    stream: Stream | None
+    arrival: float
+    deadline: float | None = None
+
+
+_ids = itertools.count(1)
+
+
+class InferenceEngine:
+    def __init__(self, worker: Any, tokenizer: Any, cfg: Any):
+        self._worker = worker
+        self.tokenizer = tokenizer
+        self.cfg = cfg
+
+    @classmethod
+    async def create(cls, config: EngineConfig | None = None, *, model: Any = None,
+                     tokenizer: Any = None) -> InferenceEngine:
+        """Load the model (or use `model`, a MoondreamModel already in memory), size the KV pool,
+        compile every bucket and start the worker."""
+        from kestrel_jax.serving.loop import EngineWorker
+
+        config = config or EngineConfig()
+        worker = await asyncio.get_running_loop().run_in_executor(None, EngineWorker.start, config, model,
+                                                                  tokenizer)
+        return cls(worker, worker.tokenizer, worker.model.cfg)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return self._worker.stats()
+
+    async def shutdown(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self._worker.stop)
+
+    # ------------------------------------------------------------------------------ skills
+    async def query(self, image: ImageInput | None, question: str, *, reasoning: bool | None = None,
+                    spatial_refs: Sequence[Any] = (), stream: bool = False,
+                    settings: dict[str, Any] | None = None, deadline_s: float | None = None) -> Result | Stream:
+        s = Settings.from_dict(settings, skill="query")
+        reasoning = default_query_reasoning(self.cfg) if reasoning is None else bool(reasoning)
+        prompt = query_prompt(self.cfg, self.tokenizer.encode, question, reasoning=reasoning,
+                              spatial_refs=tuple(spatial_refs), max_prompt_tokens=self._max_prompt(image))
+        return await self._submit("query", image, prompt, s, reasoning, stream, deadline_s)
+
+    async def caption(self, image: ImageInput, *, length: str = "normal", stream: bool = False,
+                      settings: dict[str, Any] | None = None, deadline_s: float | None = None) -> Result | Stream:
+        s = Settings.from_dict(settings, skill="caption")
+        return await self._submit("caption", image, caption_prompt(self.cfg, length), s, False, stream, deadline_s)
+
+    async def detect(self, image: ImageInput, object: str, *, settings: dict[str, Any] | None = None,
+                     deadline_s: float | None = None) -> Result:
+        s = Settings.from_dict(settings, skill="detect")
+        prompt = detect_prompt(self.cfg, self.tokenizer.encode, object, max_prompt_tokens=self._max_prompt(image))
+        r = await self._submit("detect", image, prompt, s, False, False, deadline_s)
+        assert isinstance(r, Result)
+        return r
+
+    async def point(self, image: ImageInput, object: str, *, settings: dict[str, Any] | None = None,
+                    deadline_s: float | None = None) -> Result:
+        s = Settings.from_dict(settings, skill="point")
+        prompt = point_prompt(self.cfg, self.tokenizer.encode, object, max_prompt_tokens=self._max_prompt(image))
+        r = await self._submit("point", image, prompt, s, False, False, deadline_s)
+        assert isinstance(r, Result)
+        return r
+
+    async def generate(self, requests: Sequence[dict[str, Any]], *, progress: bool = True,
+                       return_exceptions: bool = True) -> list[Result | BaseException]:
+        """Offline batch: each dict has `skill` plus that skill's arguments. All are submitted at
+        once (the scheduler batches them); results come back in order. A failing request yields
+        its exception in place (or raises, with return_exceptions=False)."""
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), disable=not progress, desc="generate", unit="req")
+
+        async def one(r: dict[str, Any]) -> Result:
+            args = dict(r)
+            skill = args.pop("skill")
+            fns: dict[str, Any] = {"query": self.query, "caption": self.caption, "detect": self.detect,
+                                   "point": self.point}
+            fn = fns.get(skill)
+            if fn is None:
+                raise ValueError(f"unknown skill {skill!r}")
+            args.pop("stream", None)
+            try:
+                res = await fn(**args)
+            finally:
+                bar.update(1)
+            assert isinstance(res, Result)
+            return res
+
+        try:
+            return list(await asyncio.gather(*(one(r) for r in requests), return_exceptions=return_exceptions))
+        finally:
+            bar.close()
+
+    # ------------------------------------------------------------------------------ internals
+    def _max_prompt(self, image: ImageInput | None) -> int:
+        t = self.cfg.text
+        return self._worker.max_seq_len - (t.prefix_attn if image is not None else 1) - 1
+
+    async def _submit(self, skill: Skill, image: ImageInput | None, prompt: Prompt, settings: Settings,
+                      reasoning: bool, stream: bool, deadline_s: float | None) -> Result | Stream:
+        loop = asyncio.get_running_loop()
+        arrival = time.monotonic()
+        crops = tiling = digest = None
+        if image is not None:
+            crops, tiling, digest = await loop.run_in_executor(None, self._prepare_image, image)
+        room = self._worker.max_seq_len - len(prompt.ids) - (self.cfg.text.prefix_attn if image is not None else 1)
+        if skill in ("query", "caption") and settings.max_tokens > room:
+            raise SettingsError(f"max_tokens={settings.max_tokens} does not fit the context: {room} positions "
+                                f"are left after the prompt (context {self._worker.max_seq_len})")
+        rid = next(_ids)
+        if settings.seed is None:
+            settings = dataclasses.replace(settings, seed=rid & 0xFFFFFFFF)
+        job = Job(rid, skill, self.cfg, prompt, settings, reasoning=reasoning, has_image=image is not None)
+        tokens = prompt.ids if image is not None else (self.cfg.tokenizer.bos_id, *prompt.ids)
+        future: asyncio.Future[Result] = loop.create_future()
+        st = Stream(future) if stream else None
+        sub = Submission(job, tuple(tokens), crops, tiling, digest, future, loop, st, arrival,
+                         None if deadline_s is None else arrival + deadline_s)
+        self._worker.submit(sub)
+        if st is not None:
+            return st
+        return await future
+
+    def _prepare_image(self, image: ImageInput) -> tuple[np.ndarray, tuple[int, int], bytes]:
+        crops, tiling = overlap_crops(load_image(image), self.cfg.vision)
+        limit = self._worker.runner.vision_buckets[-1]
+        if crops.shape[0] > limit:
+            raise ImageError(f"this image needs {crops.shape[0]} crops (tiling {tiling[0]}x{tiling[1]}, an "
+                             f"extreme aspect ratio); the engine encodes at most {limit}")
+        digest = hashlib.sha256(np.ascontiguousarray(crops).tobytes()).digest()
+        return crops, (int(tiling[0]), int(tiling[1])), digest
+
+
+def model_path_or_demo(path: str | Path | None) -> Path:
+    if path is not None:
+        return Path(path)
+    from kestrel_jax.cli import demo_checkpoint
+
+    return demo_checkpoint("md3")

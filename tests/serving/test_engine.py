@@ -1,0 +1,169 @@
+"""End to end on a tiny synthetic model with the real runner (CPU): the batched engine gives the
+single-request reference path's greedy outputs, for mixed skills, with and without prefix-cache
+hits; bad requests fail alone."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from PIL import Image
+
+from kestrel_jax.checkpoint.synthetic import write_synthetic_checkpoint
+from kestrel_jax.generate import SamplingSettings
+from kestrel_jax.models.config import tiny_config
+from kestrel_jax.models.image_crops import DEMO_IMAGE_PATH, ImageError
+from kestrel_jax.prompts import PromptError
+from kestrel_jax.reference import ReferenceMoondream
+from kestrel_jax.serving.engine import EngineConfig, InferenceEngine, Result
+from kestrel_jax.serving.runner import RunnerConfig
+from kestrel_jax.serving.skills import SettingsError
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("md3"), tiny_config("md3"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    rng = np.random.default_rng(0)
+    out = []
+    for i, (w, h) in enumerate([(300, 300), (500, 400)]):  # 2 and 9 crops
+        p = tmp_path_factory.mktemp("img") / f"{i}.png"
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(p)
+        out.append(p)
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt: Path) -> Iterator[InferenceEngine]:
+    cfg = EngineConfig(model_path=str(ckpt), dtype="float32",
+                       runner=RunnerConfig(num_pages=96, kv_dtype="f32", max_seq_len=1024, page_size=64,
+                                           vision_buckets=(2, 10)),
+                       decode_buckets=(1, 4), prefill_token_buckets=(64, 1024), max_prefill_seqs=4)
+    eng = asyncio.run(InferenceEngine.create(cfg))
+    yield eng
+    asyncio.run(eng.shutdown())
+
+
+@pytest.fixture(scope="module")
+def ref(ckpt: Path) -> ReferenceMoondream:
+    return ReferenceMoondream.from_checkpoint(ckpt, dtype=jnp.float32, progress=False)
+
+
+def _leak_free(engine: InferenceEngine) -> None:
+    sched = engine._worker.scheduler
+    sched.check_invariants()
+    assert engine.stats["live"] == 0
+
+
+def test_mixed_skills_batched_equal_reference(engine: InferenceEngine, ref: ReferenceMoondream,
+                                              images: list[Path]) -> None:
+    a, b = images
+    greedy = {"temperature": 0.0, "max_tokens": 5}
+
+    async def run() -> list[Result]:
+        rs = await asyncio.gather(
+            engine.query(a, "What is this?", reasoning=False, settings=greedy),
+            engine.caption(b, length="short", settings=greedy),
+            engine.detect(a, "car", settings={"max_objects": 2}),
+            engine.point(b, "sun", settings={"max_objects": 2}),
+            engine.query(b, "How many?", reasoning=True, settings={"temperature": 0.0, "max_tokens": 3}),
+            engine.query(None, "Hello there", reasoning=False, settings=greedy),
+        )
+        return [r for r in rs if isinstance(r, Result)]
+
+    got = asyncio.run(run())
+    s = SamplingSettings(temperature=0.0, max_tokens=5)
+    want = [
+        ref.query(a, "What is this?", reasoning=False, settings=s).output,
+        ref.caption(b, "short", s).output,
+        ref.detect(a, "car", max_objects=2).output,
+        ref.point(b, "sun", max_objects=2).output,
+    ]
+    assert got[0].output["answer"] == want[0]
+    assert got[1].output["caption"] == want[1]
+    np.testing.assert_allclose([[o[k] for k in o] for o in got[2].output["objects"]],
+                               [[o[k] for k in o] for o in want[2]], atol=1e-6)
+    np.testing.assert_allclose([[o["x"], o["y"]] for o in got[3].output["points"]],
+                               [[o["x"], o["y"]] for o in want[3]], atol=1e-6)
+    r = ref.query(b, "How many?", reasoning=True, settings=SamplingSettings(temperature=0.0, max_tokens=3))
+    assert got[4].output["answer"] == r.output
+    assert got[4].output["reasoning"]["text"] == r.extra["reasoning"]["text"]
+    t = ref.query(None, "Hello there", reasoning=False, settings=s)
+    assert got[5].output["answer"] == t.output
+    # the random model never emits EOS (biased lm_head): every text ran to max_tokens
+    assert got[0].finish_reason == "length" and got[0].metrics.output_tokens == 5
+    _leak_free(engine)
+
+
+def test_prefix_cache_hit_gives_identical_answers(engine: InferenceEngine, images: list[Path]) -> None:
+    img = images[1]
+    greedy = {"temperature": 0.0, "max_tokens": 4}
+
+    async def run() -> tuple[Result, Result, Result]:
+        first = await engine.query(img, "Is it red?", reasoning=False, settings=greedy)
+        second = await engine.query(img, "Is it red?", reasoning=False, settings=greedy)
+        other = await engine.query(img, "Is it blue?", reasoning=False, settings=greedy)
+        assert isinstance(first, Result) and isinstance(second, Result) and isinstance(other, Result)
+        return first, second, other
+
+    first, second, other = asyncio.run(run())
+    assert second.metrics.cached_tokens >= 730 and other.metrics.cached_tokens >= 704
+    assert first.output == second.output
+    _leak_free(engine)
+
+
+def test_streaming_concatenates_to_the_answer(engine: InferenceEngine, images: list[Path]) -> None:
+    async def run() -> tuple[list[str], Result]:
+        stream = await engine.caption(images[0], length="normal", stream=True,
+                                      settings={"temperature": 0.0, "max_tokens": 6})
+        chunks = [c async for c in stream]  # type: ignore[union-attr]
+        return chunks, await stream.result()  # type: ignore[union-attr]
+
+    chunks, res = asyncio.run(run())
+    assert "".join(chunks) == res.output["caption"] and len(chunks) >= 1
+
+
+def test_bad_requests_fail_alone(engine: InferenceEngine, images: list[Path], tmp_path: Path) -> None:
+    corrupt = tmp_path / "bad.png"
+    corrupt.write_bytes(b"\x89PNG garbage")
+
+    async def run() -> list[object]:
+        calls = [
+            engine.query(corrupt, "What?", settings={"max_tokens": 2}),
+            engine.query(images[0], "", settings={"max_tokens": 2}),
+            engine.query(images[0], "x " * 2000, settings={"max_tokens": 2}),
+            engine.query(images[0], "What?", settings={"temperature": -1}),
+            engine.query(images[0], "What?", settings={"top_p": 1.5}),
+            engine.query(images[0], "What?", settings={"max_tokens": 0}),
+            engine.query(images[0], "What?", settings={"max_tokens": 10**9}),
+            engine.query(images[0], "What?", settings={"bogus": 1}),
+            engine.caption(images[0], length="epic"),
+            engine.query(images[0], "Fine?", reasoning=False, settings={"temperature": 0.0, "max_tokens": 3}),
+        ]
+        return list(await asyncio.gather(*calls, return_exceptions=True))
+
+    out = asyncio.run(run())
+    assert isinstance(out[0], ImageError)
+    assert isinstance(out[1], PromptError) and isinstance(out[2], PromptError)
+    for e in out[3:7]:
+        assert isinstance(e, SettingsError), e
+    assert "context" in str(out[6])
+    assert isinstance(out[7], SettingsError) and isinstance(out[8], PromptError)
+    assert isinstance(out[9], Result) and out[9].metrics.output_tokens == 3
+    _leak_free(engine)
+
+
+def test_demo_image_and_offline_generate(engine: InferenceEngine) -> None:
+    reqs = [{"skill": "caption", "image": DEMO_IMAGE_PATH, "settings": {"max_tokens": 3}},
+            {"skill": "point", "image": DEMO_IMAGE_PATH, "object": "sun", "settings": {"max_objects": 1}},
+            {"skill": "query", "image": DEMO_IMAGE_PATH, "question": "", "settings": {"max_tokens": 2}}]
+    out = asyncio.run(engine.generate(reqs, progress=False))
+    assert isinstance(out[0], Result) and isinstance(out[1], Result)
+    assert isinstance(out[2], PromptError)
