@@ -26,6 +26,7 @@ from kestrel_jax.models.moondream import MoondreamModel
 from kestrel_jax.models.region import coord_bin_to_value, size_bin_to_value
 from kestrel_jax.models.text import AttentionBatch, KVCache
 from kestrel_jax.pallas.paged_attention import init_kv_pool
+from kestrel_jax.pallas.sampling import SamplingParams, sample_reference
 
 
 class GenerationError(ValueError):
@@ -49,22 +50,24 @@ class SamplingSettings:
         return self
 
 
-def sample_host(logits: np.ndarray, s: SamplingSettings, rng: np.random.Generator) -> int:
-    """Greedy (lowest index on ties) or temperature + nucleus per MOONDREAM.md §9.1, in float64."""
-    if s.temperature == 0:
-        return int(np.argmax(logits))
-    z = logits.astype(np.float64) / s.temperature
-    z = z - np.max(z)
-    p = np.exp(z)
-    p /= p.sum()
-    order = np.argsort(-p, kind="stable")
-    ps = p[order]
-    before = np.cumsum(ps) - ps  # mass strictly before each token
-    keep = before <= s.top_p
-    keep[0] = True
-    ps = np.where(keep, ps, 0.0)
-    ps /= ps.sum()
-    return int(order[rng.choice(len(ps), p=ps)])
+class Sampler:
+    """Draws tokens exactly as the engine's in-step sampler does (`pallas.sampling`, reference
+    implementation): same settings, same seed, same per-request step counter, so the reference
+    path and the engine agree token for token on identical logits, sampled or greedy."""
+
+    def __init__(self, s: SamplingSettings):
+        self.s = s
+        self.step = 0
+
+    def __call__(self, logits: np.ndarray, suppressed: Sequence[int] = ()) -> int:
+        sup = np.full((1, max(1, len(suppressed))), -1, np.int32)
+        sup[0, : len(suppressed)] = suppressed
+        params = SamplingParams(
+            temperature=np.asarray([self.s.temperature], np.float32), top_k=np.zeros(1, np.int32),
+            top_p=np.asarray([self.s.top_p], np.float32), seed=np.asarray([self.s.seed], np.uint32),
+            step=np.asarray([self.step], np.int32), suppressed_ids=sup)
+        self.step += 1
+        return int(sample_reference(jnp.asarray(logits, jnp.float32)[None], params).tokens[0])
 
 
 @dataclass
@@ -182,18 +185,19 @@ class ReferenceGenerator:
     # ---------------------------------------------------------------- decode loops
     def decode_text(self, seq: Sequence_, first: StepOut, s: SamplingSettings, *,
                     stop_ids: Sequence[int], suppress: Sequence[int] = (),
-                    rng: np.random.Generator | None = None,
+                    sampler: Sampler | None = None,
                     on_token: Callable[[int], None] | None = None) -> tuple[list[int], str, list[np.ndarray]]:
         """Sample from `first`, feed, repeat. Returns (tokens, finish reason, per-step logits fed).
 
-        `suppress` ids get -inf on decode steps only (not on `first`, which came from a prefill).
+        `suppress` ids are excluded on decode steps only (not on `first`, which came from a prefill).
         """
-        rng = rng if rng is not None else np.random.default_rng(s.seed)
+        sampler = sampler if sampler is not None else Sampler(s)
         out: list[int] = []
         logits_seen: list[np.ndarray] = []
         logits = first.logits
+        banned: Sequence[int] = ()
         while True:
-            tok = sample_host(logits, s, rng)
+            tok = sampler(logits, banned)
             if tok in stop_ids:
                 return out, "stop", logits_seen
             out.append(tok)
@@ -204,10 +208,9 @@ class ReferenceGenerator:
             if seq.length >= self.max_len:
                 return out, "context", logits_seen
             step = self.feed(seq, self.embed_ids([tok]), decode=True)
-            logits = step.logits.copy()
+            logits = step.logits
             logits_seen.append(step.logits)
-            for i in suppress:
-                logits[i] = -np.inf
+            banned = suppress
 
     def region_loop(self, seq: Sequence_, first: StepOut, *, boxes: bool, max_objects: int) -> tuple[
             list[dict[str, float]], dict[str, list[Any]]]:
@@ -253,7 +256,7 @@ class ReferenceGenerator:
         return objects, trace
 
     def reasoning_loop(self, seq: Sequence_, first: StepOut, s: SamplingSettings,
-                       rng: np.random.Generator) -> tuple[list[int], list[dict[str, Any]], list[np.ndarray]]:
+                       sampler: Sampler) -> tuple[list[int], list[dict[str, Any]], list[np.ndarray]]:
         """Reasoning phase: sample until the answer token or max_tokens; coordinate tokens feed
         E_coord(decoded value). Returns (reasoning ids, grounding points, logits of decode steps)."""
         tk = self.cfg.tokenizer
@@ -261,8 +264,9 @@ class ReferenceGenerator:
         points: list[dict[str, Any]] = []
         logits_seen: list[np.ndarray] = []
         h, logits = first.hidden, first.logits
+        banned: tuple[int, ...] = ()
         while True:
-            tok = sample_host(logits, s, rng)
+            tok = sampler(logits, banned)
             if tok == tk.answer_id or len(ids) >= s.max_tokens or seq.length + 2 > self.max_len:
                 break
             ids.append(tok)
@@ -276,9 +280,8 @@ class ReferenceGenerator:
             st = self.feed(seq, x, decode=True)
             logits_seen.append(st.logits)
             h = st.hidden
-            logits = st.logits.copy()
-            logits[tk.eos_id] = -np.inf
-            logits[tk.size_id] = -np.inf
+            logits = st.logits
+            banned = (tk.eos_id, tk.size_id)
         return ids, points, logits_seen
 
 

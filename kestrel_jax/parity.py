@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import load_file
 
-from kestrel_jax.generate import ReferenceGenerator, SamplingSettings
+from kestrel_jax.generate import ReferenceGenerator, Sampler, SamplingSettings
 from kestrel_jax.models.image_crops import load_image, overlap_crops
 from kestrel_jax.models.layers import interleave_rotary
 from kestrel_jax.models.loader import load_model
@@ -162,12 +162,13 @@ def check_model(root: Path, arch_dir: Path, *, rel_tol: float = DEFAULT_REL_TOL,
         gen.feed(seq, jnp.concatenate([gen.embed_ids([cfg.tokenizer.bos_id]), emb]), prefix_len=cfg.text.prefix_attn)
         first = gen.feed(seq, gen.embed_ids(gj["reasoning_prompt_ids"]))
         rs = SamplingSettings(max_tokens=int(gj["reasoning_max_tokens"]))
-        rids, points, rlogits = gen.reasoning_loop(seq, first, rs, np.random.default_rng(0))
+        sampler = Sampler(rs)
+        rids, points, rlogits = gen.reasoning_loop(seq, first, rs, sampler)
         c.equal("reasoning_ids", rids, gj["reasoning_api_reasoning_ids"])
         c.equal("reasoning_answer_prefill_position", seq.length, gj["reasoning_answer_prefill_position"])
         ans_first = gen.feed(seq, gen.embed_ids([cfg.tokenizer.answer_id]))
         aids, _, alogits = gen.decode_text(seq, ans_first, rs, stop_ids=[cfg.tokenizer.eos_id],
-                                           suppress=[cfg.tokenizer.answer_id])
+                                           suppress=[cfg.tokenizer.answer_id], sampler=sampler)
         c.equal("reasoning_answer_ids", aids, gj["reasoning_api_answer_ids"])
         c.equal("reasoning_grounding", len(points), len(gj["reasoning_api_grounding"]))
         # The reference also feeds the final answer token (its sample is discarded): replay it.

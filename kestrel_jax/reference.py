@@ -15,9 +15,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from kestrel_jax.generate import GenerationError, ReferenceGenerator, SamplingSettings
+from kestrel_jax.generate import GenerationError, ReferenceGenerator, Sampler, SamplingSettings
 from kestrel_jax.models.image_crops import ImageInput, load_image, overlap_crops
 from kestrel_jax.models.loader import load_model
 from kestrel_jax.models.moondream import MoondreamModel
@@ -101,10 +100,10 @@ class ReferenceMoondream:
         if not reasoning:
             return self._text(seq, first, s, metrics)
         t0 = time.perf_counter()
-        rng = np.random.default_rng(s.seed)
-        rids, points, _ = self.gen.reasoning_loop(seq, first, s, rng)
+        sampler = Sampler(s)
+        rids, points, _ = self.gen.reasoning_loop(seq, first, s, sampler)
         ans_first = self.gen.feed(seq, self.gen.embed_ids([self.cfg.tokenizer.answer_id]))
-        result = self._text(seq, ans_first, s, metrics, rng=rng)
+        result = self._text(seq, ans_first, s, metrics, sampler=sampler)
         result.metrics["reasoning_s"] = time.perf_counter() - t0 - result.metrics["decode_s"]
         result.extra["reasoning"] = {"text": self.tokenizer.decode(rids), "tokens": rids, "grounding": points}
         return result
@@ -117,11 +116,11 @@ class ReferenceMoondream:
 
     # ------------------------------------------------------------------------------------------
     def _text(self, seq: Any, first: Any, s: SamplingSettings, metrics: dict[str, float],
-              rng: np.random.Generator | None = None) -> SkillResult:
+              sampler: Sampler | None = None) -> SkillResult:
         tk = self.cfg.tokenizer
         t0 = time.perf_counter()
         ids, reason, _ = self.gen.decode_text(seq, first, s, stop_ids=[tk.eos_id], suppress=[tk.answer_id],
-                                              rng=rng)
+                                              sampler=sampler)
         metrics["decode_s"] = time.perf_counter() - t0
         metrics["tokens_per_s"] = len(ids) / max(metrics["decode_s"], 1e-9)
         return SkillResult(self.tokenizer.decode(ids), reason, ids, metrics)

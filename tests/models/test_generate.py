@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from kestrel_jax.generate import GenerationError, ReferenceGenerator, SamplingSettings, sample_host
+from kestrel_jax.generate import GenerationError, ReferenceGenerator, Sampler, SamplingSettings
 from kestrel_jax.models.config import tiny_config
 from kestrel_jax.models.moondream import MoondreamModel
 from kestrel_jax.pallas import ops
@@ -58,12 +58,15 @@ def test_sampling_settings_validation() -> None:
             SamplingSettings(**bad).validate()
 
 
-def test_host_nucleus_sampling_keeps_only_the_nucleus() -> None:
-    logits = np.log(np.asarray([0.5, 0.3, 0.15, 0.05]))
-    rng = np.random.default_rng(1)
-    s = SamplingSettings(temperature=1.0, top_p=0.6)
-    draws = [sample_host(logits, s, rng) for _ in range(2000)]
+def test_reference_sampler_keeps_only_the_nucleus_and_is_reproducible() -> None:
+    logits = np.log(np.asarray([0.5, 0.3, 0.15, 0.05], np.float32))
+    s = SamplingSettings(temperature=1.0, top_p=0.6, seed=7)
+    sampler = Sampler(s)
+    draws = [sampler(logits) for _ in range(2000)]
     # mass before token 1 is 0.5 <= 0.6 -> kept; before token 2 is 0.8 > 0.6 -> dropped.
     assert set(draws) == {0, 1}
     assert abs(np.mean(np.asarray(draws) == 0) - 0.5 / 0.8) < 0.05
-    assert sample_host(np.asarray([1.0, 3.0, 3.0]), SamplingSettings(), rng) == 1  # greedy: first max
+    again = Sampler(s)
+    assert [again(logits) for _ in range(50)] == draws[:50]  # same seed and steps: same tokens
+    assert Sampler(SamplingSettings())(np.asarray([1.0, 3.0, 3.0], np.float32)) == 1  # greedy: first max
+    assert Sampler(SamplingSettings())(np.asarray([1.0, 3.0, 3.0], np.float32), suppressed=[1]) == 2

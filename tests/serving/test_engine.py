@@ -167,3 +167,18 @@ def test_demo_image_and_offline_generate(engine: InferenceEngine) -> None:
     out = asyncio.run(engine.generate(reqs, progress=False))
     assert isinstance(out[0], Result) and isinstance(out[1], Result)
     assert isinstance(out[2], PromptError)
+
+
+def test_sampled_outputs_equal_reference_with_the_same_seed(engine: InferenceEngine, ref: ReferenceMoondream,
+                                                            images: list[Path]) -> None:
+    settings = {"temperature": 0.8, "top_p": 0.9, "max_tokens": 6, "seed": 1234}
+
+    async def run() -> list[Result]:
+        rs = await asyncio.gather(*(engine.query(images[0], "Describe it", reasoning=False, settings=settings)
+                                    for _ in range(2)))
+        return [r for r in rs if isinstance(r, Result)]
+
+    a, b = asyncio.run(run())
+    want = ref.query(images[0], "Describe it", reasoning=False,
+                     settings=SamplingSettings(temperature=0.8, top_p=0.9, max_tokens=6, seed=1234))
+    assert a.output["answer"] == b.output["answer"] == want.output
