@@ -53,11 +53,22 @@ def _want_kernel() -> bool:
 
 def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array,
              k_scale: jax.Array, v_scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    if _want_kernel():
+        from kestrel_jax.pallas import paged_attention_mgpu as kern
+
+        if kern.write_kv_kernel_supported(k_pages, k):
+            return kern.write_kv_kernel(k_pages, v_pages, k, v, slots, k_scale, v_scale)
     return attn_ref_mod.write_kv_ref(k_pages, v_pages, k, v, slots, k_scale, v_scale)
 
 
 def decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
                      page_table: jax.Array, k_scale: jax.Array, v_scale: jax.Array, *, sm_scale: float) -> jax.Array:
+    if _want_kernel():
+        from kestrel_jax.pallas import paged_attention_mgpu as kern
+
+        if kern.decode_attention_kernel_supported(q, k_pages, page_table):
+            return kern.decode_attention_kernel(q, k_pages, v_pages, kv_lens, page_table, k_scale, v_scale,
+                                                sm_scale=sm_scale)
     return attn_ref_mod.decode_attention_ref(q, k_pages, v_pages, kv_lens, page_table, k_scale, v_scale,
                                              sm_scale=sm_scale)
 
@@ -65,6 +76,12 @@ def decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_le
 def prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cu_q_lens: jax.Array,
                       kv_lens: jax.Array, page_table: jax.Array, prefix_lens: jax.Array, k_scale: jax.Array,
                       v_scale: jax.Array, *, sm_scale: float) -> jax.Array:
+    if _want_kernel():
+        from kestrel_jax.pallas import paged_attention_prefill_mgpu as kern
+
+        if kern.prefill_attention_kernel_supported(q, k_pages, page_table):
+            return kern.prefill_attention_kernel(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, prefix_lens,
+                                                 k_scale, v_scale, sm_scale=sm_scale)
     return attn_ref_mod.prefill_attention_ref(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table,
                                               prefix_lens, k_scale, v_scale, sm_scale=sm_scale)
 

@@ -15,10 +15,12 @@ head reads contiguous memory. Writing a token costs the same in either order (n_
 64-element rows). Page 0 is never special: any page may be handed to any sequence, and unused
 pages hold arbitrary data (tests fill them with NaN) that must never reach a result.
 
-Page size: a power of two (16..128). 64 is the default: 740-token image prompts fill 12 pages
-(0.4% padding vs 0.4% at 16), a page-head block is one 4 KiB TMA box in FP8 (8 KiB bf16), the
-decode kernel's 64-row tile is exactly one page, and the page table of a 2048-token context is
-32 entries.
+Page size: a power of two (8..128 in the kernels). 64 is the default: one page is exactly the
+decode kernel's 64-row tile and the prefill kernel's 64-key tile (one TMA box per page-head,
+4 KiB in FP8), a 2048-token context needs a 32-entry page-table row, and the slack is small
+(a 740-token image prompt fills 12 pages, 3.6% unused, vs 1.6% at page 16, which would need
+4 TMA boxes per tile and a 4x longer table). `tools/bench_attention.py` sweeps 16..128 on the
+GPU to confirm the choice.
 
 Scales: one float32 scalar per layer for K and one for V; stored = clip(x / scale, +-448) in
 e4m3 (no NaN codes), read back as stored * scale. Take them from the checkpoint when it has

@@ -1,7 +1,7 @@
 """KV page allocator with reference counts, and the host mirror of the per-sequence page tables.
 
 Layout shared with the kernels (pallas/paged_attention.py): per layer the KV pool is
-`[num_pages, page_size, n_kv_heads, head_dim]`; position p of a sequence lives at flat slot
+`[num_pages, n_kv_heads, page_size, head_dim]` (head-major); position p of a sequence lives at flat slot
 `table[p // page_size] * page_size + p % page_size`. Pages are plain ints in [0, num_pages).
 
 Ownership: every holder (a live sequence, the prefix cache, a pending page copy) owns one

@@ -1,0 +1,356 @@
+"""Mosaic GPU (Hopper) kernels for the paged KV cache: KV write and split-KV decode attention.
+
+Same signatures as the references in `paged_attention.py` (plus keyword-only tuning
+arguments); the pool layout is documented there ([P, Hkv, S, D], head-major pages). Every
+`plgpu` call of the decode/write path lives in this file; prefill is in
+`paged_attention_prefill_mgpu.py`.
+
+write_kv_kernel: one CTA (one warpgroup) per new token. It loads the token's K and V rows
+([Hkv * D], bf16) into registers, scales/clamps/casts them to the pool dtype, stages them in
+SMEM and stores each with one TMA box [Hkv, D] into (page, :, row, :). The pools are passed as
+mutable refs, so the custom call aliases them (in place when the caller donates the pool).
+
+decode_attention_kernel: grid (B, Hkv, splits), one warpgroup per CTA. MD3 has no GQA
+(group 1), so each query is a matrix-vector product: tensor cores would waste >= 8x, and
+CUDA cores have the arithmetic to spare (~260 instructions per thread per 8 KiB tile against
+~630 SM cycles of HBM time per tile). A CTA owns one KV head of one sequence and a contiguous
+range of 64-row tiles; a tile is gathered with TMA (max(1, 64 / S) boxes of [min(S, 64), D]
+per K and V, one barrier per slot, `depth` slots in flight; the page-table row is TMA'd into
+SMEM first). Registers hold a tile as [64, 64] with every thread owning 16 consecutive
+channels of two rows (layout `_ROWS`), so q.k reduces over 4 lanes only. Online softmax runs
+per tile *row*: row r keeps its own running (max, sum, acc) for keys r, r + 64, r + 128, ...,
+which keeps the inner loop free of cross-warp traffic; the 64 row states are merged once at
+the end (the only cross-warp reduction). Only a sequence's last tile is masked. With
+splits > 1 the CTAs write (o, log2-sum-exp) partials and a small XLA fusion merges them.
+Defaults: splits only when B * Hkv < 132 (aiming at ~2 CTAs per SM), depth 8 when the grid is
+under two CTAs per SM, else 4 (both capped by the tiles a split can have).
+
+Predicted H100 SXM times (HBM ~3.35 TB/s peak, ~3.0 TB/s copy; per-CTA fixed cost ~2-3 us:
+kv_len and page-table loads, first TMA round trip, final merge), FP8 pool, page 64, defaults:
+  B=1   KV 740 : 3 MB,   6 splits x 32 CTAs x 2 tiles   -> ~4 us + ~2 us merge   (Kestrel 9.6)
+  B=4   KV 740 : 12 MB,  3 splits x 128 CTAs x 4 tiles  -> ~4 us + ~2 us merge   (Kestrel 17.1)
+  B=8   KV 512 : 17 MB,  256 CTAs x 8 tiles, depth 8    -> ~5-6 us               (Kestrel 10.0)
+  B=32  KV 128 : 17 MB,  1024 CTAs x 2 tiles            -> ~6-7 us               (Kestrel 11.8)
+  B=64  KV 2048: 537 MB, 2048 CTAs x 32 tiles           -> ~200-220 us (80-90% of copy BW)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kestrel_jax.pallas.paged_attention import FP8_MAX, KVLayoutError, check_pool, is_fp8
+
+LOG2E = math.log2(math.e)
+_NEG_INIT = -1e30  # finite "minus infinity" for running maxima: exp2(m - m) stays 1, never NaN
+_TILE = 64  # decode tile rows: one page at the default page size, 2 rows per thread
+_HEAD_DIM = 64
+_NUM_SMS = 132  # H100 SXM; only used to size the grid heuristics
+
+# [rows, 64] register layout: 4 warps x 8 lanes cover 32 rows, 4 lanes x 16 channels cover the
+# 64 channels of a row; the 16 channels are 4 registers of 4 (cross-warp reductions of f32
+# vectors are limited to 128 bits, and 4 x fp8 is one 32-bit shared-memory load).
+_ROWS = plgpu.Layout.TILED(
+    mgpu_fa.Tiling(((32, 64), (8, 64), (16,), (4,))),
+    warp_dims=(-6,),
+    lane_dims=(-4, -3),
+    vector_dim=-1,
+)
+_ROW = _ROWS.reduce(1)  # [rows]: one value per row (replicated over the row's 4 lanes)
+_CHAN = _ROWS.reduce(0)  # [64]: one value per channel
+
+
+def _interpret_params(interpret: bool, detect_races: bool) -> object:
+    if not interpret:
+        return None
+    return plgpu.InterpretGPUParams(detect_races=detect_races)
+
+
+def interpret_races_found() -> bool:
+    """Whether the last kernel interpreted with detect_races=True reported a race."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    return bool(interpret_pallas_call.get_races().races_found)
+
+
+# ----------------------------------------------------------------------------------- write
+
+
+def write_kv_kernel_supported(k_pages: jax.Array, k: jax.Array) -> bool:
+    """Shapes/dtypes the write kernel handles (the dispatcher falls back to the reference)."""
+    _, H, S, D = k_pages.shape
+    row_bytes = D * jnp.dtype(k_pages.dtype).itemsize
+    return (
+        k.ndim == 3
+        and k.shape[1:] == (H, D)
+        and (H * D) % 128 == 0
+        and row_bytes % 16 == 0
+        and jnp.dtype(k_pages.dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.bfloat16))
+        and jnp.dtype(k.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+    )
+
+
+def write_kv_kernel(
+    k_pages: jax.Array,  # [P, Hkv, S, D]
+    v_pages: jax.Array,  # [P, Hkv, S, D]
+    k: jax.Array,  # [T, Hkv, D] post-rotary K
+    v: jax.Array,  # [T, Hkv, D] post-tau V
+    slots: jax.Array,  # [T] int32 flat slot; < 0 = padding row, not written
+    k_scale: jax.Array,  # [] f32
+    v_scale: jax.Array,  # [] f32
+    *,
+    interpret: bool = False,
+    detect_races: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    check_pool(k_pages, v_pages)
+    if k.shape != v.shape or slots.shape != k.shape[:1]:
+        raise KVLayoutError(f"k {k.shape}, v {v.shape} and slots {slots.shape} disagree on [T, Hkv, D]")
+    if not write_kv_kernel_supported(k_pages, k):
+        raise KVLayoutError(f"write_kv_kernel does not support pool {k_pages.shape} {k_pages.dtype} "
+                            f"with rows {k.shape} {k.dtype}; use write_kv_ref")
+    P, H, S, D = k_pages.shape
+    T = k.shape[0]
+    fp8 = is_fp8(k_pages.dtype)
+    vec = next(w for w in (8, 4, 2, 1) if (H * D) % (128 * w) == 0)
+    layout = plgpu.Layout.WG_STRIDED((H, D), vec)  # each thread owns `vec` consecutive elements
+
+    def body(k_ref, v_ref, slots_ref, ks_ref, vs_ref, kp_ref, vp_ref, k_smem, v_smem):
+        t = lax.axis_index("t")
+        slot = slots_ref[t]
+        # The row loads do not depend on the slot: issue them before branching on it.
+        for src, smem, sc_ref in ((k_ref, k_smem, ks_ref), (v_ref, v_smem, vs_ref)):
+            x = plgpu.load(src.at[t], layout=layout, optimized=False).astype(jnp.float32)
+            if fp8:
+                x = jnp.clip(x / sc_ref[...], -FP8_MAX, FP8_MAX)  # IEEE divide: bit-equal to the reference
+            smem[...] = x.astype(smem.dtype)
+        plgpu.commit_smem()
+
+        @pl.when(slot >= 0)
+        def _():
+            page = jnp.minimum(slot // S, P - 1)
+            row = slot % S
+            plgpu.copy_smem_to_gmem(k_smem, kp_ref.at[page, :, row, :], commit_group=False)
+            plgpu.copy_smem_to_gmem(v_smem, vp_ref.at[page, :, row, :])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kern = plgpu.kernel(
+        body,
+        out_type=(),
+        grid=(T,),
+        grid_names=("t",),
+        kernel_name="kestrel_write_kv",
+        scratch_types=[plgpu.SMEM((H, D), k_pages.dtype), plgpu.SMEM((H, D), v_pages.dtype)],
+        interpret=_interpret_params(interpret, detect_races),
+    )
+    k_ref = jax.new_ref(k_pages)
+    v_ref = jax.new_ref(v_pages)
+    kern(k, v, slots.astype(jnp.int32), jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32),
+         k_ref, v_ref)
+    return jax.freeze(k_ref), jax.freeze(v_ref)
+
+
+# ---------------------------------------------------------------------------------- decode
+
+
+def decode_attention_kernel_supported(q: jax.Array, k_pages: jax.Array, page_table: jax.Array) -> bool:
+    """Shapes/dtypes the decode kernel handles (the dispatcher falls back to the reference)."""
+    if q.ndim != 3 or k_pages.ndim != 4 or page_table.ndim != 2:
+        return False
+    B, H, D = q.shape
+    _, Hkv, S, Dk = k_pages.shape
+    return (
+        D == Dk == _HEAD_DIM
+        and H % Hkv == 0
+        and H // Hkv <= 4  # one register state (m, l, acc: ~36 regs) per query of the group
+        and S >= 8
+        and S & (S - 1) == 0
+        and jnp.dtype(k_pages.dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.bfloat16))
+        and jnp.dtype(q.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+    )
+
+
+def default_num_splits(batch: int, n_kv_heads: int, max_tiles: int, num_sms: int = _NUM_SMS) -> int:
+    """Split the KV range only when (batch x heads) CTAs leave most SMs idle."""
+    ctas = batch * n_kv_heads
+    if ctas >= num_sms:
+        return 1
+    return max(1, min(max_tiles, -(-2 * num_sms // ctas), 16))
+
+
+def _pad_page_table(page_table: jax.Array) -> jax.Array:
+    # The kernel TMA-copies a table row into SMEM: its row stride must be a multiple of 16 B.
+    maxp = page_table.shape[1]
+    if maxp % 4:
+        page_table = jnp.pad(page_table, ((0, 0), (0, 4 - maxp % 4)))
+    return page_table.astype(jnp.int32)
+
+
+def decode_attention_kernel(
+    q: jax.Array,  # [B, H, D]
+    k_pages: jax.Array,  # [P, Hkv, S, D]
+    v_pages: jax.Array,  # [P, Hkv, S, D]
+    kv_lens: jax.Array,  # [B] int32 valid tokens incl. the current one; 0 = inactive row
+    page_table: jax.Array,  # [B, max_pages] int32
+    k_scale: jax.Array,  # [] f32
+    v_scale: jax.Array,  # [] f32
+    *,
+    sm_scale: float,
+    num_splits: int | None = None,
+    depth: int | None = None,
+    interpret: bool = False,
+    detect_races: bool = False,
+) -> jax.Array:  # [B, H, D] in q.dtype; inactive rows are zero
+    check_pool(k_pages, v_pages)
+    if not decode_attention_kernel_supported(q, k_pages, page_table):
+        raise KVLayoutError(f"decode kernel does not support q {q.shape} {q.dtype}, pool {k_pages.shape} "
+                            f"{k_pages.dtype}; use decode_attention_ref")
+    if kv_lens.shape != q.shape[:1] or page_table.shape[0] != q.shape[0]:
+        raise KVLayoutError(f"kv_lens {kv_lens.shape} / page_table {page_table.shape} do not match B={q.shape[0]}")
+    if depth is not None and depth < 1:
+        raise ValueError(f"depth must be >= 1, got {depth}")
+    B, H, D = q.shape
+    P, Hkv, S, _ = k_pages.shape
+    g = H // Hkv
+    page_table = _pad_page_table(page_table)
+    maxp = page_table.shape[1]
+    max_tiles = -(-maxp * S // _TILE)
+    splits = num_splits or default_num_splits(B, Hkv, max_tiles)
+    splits = max(1, min(splits, max_tiles))
+    per_split = -(-max_tiles // splits)
+    splits = -(-max_tiles // per_split)  # no split left empty by construction at full length
+    if depth is None:  # few CTAs must each keep more bytes in flight
+        depth = 8 if B * Hkv * splits < 2 * _NUM_SMS else 4
+    depth = min(depth, per_split)  # short contexts need fewer slots (more CTAs fit in SMEM)
+    copies = max(1, _TILE // S)  # TMA boxes per tile
+    box = min(S, _TILE)  # rows per box
+    fp8 = is_fp8(k_pages.dtype)
+
+    if splits == 1:
+        out_type: tuple[jax.ShapeDtypeStruct, ...] = (jax.ShapeDtypeStruct((B, H, D), q.dtype),)
+    else:
+        out_type = (jax.ShapeDtypeStruct((B, H, splits, D), jnp.float32),
+                    jax.ShapeDtypeStruct((B, H, splits), jnp.float32))
+
+    def body(q_ref, k_ref, v_ref, lens_ref, pt_ref, ks_ref, vs_ref, *rest):
+        if splits == 1:
+            (o_ref,), lse_ref = rest[:1], None
+        else:
+            o_ref, lse_ref = rest[:2]
+        pt_smem, k_buf, v_buf, pt_bar, bars = rest[len(out_type):]
+        b = lax.axis_index("b")
+        h = lax.axis_index("h")
+        s = lax.axis_index("s")
+        plgpu.copy_gmem_to_smem(pt_ref.at[b], pt_smem, pt_bar)
+        n = lens_ref[b]
+        n_tiles = (n + _TILE - 1) // _TILE
+        tiles_per_split = (n_tiles + splits - 1) // splits  # this sequence's split of its tiles
+        first = s * tiles_per_split
+        count = jnp.maximum(jnp.minimum(first + tiles_per_split, n_tiles) - first, 0)
+        q_mult = sm_scale * LOG2E * (ks_ref[...] if fp8 else 1.0)
+        v_mult = vs_ref[...] if fp8 else 1.0
+
+        def issue(i: jax.Array, slot: jax.Array) -> None:
+            tile = first + i
+            for c in range(copies):
+                tok = tile * _TILE + c * box
+                page = jnp.clip(pt_smem[jnp.minimum(tok // S, maxp - 1)], 0, P - 1)
+                rows = pl.ds(tok % S, box)
+                dst = pl.ds(c * box, box)
+                plgpu.copy_gmem_to_smem(k_ref.at[page, h, rows], k_buf.at[slot, dst], bars.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[page, h, rows], v_buf.at[slot, dst], bars.at[slot])
+
+        qs = []
+        for j in range(g):
+            qv = plgpu.load(q_ref.at[b, h * g + j], layout=_CHAN, optimized=False).astype(jnp.float32)
+            qs.append(lax.broadcast_in_dim(qv * q_mult, (_TILE, D), (1,)))
+        plgpu.barrier_wait(pt_bar)
+        for i in range(depth):
+            pl.when(i < count)(functools.partial(issue, jnp.int32(i), jnp.int32(i)))
+
+        row_ids = plgpu.broadcasted_iota(jnp.int32, (_TILE,), 0, layout=_ROW)
+        init = tuple(
+            (plgpu.layout_cast(jnp.full((_TILE,), _NEG_INIT, jnp.float32), _ROW),
+             plgpu.layout_cast(jnp.full((_TILE,), 0.0, jnp.float32), _ROW),
+             plgpu.layout_cast(jnp.full((_TILE, D), 0.0, jnp.float32), _ROWS))
+            for _ in range(g)
+        )
+
+        def step(i, carry, masked: bool):
+            slot = lax.rem(i, depth)
+            plgpu.barrier_wait(bars.at[slot])
+            kt = plgpu.load(k_buf.at[slot], layout=_ROWS, optimized=False).astype(jnp.float32)
+            vt = plgpu.load(v_buf.at[slot], layout=_ROWS, optimized=False).astype(jnp.float32)
+            if masked:
+                valid = row_ids + (first + i) * _TILE < n
+                # Rows past kv_len may hold anything (NaN in tests): select, never multiply, them away.
+                vt = jnp.where(lax.broadcast_in_dim(valid, (_TILE, D), (0,)), vt, 0.0)
+            new = []
+            for j in range(g):
+                m, den, acc = carry[j]
+                sc = jnp.sum(kt * qs[j], axis=1)
+                if masked:
+                    sc = jnp.where(valid, sc, -jnp.inf)
+                m_new = jnp.maximum(m, sc)
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(sc - m_new)
+                den = den * alpha + p
+                acc = (acc * lax.broadcast_in_dim(alpha, (_TILE, D), (0,))
+                       + lax.broadcast_in_dim(p, (_TILE, D), (0,)) * vt)
+                new.append((m_new, den, acc))
+            pl.when(i + depth < count)(functools.partial(issue, i + depth, slot))
+            return tuple(new)
+
+        # Only the sequence's last tile can be partial: every other tile runs without masks.
+        full = jnp.minimum(count, jnp.maximum(n // _TILE - first, 0))
+        final = lax.fori_loop(0, full, functools.partial(step, masked=False), init)
+        final = lax.fori_loop(full, count, functools.partial(step, masked=True), final)
+        for j in range(g):
+            m, den, acc = final[j]
+            m_all = jnp.max(m, axis=0)
+            w = jnp.exp2(m - m_all)
+            l_all = jnp.sum(den * w, axis=0)
+            o = jnp.sum(acc * lax.broadcast_in_dim(w, (_TILE, D), (0,)), axis=0)
+            inv = jnp.where(l_all > 0, v_mult / l_all, 0.0)
+            if lse_ref is None:
+                o_ref.at[b, h * g + j][...] = (o * inv).astype(o_ref.dtype)
+            else:
+                o_ref.at[b, h * g + j, s][...] = o * inv
+                lse_ref[b, h * g + j, s] = jnp.where(l_all > 0, m_all + jnp.log2(l_all), -jnp.inf)
+
+    kern = plgpu.kernel(
+        body,
+        out_type=out_type,
+        grid=(B, Hkv, splits),
+        grid_names=("b", "h", "s"),
+        kernel_name="kestrel_decode_attention",
+        scratch_types=[
+            plgpu.SMEM((maxp,), jnp.int32),
+            plgpu.SMEM((depth, _TILE, D), k_pages.dtype),
+            plgpu.SMEM((depth, _TILE, D), v_pages.dtype),
+            plgpu.Barrier(),
+            plgpu.Barrier(num_arrivals=2 * copies, num_barriers=depth),
+        ],
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=4096),
+        interpret=_interpret_params(interpret, detect_races),
+    )
+    outs = kern(q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_table,
+                jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
+    if splits == 1:
+        return outs[0]
+    return merge_splits(outs[0], outs[1]).astype(q.dtype)
+
+
+def merge_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
+    """o [..., splits, D] normalised partials, lse [..., splits] log2-sum-exp2 -> [..., D] f32."""
+    top = jnp.max(lse, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp2(lse - top)  # empty splits: exp2(-inf) = 0
+    den = jnp.sum(w, axis=-1, keepdims=True)
+    return jnp.sum(o * w[..., None], axis=-2) / jnp.where(den > 0, den, 1.0)

@@ -1,0 +1,331 @@
+"""Mosaic GPU (Hopper) kernel for ragged paged prefill attention with a bidirectional prefix.
+
+Same signature as `prefill_attention_ref` (plus keyword-only options); pool layout
+[P, Hkv, S, D] as documented in `paged_attention.py`.
+
+Work decomposition: the flattened queries of each sequence are cut into blocks of
+64 * num_consumers rows (a block never spans two sequences; the rows after cu_q_lens[B] form
+one more pseudo-sequence whose blocks write zeros). Grid = (blocks upper bound, H); a CTA finds
+its (sequence, block) by an unrolled scan of cu_q_lens. num_consumers + 1 warpgroups per CTA
+(FlashAttention-3 shape; default 2 + 1):
+  * the last WG (producer) TMA-gathers each 64-key tile of K and V from the sequence's pages
+    into a raw staging ring (`n_stage` slots, one TMA box per page chunk), converts it to the
+    MMA operand type in registers (FP8 -> f16 is exact; dequantisation happens in the softmax
+    scale), zeroes V rows past kv_len (pool garbage such as NaN must not meet a zero
+    probability inside the MMA: 0 * NaN = NaN), and fills the operand ring (`n_op` slots,
+    128-byte swizzle);
+  * each consumer WG owns 64 query rows: S = Q K^T and O += P V with wgmma (f16 operands for
+    FP8 pools, bf16 for bf16 pools; f32 accumulators), online softmax in base 2 with
+    sm_scale * log2(e) * k_scale folded into one multiply, v_scale applied once at the end.
+    Key tiles that no row of the warpgroup masks run without the mask; the others apply
+    j < kv_len and (j <= pos or (pos < prefix and j < prefix)).
+Q is TMA'd into a plain SMEM buffer and re-laid out through registers into the swizzled
+operand buffer (a TMA into a swizzled buffer needs 8-aligned rows; ragged rows are not).
+Output rows are staged in SMEM and stored with a ladder of power-of-two TMA boxes, so a block
+stores exactly its own rows. Blocks at the end of the array start at T - block rows (their
+first rows belong to the previous block and are recomputed but not stored).
+`registers=(consumer, producer)` rebalances registers between the warpgroups (setmaxnreg).
+
+Predicted H100 SXM times, FP8 pool, page 64, 2 consumers: ~1 M FMA per (128-row block, 64-key
+tile), f16 wgmma at ~50-60% of the ~2000 FMA/clk/SM dense rate without FA3's ping-pong
+scheduling, one CTA per SM (384 threads x ~168 registers), plus ~3-4 us launch and fill:
+  740 tokens, image prefix, 1 sequence : 192 CTAs (2 waves) x 12 tiles  -> ~13-17 us (4.4 GFLOP)
+  1024 tokens, image prefix            : 256 CTAs (2 waves) x 12..16    -> ~18-24 us (6.6 GFLOP)
+  16 x 740 tokens                      : 3072 CTAs x 12 tiles           -> ~150-200 us (70 GFLOP)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kestrel_jax.pallas.paged_attention import KVLayoutError, check_pool, is_fp8
+from kestrel_jax.pallas.paged_attention_mgpu import _NEG_INIT, LOG2E, _interpret_params, _pad_page_table
+
+_WG_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile)
+DEFAULT_CONSUMERS = 2
+BLOCK_K = 64  # keys per tile
+_HEAD_DIM = 64
+_SWIZZLE = 128  # bf16 rows of 64 are exactly 128 bytes
+_F16_MAX = 65504.0
+_ROW_VEC = plgpu.Layout.WGMMA.reduce(1)  # [64] per accumulator row
+_COL_VEC = plgpu.Layout.WGMMA.reduce(0)  # [BLOCK_K] per accumulator column
+_OP_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(_SWIZZLE))  # type: ignore[abstract]
+
+
+def prefill_attention_kernel_supported(q: jax.Array, k_pages: jax.Array, page_table: jax.Array) -> bool:
+    """Shapes/dtypes the prefill kernel handles (the dispatcher falls back to the reference)."""
+    if q.ndim != 3 or k_pages.ndim != 4 or page_table.ndim != 2:
+        return False
+    _, H, D = q.shape
+    _, Hkv, S, Dk = k_pages.shape
+    return (
+        D == Dk == _HEAD_DIM
+        and H % Hkv == 0
+        and S >= 8
+        and S & (S - 1) == 0
+        and jnp.dtype(q.dtype) == jnp.dtype(jnp.bfloat16)
+        and jnp.dtype(k_pages.dtype) in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.bfloat16))
+    )
+
+
+def _allowed_limit(pos: jax.Array, prefix: jax.Array) -> jax.Array:
+    """Number of leading keys a query at `pos` sees (before clipping to kv_len); monotone in pos."""
+    return jnp.where(pos < prefix, jnp.maximum(pos + 1, prefix), pos + 1)
+
+
+def prefill_attention_kernel(
+    q: jax.Array,  # [T, H, D] new tokens of all sequences, flattened in sequence order
+    k_pages: jax.Array,  # [P, Hkv, S, D] (the new tokens' K/V already written)
+    v_pages: jax.Array,  # [P, Hkv, S, D]
+    cu_q_lens: jax.Array,  # [B + 1] int32 query offsets; rows >= cu_q_lens[B] are padding
+    kv_lens: jax.Array,  # [B] int32 total tokens per sequence after this step (cached + new)
+    page_table: jax.Array,  # [B, max_pages] int32
+    prefix_lens: jax.Array,  # [B] int32 bidirectional prefix length (730 with an image, else 0)
+    k_scale: jax.Array,  # [] f32
+    v_scale: jax.Array,  # [] f32
+    *,
+    sm_scale: float,
+    n_stage: int = 2,
+    n_op: int = 2,
+    num_consumers: int = DEFAULT_CONSUMERS,
+    registers: tuple[int, int] | None = None,
+    p_in_registers: bool | None = None,
+    interpret: bool = False,
+    detect_races: bool = False,
+) -> jax.Array:  # [T, H, D] in q.dtype; padding rows are zero
+    check_pool(k_pages, v_pages)
+    if not prefill_attention_kernel_supported(q, k_pages, page_table):
+        raise KVLayoutError(f"prefill kernel does not support q {q.shape} {q.dtype}, pool {k_pages.shape} "
+                            f"{k_pages.dtype}; use prefill_attention_ref")
+    B = kv_lens.shape[0]
+    if cu_q_lens.shape != (B + 1,) or prefix_lens.shape != (B,) or page_table.shape[0] != B:
+        raise KVLayoutError(f"cu_q_lens {cu_q_lens.shape}, prefix_lens {prefix_lens.shape}, page_table "
+                            f"{page_table.shape} do not match kv_lens {kv_lens.shape}")
+    if n_stage < 1 or n_op < 1:
+        raise ValueError(f"n_stage and n_op must be >= 1, got {n_stage}, {n_op}")
+    if not 1 <= num_consumers <= 4:
+        raise ValueError(f"num_consumers must be 1..4 warpgroups, got {num_consumers}")
+    nc = num_consumers
+    block_q = nc * _WG_ROWS
+    # P feeds the PV wgmma from registers (FA3 style); the interpreter's wgmma reads A from SMEM
+    # only, so interpreted runs stage P in SMEM (the GPU path differs by that one store).
+    if p_in_registers is None:
+        p_in_registers = not interpret
+    if p_in_registers and interpret:
+        raise ValueError("p_in_registers=True cannot be interpreted (the interpreter's wgmma reads A from SMEM)")
+    T0, H, D = q.shape
+    P, Hkv, S, _ = k_pages.shape
+    g = H // Hkv
+    if block_q > T0:  # blocks are full-size TMA boxes; tiny prefills get padded rows
+        q = jnp.pad(q, ((0, block_q - T0), (0, 0), (0, 0)))
+    T = q.shape[0]
+    page_table = _pad_page_table(page_table)
+    maxp = page_table.shape[1]
+    n_blocks = -(-T // block_q) + B  # >= sum of per-segment block counts over B + 1 segments
+    copies = max(1, BLOCK_K // S)
+    box = min(S, BLOCK_K)
+    fp8 = is_fp8(k_pages.dtype)
+    kv_dtype = k_pages.dtype
+    # wgmma operand dtype. e4m3 -> f16 is exact and one instruction per pair (e4m3 -> bf16 needs
+    # PTX ISA 9.2), and f16 keeps 3 more mantissa bits of Q and P than bf16.
+    op_dtype = jnp.float16 if fp8 else jnp.bfloat16
+
+    def body(q_ref, k_ref, v_ref, cu_ref, lens_ref, pt_ref, pre_ref, ks_ref, vs_ref, o_ref,
+             q_smem, o_smem, k_stage, v_stage, k_op, v_op, pt_smem,
+             q_bar, pt_bar, stage_bar, ready_bar, consumed_bar, *maybe_p_smem):
+        p_smem = maybe_p_smem[0] if maybe_p_smem else None
+        blk = lax.axis_index("blk")
+        hq = lax.axis_index("h")
+        wg = lax.axis_index("wg")
+        hkv = hq // g
+
+        # Unrolled scan over the B sequences plus the padding pseudo-sequence.
+        seq = jnp.int32(-1)
+        jblk = jnp.int32(0)
+        seen = jnp.int32(0)
+        for i in range(B + 1):
+            lo = cu_ref[i]
+            hi = cu_ref[i + 1] if i < B else jnp.int32(T)
+            nb = (jnp.maximum(hi - lo, 0) + block_q - 1) // block_q
+            here = (blk >= seen) & (blk < seen + nb)
+            seq = jnp.where(here, i, seq)
+            jblk = jnp.where(here, blk - seen, jblk)
+            seen = seen + nb
+        valid_blk = seq >= 0
+        is_pad = seq == B
+        b = jnp.clip(seq, 0, B - 1)
+        qs = jnp.where(is_pad, cu_ref[B], cu_ref[b])
+        qe = jnp.where(is_pad, jnp.int32(T), cu_ref[b + 1])
+        kvl = jnp.where(is_pad, 0, lens_ref[b])
+        pre = jnp.where(is_pad, 0, pre_ref[b])
+        base = kvl - (qe - qs)  # position of the sequence's first new token
+        r0 = qs + jblk * block_q
+        r1 = jnp.minimum(r0 + block_q, qe)
+        tile0 = jnp.minimum(r0, T - block_q)  # first row of the block's q tile
+        kv_end = jnp.minimum(_allowed_limit(base + (r1 - 1 - qs), pre), kvl)
+        n_tiles = jnp.where(valid_blk, (jnp.maximum(kv_end, 0) + BLOCK_K - 1) // BLOCK_K, 0)
+
+        if registers is not None:  # always release (consumers' increase waits for it)
+            pl.when(wg == nc)(functools.partial(plgpu.set_max_registers, registers[1], action="decrease"))
+
+        @pl.when(valid_blk & (wg == nc))
+        def _producer():
+            plgpu.copy_gmem_to_smem(pt_ref.at[b], pt_smem, pt_bar)
+            plgpu.barrier_wait(pt_bar)
+
+            def issue(t, slot):
+                for c in range(copies):
+                    tok = t * BLOCK_K + c * box
+                    page = jnp.clip(pt_smem[jnp.minimum(tok // S, maxp - 1)], 0, P - 1)
+                    rows, dst = pl.ds(tok % S, box), pl.ds(c * box, box)
+                    plgpu.copy_gmem_to_smem(k_ref.at[page, hkv, rows], k_stage.at[slot, dst], stage_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(v_ref.at[page, hkv, rows], v_stage.at[slot, dst], stage_bar.at[slot])
+
+            for i in range(n_stage):
+                pl.when(i < n_tiles)(functools.partial(issue, jnp.int32(i), jnp.int32(i)))
+            key_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K,), 0, layout=_ROW_VEC)  # 2 registers
+
+            @pl.loop(0, n_tiles)
+            def _convert(t):
+                s = lax.rem(t, n_stage)
+                o = lax.rem(t, n_op)
+                plgpu.barrier_wait(stage_bar.at[s])
+                pl.when(t >= n_op)(lambda: plgpu.barrier_wait(consumed_bar.at[o]))
+                kt = plgpu.load(k_stage.at[s], layout=plgpu.Layout.WGMMA, optimized=False)
+                vt = plgpu.load(v_stage.at[s], layout=plgpu.Layout.WGMMA, optimized=False)
+                k_op[o] = kt.astype(op_dtype)
+                key_ok = lax.broadcast_in_dim(key_ids + t * BLOCK_K < kvl, (BLOCK_K, D), [0])
+                v_op[o] = jnp.where(key_ok, vt.astype(op_dtype), 0)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ready_bar.at[o])
+                pl.when(t + n_stage < n_tiles)(lambda: issue(t + n_stage, s))
+
+            # Observe the last consumer releases too (Pallas: a waiter waits on every phase).
+            @pl.loop(jnp.maximum(n_tiles - n_op, 0), n_tiles)
+            def _drain(t):
+                plgpu.barrier_wait(consumed_bar.at[lax.rem(t, n_op)])
+
+        @pl.when(wg < nc)
+        def _consumer():
+            if registers is not None:
+                plgpu.set_max_registers(registers[0], action="increase")
+            row0 = tile0 + wg * _WG_ROWS  # first global row of this warpgroup's 64 rows
+            own_lo = jnp.clip(r0 - row0, 0, _WG_ROWS)
+            own_hi = jnp.clip(r1 - row0, 0, _WG_ROWS)
+            n_own = jnp.where(valid_blk, jnp.maximum(own_hi - own_lo, 0), 0)
+            # TMA into a tiled (swizzled) buffer needs 8-aligned rows; ragged rows are not, so q
+            # lands in the plain output staging buffer and is re-laid out through registers.
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, _WG_ROWS), hq], o_smem.at[wg], q_bar.at[wg])
+            scale = sm_scale * LOG2E * (ks_ref[...] if fp8 else 1.0)
+            # Key tiles below the first owned row's limit need no mask (rows are monotone).
+            first_pos = base + (row0 + own_lo - qs)
+            n_full = jnp.where(n_own > 0, jnp.minimum(_allowed_limit(first_pos, pre), kvl) // BLOCK_K, 0)
+            n_full = jnp.minimum(n_full, n_tiles)
+            # Mask operands as a row vector (2 registers per thread) and a column vector (16), so
+            # nothing [64, 64]-sized stays live across the key loop.
+            pos = plgpu.broadcasted_iota(jnp.int32, (_WG_ROWS,), 0, layout=_ROW_VEC) + (row0 - qs + base)
+            row_sees_prefix = pos < pre
+            plgpu.barrier_wait(q_bar.at[wg])
+            q_in = plgpu.load(o_smem.at[wg], layout=plgpu.Layout.WGMMA, optimized=False)
+            if op_dtype != q.dtype:  # f16 operands: clamp so |q| > 65504 cannot become inf
+                q_in = jnp.clip(q_in.astype(jnp.float32), -_F16_MAX, _F16_MAX)
+            q_smem[wg] = q_in.astype(op_dtype)
+            plgpu.commit_smem()
+
+            def kv_step(t, carry, masked: bool):
+                acc, m, den = carry
+                o = lax.rem(t, n_op)
+                plgpu.barrier_wait(ready_bar.at[o])
+
+                def qk(ref):
+                    plgpu.wgmma(ref, q_smem.at[wg], k_op.at[o].transpose((1, 0)))
+                    return ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((_WG_ROWS, BLOCK_K), jnp.float32)) * scale
+                if masked:
+                    shape = (_WG_ROWS, BLOCK_K)
+                    key = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K,), 0, layout=_COL_VEC) + t * BLOCK_K
+                    key_ok = lax.broadcast_in_dim(key < kvl, shape, [1])
+                    in_prefix = lax.broadcast_in_dim(row_sees_prefix, shape, [0]) & lax.broadcast_in_dim(
+                        key < pre, shape, [1])
+                    causal = lax.broadcast_in_dim(key, shape, [1]) <= lax.broadcast_in_dim(pos, shape, [0])
+                    s = jnp.where(key_ok & (causal | in_prefix), s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                den = den * alpha + p.sum(axis=1)
+
+                if p_smem is None:
+                    p_op = p.astype(op_dtype)  # A operand straight from registers
+                else:
+                    p_smem[wg] = p.astype(op_dtype)
+                    plgpu.commit_smem()
+                    p_op = p_smem.at[wg]
+
+                def pv(ref):
+                    plgpu.wgmma(ref, p_op, v_op.at[o])
+                    return ref[...]
+
+                pv_t = pl.run_scoped(pv, plgpu.ACC((_WG_ROWS, D), jnp.float32))
+                plgpu.barrier_arrive(consumed_bar.at[o])
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_t
+                return acc, m_new, den
+
+            init = (
+                plgpu.layout_cast(jnp.full((_WG_ROWS, D), 0.0, jnp.float32), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(jnp.full((_WG_ROWS,), _NEG_INIT, jnp.float32), _ROW_VEC),
+                plgpu.layout_cast(jnp.full((_WG_ROWS,), 0.0, jnp.float32), _ROW_VEC),
+            )
+            carry = lax.fori_loop(0, n_full, lambda t, c: kv_step(t, c, False), init)
+            acc, _, den = lax.fori_loop(n_full, n_tiles, lambda t, c: kv_step(t, c, True), carry)
+            inv = jnp.where(den > 0, (vs_ref[...] if fp8 else 1.0) / den, 0.0)
+            o_smem[wg] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
+            plgpu.commit_smem()
+            # Store rows [own_lo, own_lo + n_own) with power-of-two boxes (TMA sizes are static).
+            start = own_lo
+            size = _WG_ROWS
+            while size >= 1:
+                here = n_own & size
+                src = o_smem.at[wg, pl.ds(start, size)]
+                dst = o_ref.at[pl.ds(row0 + start, size), hq]
+                pl.when(here != 0)(functools.partial(plgpu.copy_smem_to_gmem, src, dst))
+                start = start + here
+                size //= 2
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    kern = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((T, H, D), q.dtype),
+        grid=(n_blocks, H),
+        grid_names=("blk", "h"),
+        kernel_name="kestrel_prefill_attention",
+        num_threads=nc + 1,
+        thread_name="wg",
+        scratch_types=[
+            plgpu.SMEM((nc, _WG_ROWS, D), op_dtype, transforms=_OP_TRANSFORMS),  # q
+            plgpu.SMEM((nc, _WG_ROWS, D), q.dtype),  # output staging (row-sliced by the stores)
+            plgpu.SMEM((n_stage, BLOCK_K, D), kv_dtype),
+            plgpu.SMEM((n_stage, BLOCK_K, D), kv_dtype),
+            plgpu.SMEM((n_op, BLOCK_K, D), op_dtype, transforms=_OP_TRANSFORMS),
+            plgpu.SMEM((n_op, BLOCK_K, D), op_dtype, transforms=_OP_TRANSFORMS),
+            plgpu.SMEM((maxp,), jnp.int32),
+            plgpu.Barrier(num_barriers=nc),
+            plgpu.Barrier(),
+            plgpu.Barrier(num_arrivals=2 * copies, num_barriers=n_stage),
+            plgpu.Barrier(num_barriers=n_op),
+            plgpu.Barrier(num_arrivals=nc, num_barriers=n_op),
+            *([] if p_in_registers else [plgpu.SMEM((nc, _WG_ROWS, BLOCK_K), op_dtype, transforms=_OP_TRANSFORMS)]),
+        ],
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_params(interpret, detect_races),
+    )
+    out = kern(q, k_pages, v_pages, cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32), page_table,
+               prefix_lens.astype(jnp.int32), jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
+    return out[:T0] if T0 != T else out
+

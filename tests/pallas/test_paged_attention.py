@@ -1,0 +1,314 @@
+"""Paged attention: the jnp references against a float64 numpy oracle, the Mosaic GPU kernels
+(interpreted on CPU) against the references, and cross-lowering of every kernel at production
+shapes for an abstract H100.
+
+Every test draws fresh random inputs (seed printed; pytest shows it on failure), scrambles the
+page table and fills every KV slot that no sequence owns (unused pages, the tail of each last
+page) with NaN: a kernel that reads or multiplies such a slot into a result fails.
+
+Error bounds (|out - ref| <= ATOL * max|v| + RTOL * |ref|, per dtype):
+  * outputs are rounded to bf16 once: 2^-9 relative, so RTOL = 2^-7 leaves room for ties and
+    the different summation order;
+  * decode accumulates in f32 on CUDA cores (error ~1e-6 relative): ATOL = 2^-10;
+  * prefill rounds P (and, for FP8 pools, Q) to the wgmma operand type before the MMA: bf16
+    operands (bf16 pools) err by <= 2^-9 relative per product, so the output by <= 2^-9 max|v|:
+    ATOL = 2^-8; f16 operands (FP8 pools; e4m3 K/V are exact in f16) by 2^-12: ATOL = 2^-10.
+FP8 quantisation error itself is not part of these bounds: the references read the same e4m3
+values the kernels read. The write kernel must match the reference bit for bit (same IEEE
+division and round-to-nearest-even e4m3 conversion after the clamp).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+from kestrel_jax.pallas import paged_attention as pa
+from kestrel_jax.pallas import paged_attention_mgpu as pm
+from kestrel_jax.pallas import paged_attention_prefill_mgpu as pp
+
+FP8 = jnp.float8_e4m3fn
+BF16 = jnp.bfloat16
+SM_SCALE = 0.125
+
+
+def _rng() -> np.random.Generator:
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"test seed = {seed}")
+    return np.random.default_rng(seed)
+
+
+def _f32(x: jax.Array) -> np.ndarray:
+    return np.asarray(jnp.asarray(x).astype(jnp.float32))
+
+
+def _make_pool(rng, num_pages, n_kv, page, dtype, kv_lens, max_pages, n_seqs):
+    """Random pool holding `kv_lens[b]` tokens per sequence; all other slots NaN."""
+    scales = (np.float32(rng.uniform(0.01, 0.05)), np.float32(rng.uniform(0.01, 0.05)))
+    table = rng.permutation(num_pages)[: n_seqs * max_pages].reshape(n_seqs, max_pages).astype(np.int32)
+    owned = np.zeros((num_pages, page), bool)
+    for b in range(n_seqs):
+        for t in range(int(kv_lens[b])):
+            owned[table[b, t // page], t % page] = True
+    pools = []
+    for scale in scales:
+        x = jnp.asarray(rng.standard_normal((num_pages, n_kv, page, 64)) * 3.0, jnp.float32)
+        stored = pa.quantize_kv(x, jnp.float32(scale), dtype)
+        nan = jnp.asarray(np.nan, jnp.float32).astype(dtype)
+        pools.append(jnp.where(jnp.asarray(owned)[:, None, :, None], stored, nan))
+    return pools[0], pools[1], jnp.asarray(table), jnp.float32(scales[0]), jnp.float32(scales[1])
+
+
+def _vmax(v_pages, table, kv_lens, v_scale) -> float:
+    page = v_pages.shape[2]
+    vals = [np.abs(_f32(pa.dequantize_kv(v_pages[table[b, t // page], :, t % page], v_scale))).max()
+            for b in range(len(kv_lens)) for t in range(int(kv_lens[b]))]
+    return float(max(vals)) if vals else 1.0
+
+
+def _check(out, ref, vmax, atol, rtol=2.0**-7, what=""):
+    out, ref = _f32(out), _f32(ref)
+    assert not np.isnan(out).any(), f"{what}: NaN in kernel output (a poisoned slot leaked)"
+    err = np.abs(out - ref)
+    bound = atol * vmax + rtol * np.abs(ref)
+    worst = np.unravel_index(np.argmax(err - bound), err.shape)
+    assert (err <= bound).all(), (f"{what}: max err {err.max():.3g} exceeds bound at {worst}: "
+                                  f"out {out[worst]:.5g} ref {ref[worst]:.5g} bound {bound[worst]:.3g}")
+
+
+# ------------------------------------------------------------------------- numpy oracle
+
+
+def _oracle(q, k_pages, v_pages, table, k_scale, v_scale, rows):
+    """rows: list of (query index, sequence, position, kv_len, prefix) -> [T, H, D] float64."""
+    P, Hkv, S, D = k_pages.shape
+    H = q.shape[1]
+    g = H // Hkv
+    kf = _f32(pa.dequantize_kv(k_pages, k_scale)).astype(np.float64)
+    vf = _f32(pa.dequantize_kv(v_pages, v_scale)).astype(np.float64)
+    qf = _f32(q).astype(np.float64)
+    out = np.zeros(qf.shape)
+    for i, b, pos, n, pre in rows:
+        keys = np.array([j for j in range(n) if j <= pos or (pos < pre and j < pre)], np.int64)
+        if not keys.size:
+            continue
+        pages = table[b, keys // S]
+        kk = kf[pages, :, keys % S]  # [keys, Hkv, D]
+        vv = vf[pages, :, keys % S]
+        for h in range(H):
+            s = kk[:, h // g] @ qf[i, h] * SM_SCALE
+            w = np.exp(s - s.max())
+            out[i, h] = (w / w.sum()) @ vv[:, h // g]
+    return out
+
+
+def test_references_match_float64_oracle():
+    rng = _rng()
+    page, n_kv, g = 8, 2, 2
+    kv_lens = np.array([1, 7, 8, 9, 19], np.int32)
+    k_pages, v_pages, table, ks, vs = _make_pool(rng, 20, n_kv, page, FP8, kv_lens, 3, 5)
+    q = jnp.asarray(rng.standard_normal((5, n_kv * g, 64)), jnp.float32)
+    dec = pa.decode_attention_ref(q, k_pages, v_pages, jnp.asarray(kv_lens), table, ks, vs, sm_scale=SM_SCALE)
+    rows = [(b, b, int(n) - 1, int(n), 0) for b, n in enumerate(kv_lens)]
+    np.testing.assert_allclose(_f32(dec), _oracle(q, k_pages, v_pages, np.asarray(table), ks, vs, rows),
+                               rtol=1e-5, atol=1e-5)
+
+    # Prefill: (new tokens, cached tokens, prefix) covering prefix < / = / > new tokens.
+    segs = [(6, 0, 4), (5, 3, 8), (4, 0, 4), (3, 5, 0)]
+    kvl = np.array([n + c for n, c, _ in segs], np.int32)
+    k_pages, v_pages, table, ks, vs = _make_pool(rng, 20, n_kv, page, BF16, kvl, 3, len(segs))
+    cu = np.r_[0, np.cumsum([n for n, _, _ in segs])].astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((int(cu[-1]) + 2, n_kv * g, 64)), jnp.float32)  # 2 padding rows
+    pre = np.array([p for _, _, p in segs], np.int32)
+    out = pa.prefill_attention_ref(q, k_pages, v_pages, jnp.asarray(cu), jnp.asarray(kvl), table,
+                                   jnp.asarray(pre), ks, vs, sm_scale=SM_SCALE)
+    rows = [(int(cu[b]) + i, b, c + i, n + c, p) for b, (n, c, p) in enumerate(segs) for i in range(n)]
+    np.testing.assert_allclose(_f32(out), _oracle(q, k_pages, v_pages, np.asarray(table), ks, vs, rows),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_pool_helpers_and_quantisation():
+    pool = pa.init_kv_pool(3, 5, 16, 2, 64, FP8)
+    assert len(pool) == 3 and all(k.shape == (5, 2, 16, 64) and k.dtype == FP8 for k, _ in pool)
+    assert all(not np.any(_f32(x)) for kv in pool for x in kv)
+    with pytest.raises(pa.KVLayoutError):
+        pa.init_kv_pool(1, 4, 24, 2, 64)
+    rng = _rng()
+    x = jnp.asarray(rng.standard_normal((100, 2, 64)) * rng.uniform(0.1, 50), jnp.float32)
+    scale = pa.calibrate_kv_scale(x, margin=1.25)
+    np.testing.assert_allclose(float(scale), float(jnp.max(jnp.abs(x))) * 1.25 / 448, rtol=1e-6)
+    assert float(pa.calibrate_kv_scale(jnp.zeros((4, 4)))) == 1.0
+    big = pa.quantize_kv(x * 10, scale, FP8)  # far past the calibrated range: clamps, never NaN
+    assert not np.isnan(_f32(big)).any() and np.abs(_f32(big)).max() == 448.0
+
+
+# ------------------------------------------------------------------------ write kernel
+
+
+@pytest.mark.parametrize("dtype", [FP8, BF16], ids=["fp8", "bf16"])
+def test_write_kernel_interpreted(dtype):
+    rng = _rng()
+    P, H, S, T = 6, 2, 16, 6
+    k_pages = jnp.asarray(rng.standard_normal((P, H, S, 64)), jnp.float32).astype(dtype)
+    v_pages = jnp.asarray(rng.standard_normal((P, H, S, 64)), jnp.float32).astype(dtype)
+    k = jnp.asarray(rng.standard_normal((T, H, 64)) * 40, BF16)  # some beyond 448 * scale: clamped
+    v = jnp.asarray(rng.standard_normal((T, H, 64)), BF16)
+    slots = np.r_[rng.choice(P * S, T - 2, replace=False), -1, -1].astype(np.int32)
+    rng.shuffle(slots)
+    ks, vs = jnp.float32(0.05), jnp.float32(0.01)
+    write = jax.jit(functools.partial(pm.write_kv_kernel, interpret=True))
+    got = write(k_pages, v_pages, k, v, jnp.asarray(slots), ks, vs)
+    want = pa.write_kv_ref(k_pages, v_pages, k, v, jnp.asarray(slots), ks, vs)
+    for g_, w_ in zip(got, want, strict=True):
+        assert g_.dtype == dtype
+        np.testing.assert_array_equal(_f32(g_), _f32(w_))
+    if dtype == FP8:
+        assert np.abs(_f32(got[0])).max() == 448.0
+
+
+# ----------------------------------------------------------------------- decode kernel
+
+
+@pytest.mark.parametrize(
+    "dtype,page,splits,group",
+    [(FP8, 16, 1, 1), (FP8, 64, 3, 1), (BF16, 32, 2, 2)],
+    ids=["fp8-p16-nosplit", "fp8-p64-split3", "bf16-p32-split2-gqa2"],
+)
+def test_decode_kernel_interpreted(dtype, page, splits, group):
+    rng = _rng()
+    n_kv, max_pages = 1, 5
+    # lengths 1, page-1, page, page+1, a long random one, and an inactive row (0)
+    kv_lens = np.array([1, page - 1, page, page + 1, rng.integers(2 * page, max_pages * page + 1), 0], np.int32)
+    B = len(kv_lens)
+    k_pages, v_pages, table, ks, vs = _make_pool(rng, B * max_pages + 3, n_kv, page, dtype, kv_lens,
+                                                 max_pages, B)
+    q = jnp.asarray(rng.standard_normal((B, n_kv * group, 64)), BF16)
+    lens = jnp.asarray(kv_lens)
+    f = jax.jit(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, num_splits=splits,
+                                  interpret=True))
+    out = f(q, k_pages, v_pages, lens, table, ks, vs)
+    ref = pa.decode_attention_ref(q, k_pages, v_pages, lens, table, ks, vs, sm_scale=SM_SCALE)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    _check(out, ref, _vmax(v_pages, np.asarray(table), kv_lens, vs), atol=2.0**-10, what="decode")
+    assert not np.any(_f32(out)[-1]), "inactive row (kv_len 0) must be zero"
+
+
+# ---------------------------------------------------------------------- prefill kernel
+
+# (new tokens, cached tokens, bidirectional prefix) per sequence
+_FULL_IMAGE = (100, 0, 90)  # prefix shorter than the new tokens
+_CACHE_HIT = (12, 40, 40)  # prompt after a cached image prefix: every query is causal
+_PREFIX_EQ = (64, 0, 64)  # prefix equal to the new tokens
+_PREFIX_GT = (30, 20, 45)  # chunk inside a longer prefix: queries 20..44 see all of 0..44
+_TEXT_ONLY = (9, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "dtype,page,group,segs,pad,consumers,races",
+    [
+        (FP8, 16, 1, [_FULL_IMAGE, _CACHE_HIT, _PREFIX_GT], 5, 2, True),
+        (BF16, 64, 2, [_PREFIX_EQ, _TEXT_ONLY, _CACHE_HIT], 0, 1, False),
+        (FP8, 128, 1, [_TEXT_ONLY, (20, 150, 160)], 3, 3, True),
+    ],
+    ids=["fp8-p16-2wg-races", "bf16-p64-gqa2-1wg", "fp8-p128-short-3wg-races"],
+)
+def test_prefill_kernel_interpreted(dtype, page, group, segs, pad, consumers, races):
+    rng = _rng()
+    n_kv = 1
+    kvl = np.array([n + c for n, c, _ in segs], np.int32)
+    max_pages = -(-int(kvl.max()) // page) + 1
+    k_pages, v_pages, table, ks, vs = _make_pool(rng, len(segs) * max_pages + 2, n_kv, page, dtype, kvl,
+                                                 max_pages, len(segs))
+    cu = np.r_[0, np.cumsum([n for n, _, _ in segs])].astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((int(cu[-1]) + pad, n_kv * group, 64)), BF16)
+    args = (q, k_pages, v_pages, jnp.asarray(cu), jnp.asarray(kvl), table,
+            jnp.asarray([p for _, _, p in segs], jnp.int32), ks, vs)
+    f = jax.jit(functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE, interpret=True,
+                                  detect_races=races, num_consumers=consumers))
+    out = f(*args)
+    if races:
+        assert not pm.interpret_races_found(), "race detected between warpgroups"
+    ref = pa.prefill_attention_ref(*args, sm_scale=SM_SCALE)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    atol = 2.0**-10 if dtype == FP8 else 2.0**-8
+    _check(out, ref, _vmax(v_pages, np.asarray(table), kvl, vs), atol=atol, what="prefill")
+    if pad:
+        assert not np.any(_f32(out)[int(cu[-1]):]), "padding rows must be zero"
+
+
+def test_kernels_reject_unsupported_shapes():
+    q = jnp.zeros((2, 4, 128), BF16)
+    pool = jnp.zeros((4, 4, 16, 128), FP8)
+    table = jnp.zeros((2, 2), jnp.int32)
+    assert not pm.decode_attention_kernel_supported(q, pool, table)
+    assert not pp.prefill_attention_kernel_supported(q, pool, table)
+    with pytest.raises(pa.KVLayoutError, match="decode_attention_ref"):
+        pm.decode_attention_kernel(q, pool, pool, jnp.zeros((2,), jnp.int32), table, 1.0, 1.0, sm_scale=0.1)
+    with pytest.raises(pa.KVLayoutError):
+        pm.write_kv_kernel(pool, pool, jnp.zeros((3, 4, 64), BF16), jnp.zeros((3, 4, 64), BF16),
+                           jnp.zeros((3,), jnp.int32), 1.0, 1.0)
+
+
+# ------------------------------------------------------------- cross-lowering for H100
+
+_SDS = jax.ShapeDtypeStruct
+_F32 = _SDS((), jnp.float32)
+
+
+def _lower_for_h100(f, *specs) -> str:
+    """Trace and lower `f` for CUDA on a CPU-only machine.
+
+    What works in jax 0.11.2: `jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",))`
+    inside `use_abstract_mesh` with an abstract H100 device. This runs the Pallas -> Mosaic GPU
+    lowering including layout inference, SMEM allocation and the TMA/tiling legality checks,
+    and embeds the Mosaic module in the StableHLO custom call. It does not run LLVM/ptxas
+    (register allocation, spills) or check the shared-memory limit: only the GPU does that.
+    """
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    return text
+
+
+@pytest.mark.parametrize("dtype", [FP8, BF16], ids=["fp8", "bf16"])
+def test_kernels_lower_at_production_shapes(dtype):
+    t0 = time.time()
+    P, S = 8192, 64  # 512k tokens of pool; MD3: 32 KV heads x 64
+    pool = _SDS((P, 32, S, 64), dtype)
+    fp8 = dtype == FP8
+    for B, kv, splits in [(64, 2048, None), (1, 740, None), (32, 128, 1)][: 3 if fp8 else 1]:
+        table = _SDS((B, -(-kv // S)), jnp.int32)
+        dec = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, num_splits=splits)
+        _lower_for_h100(dec, _SDS((B, 32, 64), BF16), pool, pool, _SDS((B,), jnp.int32), table, _F32, _F32)
+    text = _lower_for_h100(pm.write_kv_kernel, pool, pool, _SDS((1024, 32, 64), BF16), _SDS((1024, 32, 64), BF16),
+                           _SDS((1024,), jnp.int32), _F32, _F32)
+    assert "output_operand_alias" in text  # the pools are updated in place
+    for B, T in [(1, 740), (1, 1024), (16, 16 * 740)][: 3 if fp8 else 1]:
+        pre = functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE)
+        _lower_for_h100(pre, _SDS((T, 32, 64), BF16), pool, pool, _SDS((B + 1,), jnp.int32),
+                        _SDS((B,), jnp.int32), _SDS((B, 32), jnp.int32), _SDS((B,), jnp.int32), _F32, _F32)
+    print(f"lowered in {time.time() - t0:.1f}s")
+
+
+def test_kernels_lower_at_other_page_sizes_and_configs():
+    pool = _SDS((8192, 32, 64, 64), FP8)
+    pre = functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE, num_consumers=3, registers=(144, 80))
+    _lower_for_h100(pre, _SDS((740, 32, 64), BF16), pool, pool, _SDS((2,), jnp.int32),
+                    _SDS((1,), jnp.int32), _SDS((1, 32), jnp.int32), _SDS((1,), jnp.int32), _F32, _F32)
+    for S in (16, 128):  # several boxes per 64-row tile / several tiles per page
+        pool = _SDS((1024, 32, S, 64), FP8)
+        table = _SDS((8, 2048 // S), jnp.int32)
+        dec = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE)
+        _lower_for_h100(dec, _SDS((8, 32, 64), BF16), pool, pool, _SDS((8,), jnp.int32), table, _F32, _F32)
+    pool = _SDS((1024, 32, 16, 64), FP8)
+    pre = functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE)
+    _lower_for_h100(pre, _SDS((740, 32, 64), BF16), pool, pool, _SDS((2,), jnp.int32),
+                    _SDS((1,), jnp.int32), _SDS((1, 128), jnp.int32), _SDS((1,), jnp.int32), _F32, _F32)
