@@ -77,7 +77,7 @@ def engine_config(backend: str, *, family: str, tiny: bool) -> Any:
                             decode_buckets=(1, 4), prefill_token_buckets=(64, 1024), max_prefill_seqs=4)
     return EngineConfig(runner=RunnerConfig(kv_dtype=kv, max_seq_len=2048, backend=backend, vision_buckets=(2,),
                                             kv_memory_fraction=0.5),
-                        decode_buckets=(1, 8, 32), prefill_token_buckets=(1024, 2048), max_prefill_seqs=4)
+                        decode_buckets=(1, 16), prefill_token_buckets=(1024,), max_prefill_seqs=1)
 
 
 def part_tiny(backends: list[str]) -> dict[str, Any]:
@@ -165,6 +165,7 @@ def main() -> int:
     ap.add_argument("--out", default="smoke.json")
     ap.add_argument("--full", default="md3,md2")
     ap.add_argument("--backends", default="reference,auto")
+    ap.add_argument("--full-backends", default="auto")
     ap.add_argument("--burst", type=int, default=32)
     ap.add_argument("--skip-tiny", action="store_true")
     args = ap.parse_args()
@@ -182,7 +183,7 @@ def main() -> int:
     if not args.skip_tiny:
         res["tiny"] = part_tiny(backends)
     for fam in [f for f in args.full.split(",") if f]:
-        res[fam] = part_full(fam, backends, args.burst)
+        res[fam] = part_full(fam, [b for b in args.full_backends.split(",") if b], args.burst)
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1, default=str)
     with open(args.out, "w") as f:
