@@ -159,6 +159,32 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    try:
+        from kestrel_jax.serving.server import ServerConfig, engine_config, run
+    except ModuleNotFoundError as e:
+        if e.name != "aiohttp":
+            raise
+        print("kestrel-jax serve: error: the HTTP server needs aiohttp: pip install 'kestrel-jax[server]'",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        ecfg = engine_config(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size,
+                             max_batch_size=args.max_batch_size, prefix_cache=not args.no_prefix_cache)
+        scfg = ServerConfig(host=args.host, port=args.port, max_body_bytes=int(args.max_request_mb * 2**20),
+                            request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace,
+                            model_name=Path(args.model).name if args.model else None,
+                            synthetic=not args.model).validate()
+    except ValueError as e:
+        print(f"kestrel-jax serve: error: {e}", file=sys.stderr)
+        return 2
+    run(ecfg, scfg)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kestrel-jax", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -203,6 +229,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(fn=cmd_convert)
+    p = sub.add_parser("serve", help="HTTP server (JSON / Server-Sent Events) over the batched engine")
+    p.add_argument("--model", help="checkpoint directory; default: the synthetic demo model (random weights)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--kv-dtype", choices=["auto", "bf16", "fp8", "f32"], default="auto")
+    p.add_argument("--page-size", type=int, default=64, help="KV cache page size (tokens)")
+    p.add_argument("--max-batch-size", type=int, default=None, help="largest decode bucket (default 64)")
+    p.add_argument("--no-prefix-cache", action="store_true", help="disable image/prompt prefix sharing")
+    p.add_argument("--max-request-mb", type=float, default=20.0, help="largest accepted request body")
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request fails (504)")
+    p.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="seconds in-flight requests may finish after SIGINT/SIGTERM")
+    p.set_defaults(fn=cmd_serve)
     return ap
 
 

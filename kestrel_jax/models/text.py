@@ -59,6 +59,8 @@ class AttentionBatch(NamedTuple):
     page_table: jax.Array  # [B, max_pages] int32
     cu_q_lens: jax.Array | None = None  # [B + 1] int32 (prefill only)
     prefix_lens: jax.Array | None = None  # [B] int32 (prefill only)
+    # Rows >= num_valid are padding (MoE skips their expert reads). None: all rows are real.
+    num_valid: jax.Array | None = None  # [] int32
 
 
 class TauScaling(nnx.Module):
@@ -149,13 +151,14 @@ class MoE(nnx.Module):
             None if self.fc2_scale is None else self.fc2_scale[...],
         )
 
-    def __call__(self, x: jax.Array, aux: dict[str, jax.Array] | None) -> jax.Array:
+    def __call__(self, x: jax.Array, aux: dict[str, jax.Array] | None,
+                 num_valid: jax.Array | None = None) -> jax.Array:
         router_w = self.router.kernel[...]
         router_b = self.router.bias[...] if self.router.bias is not None else jnp.zeros(router_w.shape[1])
         if aux is not None:
             routing = ops.route(x, router_w, router_b, self.top_k)
             aux.update(router_logits=routing.logits, topk_idx=routing.experts, topk_weight=routing.weights)
-        return ops.moe_layer(x, router_w, router_b, self.experts(), top_k=self.top_k)
+        return ops.moe_layer(x, router_w, router_b, self.experts(), top_k=self.top_k, num_valid_tokens=num_valid)
 
 
 class Block(nnx.Module):
@@ -208,7 +211,7 @@ class TextModel(nnx.Module):
                 aux["block_inputs"] = x
             n = block.ln(x)
             a, ks[i], vs[i] = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux)
-            m = block.mlp(n, aux) if isinstance(block.mlp, MoE) else block.mlp(n)
+            m = block.mlp(n, aux, batch.num_valid) if isinstance(block.mlp, MoE) else block.mlp(n)
             x = (x + a) + m
             if aux is not None:
                 captured.append(aux)

@@ -95,6 +95,12 @@ def route(x: jax.Array, router_w: jax.Array, router_b: jax.Array, top_k: int) ->
 
 
 def moe_layer(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: ExpertWeights, *,
-              top_k: int) -> jax.Array:
-    routing = moe_ref_mod.route_ref(x, router_w, router_b, top_k)
-    return moe_ref_mod.moe_ref(x, routing, experts)
+              top_k: int, num_valid_tokens: jax.Array | int | None = None) -> jax.Array:
+    """Rows at or past `num_valid_tokens` are padding: they select no expert (output 0)."""
+    if _want_kernel():
+        from kestrel_jax.pallas import moe_mgpu as kern
+
+        if kern.moe_kernel_supported(x, experts, top_k):
+            return kern.moe_layer(x, router_w, router_b, experts, top_k=top_k, num_valid_tokens=num_valid_tokens)
+    return moe_ref_mod.moe_layer_ref(x, router_w, router_b, experts, top_k=top_k,
+                                     num_valid_tokens=num_valid_tokens)

@@ -158,9 +158,13 @@ def _chunk_kernel(logits_ref, temp_ref, seed_ref, step_ref, *rest, lay: _Layout,
             mass = jnp.sum(jnp.where(z > NEG_INF, jnp.exp2((z - cm) * c2), 0.0))
         return cm, carg, mass
 
-    # 0: restricted (solved in stage 2), 1: argmax, 2: argmax and mass.
-    mode = jnp.where(restricted, 0, jnp.where(greedy & (not need_z), 1, 2))
-    out = jax.lax.switch(mode, [lambda c: c, lambda c: stats(c, False), lambda c: stats(c, True)], init)
+    # Restricted rows are solved in stage 2; greedy rows need the argmax only; the rest also the
+    # mass. Nested boolean conds, not lax.switch: the Triton lowering of switch's index clamp
+    # mixed i1 and i32 operands and failed to parse on the GPU.
+    def unrestricted(c):
+        return jax.lax.cond(greedy & (not need_z), lambda c: stats(c, False), lambda c: stats(c, True), c)
+
+    out = jax.lax.cond(restricted, lambda c: c, unrestricted, init)
     for ref, v in zip((max_ref, arg_ref, mass_ref), out, strict=True):
         ref[b, j] = v
 

@@ -82,9 +82,10 @@ class Result:
 class Stream:
     """Async iterator of text chunks (answer text; reasoning is not streamed), then `result()`."""
 
-    def __init__(self, future: asyncio.Future[Result]):
+    def __init__(self, future: asyncio.Future[Result], request_id: int = 0):
         self._queue: asyncio.Queue[str | None] = asyncio.Queue()
         self._future = future
+        self.request_id = request_id
 
     def _push(self, chunk: str | None) -> None:
         self._queue.put_nowait(chunk)
@@ -117,6 +118,8 @@ class Submission:
     stream: Stream | None
     arrival: float
     deadline: float | None = None
+    first_token_time: float | None = None  # when the host read its first output
+    last_output_time: float | None = None
 
 
 _ids = itertools.count(1)
@@ -143,6 +146,25 @@ class InferenceEngine:
     @property
     def stats(self) -> dict[str, Any]:
         return self._worker.stats()
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine was shut down or its worker failed."""
+        return self._worker.alive
+
+    @property
+    def max_seq_len(self) -> int:
+        """Context length (prefix + prompt + generated positions) of this engine."""
+        return int(self._worker.max_seq_len)
+
+    @property
+    def model(self) -> Any:
+        return self._worker.model
+
+    def cancel(self, request_id: int) -> None:
+        """End a request early (waiting or running): its pages are freed and its result (or
+        stream) completes with finish_reason "cancelled". Unknown ids are ignored."""
+        self._worker.cancel(request_id)
 
     async def shutdown(self) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self._worker.stop)
@@ -211,7 +233,7 @@ class InferenceEngine:
     # ------------------------------------------------------------------------------ internals
     def _max_prompt(self, image: ImageInput | None) -> int:
         t = self.cfg.text
-        return self._worker.max_seq_len - (t.prefix_attn if image is not None else 1) - 1
+        return self.max_seq_len - (t.prefix_attn if image is not None else 1) - 1
 
     async def _submit(self, skill: Skill, image: ImageInput | None, prompt: Prompt, settings: Settings,
                       reasoning: bool, stream: bool, deadline_s: float | None) -> Result | Stream:
@@ -220,17 +242,17 @@ class InferenceEngine:
         crops = tiling = digest = None
         if image is not None:
             crops, tiling, digest = await loop.run_in_executor(None, self._prepare_image, image)
-        room = self._worker.max_seq_len - len(prompt.ids) - (self.cfg.text.prefix_attn if image is not None else 1)
+        room = self.max_seq_len - len(prompt.ids) - (self.cfg.text.prefix_attn if image is not None else 1)
         if skill in ("query", "caption") and settings.max_tokens > room:
             raise SettingsError(f"max_tokens={settings.max_tokens} does not fit the context: {room} positions "
-                                f"are left after the prompt (context {self._worker.max_seq_len})")
+                                f"are left after the prompt (context {self.max_seq_len})")
         rid = next(_ids)
         if settings.seed is None:
             settings = dataclasses.replace(settings, seed=rid & 0xFFFFFFFF)
         job = Job(rid, skill, self.cfg, prompt, settings, reasoning=reasoning, has_image=image is not None)
         tokens = prompt.ids if image is not None else (self.cfg.tokenizer.bos_id, *prompt.ids)
         future: asyncio.Future[Result] = loop.create_future()
-        st = Stream(future) if stream else None
+        st = Stream(future, rid) if stream else None
         sub = Submission(job, tuple(tokens), crops, tiling, digest, future, loop, st, arrival,
                          None if deadline_s is None else arrival + deadline_s)
         self._worker.submit(sub)

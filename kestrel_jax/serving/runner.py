@@ -37,6 +37,7 @@ from kestrel_jax.models.vision import tile_pool_matrices
 from kestrel_jax.pallas import ops
 from kestrel_jax.pallas.paged_attention import init_kv_pool
 from kestrel_jax.pallas.sampling import SamplingParams, sample
+from kestrel_jax.serving import batch as bt
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,9 @@ class RecompileError(RuntimeError):
 class RunnerConfig:
     page_size: int = 64
     num_pages: int | None = None  # None: sized from the device's free memory
-    kv_memory_fraction: float = 0.85  # of the memory free after params, when num_pages is None
+    # Of the memory free after params, when num_pages is None. The rest stays for the steps'
+    # temporaries (a 2048-token prefill of MD3 needs a few GiB).
+    kv_memory_fraction: float = 0.6
     kv_dtype: str = "auto"  # "bf16" | "fp8" | "f32" | "auto" (fp8 on GPU when the checkpoint has KV scales)
     max_seq_len: int | None = None  # default: the model's context
     max_pages_per_seq: int | None = None  # default: ceil(max_seq_len / page_size)
@@ -69,40 +72,46 @@ class StepOutputs(NamedTuple):
     size: jax.Array  # [B, 2] f32 (width, height) decoded likewise
     region_next: jax.Array  # [B] i32 detect/point continuation: coord_id or eos_id
 
-
-Arr = jax.Array | np.ndarray  # host arrays in, device arrays inside the step
-
-
-class RowInputs(NamedTuple):
-    kind: Arr  # [N] i32 IN_TOKEN / IN_COORD / IN_SIZE / IN_IMAGE
-    token: Arr  # [N] i32
-    value: Arr  # [N, 2] f32 coordinate (x in [:, 0]) or size (w, h)
-    image_row: Arr  # [N] i32 row into the flattened image-token block, -1 = none
+    def packed(self) -> jax.Array:
+        """[B, 6] f32 (token ids are exact in f32 below 2^24): one device->host copy per step
+        instead of five."""
+        return jnp.stack([self.tokens.astype(jnp.float32), self.logprobs, self.coord, self.size[:, 0],
+                          self.size[:, 1], self.region_next.astype(jnp.float32)], axis=1)
 
 
-class RowFlags(NamedTuple):
-    region: Arr  # [B] bool: detect/point rows (always want region outputs)
-    reasoning: Arr  # [B] bool: rows whose sampled coord_id must be decoded to a value
+def unpack(host: np.ndarray) -> StepOutputs:
+    """Inverse of `StepOutputs.packed` on the host ([B, 6] numpy)."""
+    return StepOutputs(host[:, 0].astype(np.int32), host[:, 1], host[:, 2], host[:, 3:5],  # type: ignore[arg-type]
+                       host[:, 5].astype(np.int32))  # type: ignore[arg-type]
 
 
-def _embed(model: MoondreamModel, rows: RowInputs, images: jax.Array | None) -> jax.Array:
+def _embed(model: MoondreamModel, kind: jax.Array, token: jax.Array, value: jax.Array,
+           image_row: jax.Array | None, images: jax.Array | None) -> jax.Array:
+    """Per-row input embedding: wte[token], E_coord(value[0]), E_size(value) or an image row."""
     dtype = model.dtype
-    x = model.text.embed(jnp.clip(rows.token, 0, model.cfg.text.vocab_size - 1), dtype)
-    value = jnp.asarray(rows.value)
+    x = model.text.embed(jnp.clip(token, 0, model.cfg.text.vocab_size - 1), dtype)
     coord = model.region.encode_coordinate(value[:, :1], dtype)
     size = model.region.encode_size(value, dtype)
-    x = jnp.where((rows.kind == IN_COORD)[:, None], coord, x)
-    x = jnp.where((rows.kind == IN_SIZE)[:, None], size, x)
-    if images is not None:
+    x = jnp.where((kind == IN_COORD)[:, None], coord, x)
+    x = jnp.where((kind == IN_SIZE)[:, None], size, x)
+    if images is not None and image_row is not None:
         flat = images.reshape(-1, images.shape[-1]).astype(dtype)
-        img = flat[jnp.clip(rows.image_row, 0, flat.shape[0] - 1)]
-        x = jnp.where((rows.kind == IN_IMAGE)[:, None], img, x)
+        img = flat[jnp.clip(image_row, 0, flat.shape[0] - 1)]
+        x = jnp.where((kind == IN_IMAGE)[:, None], img, x)
     return x
 
 
-def _heads(model: MoondreamModel, hidden: jax.Array, sp: SamplingParams, flags: RowFlags,
-           backend: str) -> StepOutputs:
-    """hidden [B, D] (pre post_ln) -> sampled tokens + region outputs."""
+def _sampling(ints: jax.Array, floats: jax.Array, top_k: int, seed: int, step: int, sup: int, temp: int,
+              top_p: int, suppressed: jax.Array | None = None) -> SamplingParams:
+    return SamplingParams(
+        temperature=floats[:, temp], top_k=ints[:, top_k], top_p=floats[:, top_p],
+        seed=jax.lax.bitcast_convert_type(ints[:, seed], jnp.uint32), step=ints[:, step],
+        suppressed_ids=ints[:, sup: sup + bt.N_SUP] if suppressed is None else suppressed)
+
+
+def _heads(model: MoondreamModel, hidden: jax.Array, sp: SamplingParams, region: jax.Array,
+           reasoning: jax.Array, backend: str, out_rows: int) -> jax.Array:
+    """hidden [B, D] (pre post_ln) -> packed outputs [out_rows, 6] (see StepOutputs.packed)."""
     tk = model.cfg.tokenizer
     logits = model.text.logits(hidden)  # [B, V] f32
     out = sample(logits, sp, return_logprobs=True, backend=backend)  # type: ignore[arg-type]
@@ -110,7 +119,7 @@ def _heads(model: MoondreamModel, hidden: jax.Array, sp: SamplingParams, flags: 
         nxt = jnp.where(logits[:, tk.coord_id] >= logits[:, tk.eos_id], tk.coord_id, tk.eos_id)
     else:
         nxt = jnp.argmax(logits, axis=-1)
-    need = flags.region | (flags.reasoning & (out.tokens == tk.coord_id))
+    need = region | (reasoning & (out.tokens == tk.coord_id))
     b = hidden.shape[0]
 
     def region_outputs(h: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -121,7 +130,8 @@ def _heads(model: MoondreamModel, hidden: jax.Array, sp: SamplingParams, flags: 
     coord, size = jax.lax.cond(jnp.any(need), region_outputs,
                                lambda h: (jnp.zeros((b,), jnp.float32), jnp.zeros((b, 2), jnp.float32)), hidden)
     assert out.logprobs is not None
-    return StepOutputs(out.tokens, out.logprobs, coord, size, nxt.astype(jnp.int32))
+    packed = StepOutputs(out.tokens, out.logprobs, coord, size, nxt.astype(jnp.int32)).packed()
+    return jnp.pad(packed, ((0, out_rows - b), (0, 0)))
 
 
 def _copy_pages(cache: KVCache, copies: jax.Array) -> KVCache:
@@ -137,31 +147,59 @@ def _merge(graphdef: Any, treedef: Any, params: list[jax.Array]) -> MoondreamMod
     return nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
 
 
-def _decode_step(graphdef: Any, treedef: Any, params: list[jax.Array], cache: KVCache, rows: RowInputs,
-                 positions: jax.Array, slots: jax.Array, kv_lens: jax.Array, page_table: jax.Array, copies: jax.Array,
-                 sp: SamplingParams, flags: RowFlags, backend: str) -> tuple[KVCache, StepOutputs]:
+def _decode_step(graphdef: Any, treedef: Any, params: list[jax.Array], cache: KVCache, ints: jax.Array,
+                 floats: jax.Array, prev: jax.Array, backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
+    """ints [B, DI + P], floats [B, DF] (batch.py layout), prev [out_rows, 6] the previous step's
+    packed outputs (rows with src >= 0 take their input from it)."""
     model = _merge(graphdef, treedef, params)
+    tk = model.cfg.tokenizer
     with ops.use_backend(backend):  # type: ignore[arg-type]
-        cache = _copy_pages(cache, copies)
-        x = _embed(model, rows, None)
-        batch = AttentionBatch(positions, slots, kv_lens, page_table)
+        src = ints[:, bt.D_SRC]
+        use_prev = src >= 0
+        p = prev[jnp.clip(src, 0, prev.shape[0] - 1)]
+        p_tok = p[:, 0].astype(jnp.int32)
+        reasoning = (ints[:, bt.D_FLAGS] & bt.FLAG_REASONING) != 0
+        region = (ints[:, bt.D_FLAGS] & bt.FLAG_REGION) != 0
+        kind = ints[:, bt.D_KIND]
+        token = jnp.where(use_prev, p_tok, ints[:, bt.D_TOKEN])
+        value = floats[:, bt.F_VAL0: bt.F_VAL1 + 1]
+        p_coord = jnp.stack([p[:, 2], jnp.zeros_like(p[:, 2])], axis=1)
+        # a reasoning row that sampled the coordinate token feeds E_coord(its decoded value)
+        r_coord = use_prev & reasoning & (p_tok == tk.coord_id)
+        kind = jnp.where(r_coord, IN_COORD, kind)
+        value = jnp.where((use_prev & (kind == IN_COORD))[:, None], p_coord, value)
+        value = jnp.where((use_prev & (kind == IN_SIZE))[:, None], p[:, 3:5], value)
+        # a reasoning row that sampled the answer token feeds it and starts its answer: the next
+        # sample is the answer's first, with nothing suppressed
+        first_answer = use_prev & reasoning & (p_tok == tk.answer_id)
+        sup = jnp.where(first_answer[:, None], -1, ints[:, bt.D_SUP: bt.D_SUP + bt.N_SUP])
+        reasoning = reasoning & ~first_answer
+        x = _embed(model, kind, token, value, None, None)
+        batch = AttentionBatch(ints[:, bt.D_POS], ints[:, bt.D_SLOT], ints[:, bt.D_KV_LEN], ints[:, bt.DI:],
+                               num_valid=ints[0, bt.D_NUM_VALID])
         hidden, cache, _ = model.text(x, batch, cache)
-        return cache, _heads(model, hidden, sp, flags, backend)
+        sp = _sampling(ints, floats, bt.D_TOP_K, bt.D_SEED, bt.D_STEP, bt.D_SUP, bt.F_TEMP, bt.F_TOP_P, sup)
+        return cache, _heads(model, hidden, sp, region, reasoning, backend, out_rows)
 
 
-def _prefill_step(graphdef: Any, treedef: Any, params: list[jax.Array], cache: KVCache, rows: RowInputs,
-                  images: jax.Array,
-                  positions: jax.Array, slots: jax.Array, cu_q_lens: jax.Array, kv_lens: jax.Array,
-                  page_table: jax.Array, prefix_lens: jax.Array, logits_rows: jax.Array, copies: jax.Array,
-                  sp: SamplingParams, flags: RowFlags, backend: str) -> tuple[KVCache, StepOutputs]:
+def _prefill_step(graphdef: Any, treedef: Any, params: list[jax.Array], cache: KVCache, tok_ints: jax.Array,
+                  tok_floats: jax.Array, seq_ints: jax.Array, seq_floats: jax.Array, images: jax.Array,
+                  backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
+    """tok_ints [T, TI], tok_floats [T, 2], seq_ints [B, SI + P], seq_floats [B, 2] (batch.py
+    layout), images [NI, 729, D]: per-sequence outputs of each completed prompt's last row."""
     model = _merge(graphdef, treedef, params)
     with ops.use_backend(backend):  # type: ignore[arg-type]
-        cache = _copy_pages(cache, copies)
-        x = _embed(model, rows, images)
-        batch = AttentionBatch(positions, slots, kv_lens, page_table, cu_q_lens, prefix_lens)
+        x = _embed(model, tok_ints[:, bt.T_KIND], tok_ints[:, bt.T_TOKEN], tok_floats, tok_ints[:, bt.T_IMG_ROW],
+                   images)
+        cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), seq_ints[:, bt.S_CU_END]])
+        batch = AttentionBatch(tok_ints[:, bt.T_POS], tok_ints[:, bt.T_SLOT], seq_ints[:, bt.S_KV_LEN],
+                               seq_ints[:, bt.SI:], cu, seq_ints[:, bt.S_PREFIX], tok_ints[0, bt.T_NUM_VALID])
         hidden, cache, _ = model.text(x, batch, cache)
-        last = hidden[jnp.clip(logits_rows, 0, hidden.shape[0] - 1)]  # [B, D]
-        return cache, _heads(model, last, sp, flags, backend)
+        last = hidden[jnp.clip(seq_ints[:, bt.S_LOGITS_ROW], 0, hidden.shape[0] - 1)]  # [B, D]
+        flags = seq_ints[:, bt.S_FLAGS]
+        sp = _sampling(seq_ints, seq_floats, bt.S_TOP_K, bt.S_SEED, bt.S_STEP, bt.S_SUP, 0, 1)
+        return cache, _heads(model, last, sp, (flags & bt.FLAG_REGION) != 0, (flags & bt.FLAG_REASONING) != 0,
+                             backend, out_rows)
 
 
 def _vision_step(graphdef: Any, treedef: Any, params: list[jax.Array], crops: jax.Array,
@@ -185,8 +223,11 @@ def _kv_dtype(name: str, model: MoondreamModel) -> jnp.dtype:
 class Runner:
     """Device owner. Not thread-safe: one engine thread drives it."""
 
-    def __init__(self, model: MoondreamModel, config: RunnerConfig | None = None):
+    def __init__(self, model: MoondreamModel, config: RunnerConfig | None = None, *, out_rows: int = 64):
+        """`out_rows`: rows of every step's packed output (>= the largest decode bucket and the
+        prefill batch), so any step can feed the next from it."""
         self.config = config or RunnerConfig()
+        self.out_rows = out_rows
         if self.config.compilation_cache_dir:
             os.makedirs(self.config.compilation_cache_dir, exist_ok=True)
             jax.config.update("jax_compilation_cache_dir", self.config.compilation_cache_dir)
@@ -209,10 +250,12 @@ class Runner:
         scales = jnp.asarray(model.text.kv_scales[...], jnp.float32)
         self.cache = KVCache(tuple(k for k, _ in pool), tuple(v for _, v in pool), scales[:, 0], scales[:, 1])
         backend = self.config.backend
-        self._decode = jax.jit(functools.partial(_decode_step, self.graphdef, self.treedef, backend=backend),
-                               donate_argnums=(1,))
-        self._prefill = jax.jit(functools.partial(_prefill_step, self.graphdef, self.treedef, backend=backend),
-                                donate_argnums=(1,))
+        self._decode = jax.jit(functools.partial(_decode_step, self.graphdef, self.treedef, backend=backend,
+                                                 out_rows=out_rows), donate_argnums=(1,))
+        self._prefill = jax.jit(functools.partial(_prefill_step, self.graphdef, self.treedef, backend=backend,
+                                                  out_rows=out_rows), donate_argnums=(1,))
+        self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
+        self.no_outputs = jnp.zeros((out_rows, 6), jnp.float32)
         self._vision = jax.jit(functools.partial(_vision_step, self.graphdef, self.treedef))
         self._frozen: dict[str, int] | None = None
 
@@ -250,19 +293,22 @@ class Runner:
                              rows, cols)
 
     # ------------------------------------------------------------------------------- steps
-    def decode(self, rows: RowInputs, positions: np.ndarray, slots: np.ndarray, kv_lens: np.ndarray,
-               page_table: np.ndarray, copies: np.ndarray, sp: SamplingParams, flags: RowFlags) -> StepOutputs:
-        self.cache, out = self._guarded("decode", self._decode, self.params, self.cache, rows,
-                                        positions, slots, kv_lens, page_table, copies, sp, flags)
+    def decode(self, ints: np.ndarray, floats: np.ndarray, prev: jax.Array | None) -> jax.Array:
+        """Dispatch a decode step (batch.py layout); returns its packed outputs [out_rows, 6]
+        without waiting. `prev`: the previous step's packed outputs (for rows with src >= 0)."""
+        prev = self.no_outputs if prev is None else prev
+        self.cache, out = self._guarded("decode", self._decode, self.params, self.cache, ints, floats, prev)
         return out
 
-    def prefill(self, rows: RowInputs, images: jax.Array, positions: np.ndarray, slots: np.ndarray,
-                cu_q_lens: np.ndarray, kv_lens: np.ndarray, page_table: np.ndarray, prefix_lens: np.ndarray,
-                logits_rows: np.ndarray, copies: np.ndarray, sp: SamplingParams, flags: RowFlags) -> StepOutputs:
-        self.cache, out = self._guarded("prefill", self._prefill, self.params, self.cache, rows,
-                                        images, positions, slots, cu_q_lens, kv_lens, page_table, prefix_lens,
-                                        logits_rows, copies, sp, flags)
+    def prefill(self, tok_ints: np.ndarray, tok_floats: np.ndarray, seq_ints: np.ndarray, seq_floats: np.ndarray,
+                images: jax.Array) -> jax.Array:
+        self.cache, out = self._guarded("prefill", self._prefill, self.params, self.cache, tok_ints, tok_floats,
+                                        seq_ints, seq_floats, images)
         return out
+
+    def copy_pages(self, copies: np.ndarray) -> None:
+        """Whole-page KV copies [C, 2] (src, dst), dispatched before the step that needs them."""
+        self.cache = self._guarded("copy", self._copy, self.cache, copies)
 
     def recover(self) -> bool:
         """After a failed step: if the donated KV pool was consumed, allocate a fresh one.
@@ -277,7 +323,7 @@ class Runner:
 
     # ------------------------------------------------------------------------------- guard
     def _fns(self) -> dict[str, Any]:
-        return {"decode": self._decode, "prefill": self._prefill, "vision": self._vision}
+        return {"decode": self._decode, "prefill": self._prefill, "vision": self._vision, "copy": self._copy}
 
     def freeze(self) -> None:
         """After warm-up: any further trace of a step is an error (a shape escaped its bucket)."""
@@ -295,16 +341,6 @@ class Runner:
                 raise RecompileError(f"the {name} step was compiled again while serving "
                                      f"(now {size} variants): an input escaped its bucket")
         return out
-
-
-def sampling_arrays(b: int, n_allowed: int = 2, n_suppressed: int = 2) -> dict[str, np.ndarray]:
-    """Fresh host arrays for a SamplingParams batch of b rows (greedy, unconstrained)."""
-    return {
-        "temperature": np.zeros(b, np.float32), "top_k": np.zeros(b, np.int32), "top_p": np.ones(b, np.float32),
-        "seed": np.zeros(b, np.uint32), "step": np.zeros(b, np.int32),
-        "allowed_ids": np.full((b, n_allowed), -1, np.int32),
-        "suppressed_ids": np.full((b, n_suppressed), -1, np.int32),
-    }
 
 
 def pages_needed(tokens: int, page_size: int) -> int:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from kestrel_jax.models.config import MoondreamConfig
 from kestrel_jax.prompts import Prompt
+from kestrel_jax.serving.batch import RowSpec
 
 Skill = Literal["caption", "query", "detect", "point"]
 IN_TOKEN, IN_COORD, IN_SIZE = 0, 1, 2
@@ -134,22 +135,42 @@ class Job:
             return 2 * m + 1
         return m
 
-    # ----------------------------------------------------------------------------- sampling
-    def sampling_row(self) -> dict[str, Any]:
-        """Settings of the next sample: temperature, top_p, top_k, seed, step, suppressed ids."""
+    # ----------------------------------------------------------------------------- next step
+    # The engine may dispatch a step before it has read this job's previous output ("pending"):
+    # then the step takes its input from that output on the device (batch.py), and these methods
+    # describe the step as if the pending output had been consumed.
+
+    def _forced_answer(self, pending: bool) -> bool:
+        """Reasoning hit max_tokens: the pending sample is discarded and the answer token fed."""
+        return pending and self.phase == "reasoning" and len(self.reasoning_tokens) >= self.settings.max_tokens
+
+    def next_input(self, pending: bool) -> tuple[int, int, tuple[float, float], bool]:
+        """(kind, token, value, from_previous_output) of the next step's input."""
+        if not pending:
+            return self.next_kind, self.next_token, self.next_value, False
+        if self._forced_answer(pending):
+            return IN_TOKEN, self.cfg.tokenizer.answer_id, (0.0, 0.0), False
+        if self.phase in ("text", "reasoning"):
+            return IN_TOKEN, 0, (0.0, 0.0), True  # the sampled token (device: coord/answer rules)
+        if self.phase in ("decide", "y"):
+            return IN_COORD, 0, (0.0, 0.0), True  # x (from the deciding hidden state) or y
+        return IN_SIZE, 0, (0.0, 0.0), True
+
+    def row_spec(self, pending: bool) -> RowSpec:
+        """Sampling settings and flags for the next output."""
         tk = self.cfg.tokenizer
-        if self.phase in ("decide", "x", "y", "size"):
-            return {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "suppressed": ()}
-        suppressed: tuple[int, ...] = ()
-        if self.phase == "reasoning" and not self.first_of_phase:
-            suppressed = (tk.eos_id, tk.size_id)
-        elif self.phase == "text":
-            if not self.first_of_phase:
-                suppressed = (tk.answer_id,)
-            if self.settings.ignore_eos:
-                suppressed = (*suppressed, tk.eos_id)
+        seed, step = self.settings.seed or 0, self.samples + (1 if pending else 0)
+        if self.skill in ("detect", "point"):
+            return RowSpec(seed=seed, step=step, region=True)
         s = self.settings
-        return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "suppressed": suppressed}
+        eos = (tk.eos_id,) if s.ignore_eos else ()
+        if self._forced_answer(pending):  # the next output is the answer's first
+            return RowSpec(s.temperature, s.top_p, s.top_k, seed, step, eos)
+        first = self.first_of_phase and not pending
+        if self.phase == "reasoning":
+            return RowSpec(s.temperature, s.top_p, s.top_k, seed, step, () if first else (tk.eos_id, tk.size_id),
+                           reasoning=True)
+        return RowSpec(s.temperature, s.top_p, s.top_k, seed, step, eos if first else (tk.answer_id, *eos))
 
     @property
     def wants_region(self) -> bool:

@@ -1,0 +1,431 @@
+"""Mixture-of-experts layer as Mosaic GPU (Hopper) grouped-GEMM kernels.
+
+One layer (`moe_layer`, T static), two regimes chosen by `default_config(T)`:
+
+  dense (T <= 64, decode):   ROUTE kernel (`moe_route_mgpu`): logits, top-k, softmax, block table
+                             -> UP -> DOWN -> combine (jnp)                        3 Mosaic + 2 XLA
+  sorted (T > 64, prefill):  route_ref + group_by_expert (jnp: sort, block table, compact rows)
+                             -> gather (+ FP8 quantise) -> UP -> (W8A8: quantise act) -> DOWN
+                             -> combine (jnp)
+
+  UP:   act[row, I] = GELU_erf(h) * (g + 1), [h; g] = up_w[e] @ x[row]   (f32 epilogue, bf16 out)
+  DOWN: y[row, D]   = down_w[e] @ act[row]                                  (bf16 out)
+  combine: out[t]   = sum_k w[t, k] * y[dest[t, k]]                         (f32, one fusion)
+
+Dense: one block per active expert holding all T tokens (Nt = round_up(T, 8) >= T), so every
+active expert's weights are read exactly once and the bookkeeping needs no sort. Sorted: blocks
+of Nt = 64 / 128 tokens of one expert (`moe_grouping.py`).
+
+Both GEMMs are one kernel, `_grouped_gemm`, "swap-AB" oriented: expert weight rows are the
+wgmma M side (64 rows per tile) and a block of Nt tokens is the N side (8..256), so one decode
+token wastes nothing and a wide block still feeds wgmma. Weights are [E, out, in] and token
+rows [rows, K]: both K-major, as FP8 wgmma requires. A work unit is (block b, 64-row output
+slice j); units go round-robin to a persistent grid of `num_ctas` CTAs with b fastest, so the
+blocks of one expert run side by side and share each weight tile through L2. Each CTA runs one
+continuous TMA -> SMEM ring across all its units (weight streaming never drains between units);
+the accumulator is re-scoped per unit; the block table is copied to SMEM once.
+
+Precisions (A = weights, B = tokens):
+  bf16:        bf16 x bf16 wgmma.
+  FP8 W8A8:    e4m3 x e4m3 wgmma; weight scale per (expert, row) and token scale per row applied
+               in the f32 epilogue. Default for T > 32 (matmul throughput).
+  FP8 W8A16:   e4m3 weight tiles upcast to a bf16 SMEM staging tile (via f32: this ptxas has no
+               direct e4m3 -> bf16; SMEM, not registers, because the interpreter has no
+               register-operand wgmma), bf16 activations. Default for T <= 32: same bytes, no
+               activation-quantisation kernel, smaller error. `MoEKernelConfig.w8a8` flips it.
+
+Predicted H100 SXM (copy ceiling ~3.0 TB/s; streaming kernels at ~85% of it; ~2-3 us fixed cost
+per kernel), CUPTI sum of kernel times per layer:
+  FP8  T=1: 50.3 MB of experts (8): UP ~15 + DOWN ~9 + ROUTE ~4 + pad/combine ~3 = ~30 us (29)
+       T=4: ~26.5 experts, 167 MB: ~76 us (79);  T=16: ~56 experts, 355 MB: ~150 us (146)
+       T=740: 403 MB and ~120 GFLOP (block padding included) on one warpgroup per SM, about
+       balanced: ~180-220 us for UP+DOWN + ~30-40 us of jnp glue = ~210-260 us (245)
+  bf16 doubles the bytes: T=1 ~50, T=4 ~140, T=16 ~290, T=740 ~350-400 us.
+(Kestrel's H100 FP8 figures in parentheses.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kestrel_jax.pallas.moe import ExpertWeights, Routing, quantize_rows, route_ref
+from kestrel_jax.pallas.moe_grouping import ROW_ALIGN, group_by_expert, group_dense, grouping_sizes
+from kestrel_jax.pallas.moe_route_mgpu import route_dense, route_dense_supported
+
+FP8 = jnp.float8_e4m3fn
+ROWS = 64  # weight rows per tile: the wgmma M of one warpgroup
+SMEM_LIMIT = 232448  # bytes of dynamic SMEM per block on H100/H200 (what Mosaic checks)
+H100_SMS = 132
+
+
+class MoEKernelError(ValueError):
+    """Shapes, dtypes or a configuration the MoE kernels do not support."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEKernelConfig:
+    block_tokens: int  # Nt: tokens per block, the wgmma N (multiple of 8, <= 256)
+    dense: bool = False  # one block of all T tokens per active expert (needs Nt >= T); else sorted
+    w8a8: bool = True  # FP8 experts: quantise activations (else dequantise weights in registers)
+    fused_routing: bool = True  # dense regime: routing + block table in one kernel (moe_layer)
+    num_ctas: int = H100_SMS  # persistent grid size (one CTA per SM)
+    max_stages: int = 8  # depth of the TMA ring
+
+
+def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelConfig:
+    """Regime by static token count T.
+
+    T <= 64: dense blocks (weight streaming; every active expert is read once). FP8 runs W8A16
+    up to 32 tokens (no activation-quantisation pass; the in-register upcast is hidden behind
+    the weight stream while wgmma N is small) and W8A8 beyond. T > 64: expert-sorted blocks of
+    64 / 128 tokens, W8A8 (FP8 wgmma throughput).
+    """
+    ctas = num_ctas or _device_sms()
+    if num_tokens <= 64:
+        nt = max(ROW_ALIGN, -(-num_tokens // ROW_ALIGN) * ROW_ALIGN)
+        return MoEKernelConfig(block_tokens=nt, dense=True, w8a8=num_tokens > 32, num_ctas=ctas)
+    return MoEKernelConfig(block_tokens=64 if num_tokens <= 256 else 128, w8a8=True, num_ctas=ctas)
+
+
+def _device_sms() -> int:
+    try:
+        dev = jax.devices()[0]
+        if dev.platform == "gpu":
+            return int(getattr(dev, "core_count", H100_SMS))
+    except RuntimeError:
+        pass
+    return H100_SMS
+
+
+def moe_kernel_supported(x: jax.Array, experts: ExpertWeights, top_k: int) -> bool:
+    """Whether the kernels handle these shapes/dtypes (else use `moe_layer_ref`)."""
+    T, D = x.shape
+    E, two_i, d2 = experts.up_w.shape
+    ok = (
+        d2 == D
+        and experts.down_w.shape == (E, D, two_i // 2)
+        and two_i % (2 * ROWS) == 0
+        and D % ROWS == 0
+        and D % 128 == 0
+        and (two_i // 2) % 128 == 0
+        and 1 <= top_k <= E
+        and experts.up_w.dtype in (jnp.bfloat16, FP8)
+        and experts.down_w.dtype == experts.up_w.dtype
+    )
+    if experts.up_w.dtype == FP8:
+        ok = ok and experts.up_scale is not None and experts.down_scale is not None
+    return bool(ok and T >= 1)
+
+
+def _tile_transforms(cols: int, dtype: jnp.dtype) -> tuple:
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(cols * bits)
+    # mypy sees these transforms' abstract base; they are concrete at runtime.
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))  # type: ignore[abstract]
+
+
+def _gelu_erf(h: jax.Array) -> jax.Array:
+    """Exact-erf GELU with erf from Abramowitz-Stegun 7.1.26 (|error| <= 1.5e-7).
+
+    Written without a select: gelu(h) = (h + |h| * erf(|h| / sqrt 2)) / 2 and
+    erf(a) = 1 - poly(t) exp(-a^2), t = 1 / (1 + p a). Only exp and a division are needed,
+    which every Mosaic GPU layout supports.
+    """
+    a = jnp.abs(h)
+    t = 1.0 / (1.0 + (0.3275911 * 0.7071067811865476) * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    q = poly * jnp.exp(-0.5 * h * h)
+    return 0.5 * (h + a * (1.0 - q))
+
+
+def _grouped_gemm(
+    meta: jax.Array,  # [chunks, 3, CH] int32: block expert, block's first B row, [num_blocks, 0...]
+    w: jax.Array,  # [E, N, K] bf16 | e4m3
+    w_scale: jax.Array | None,  # [E, N] f32 (e4m3 weights)
+    b: jax.Array,  # [R, K] bf16 | e4m3 token rows
+    b_scale: jax.Array | None,  # [R] f32 per-row scale of e4m3 tokens
+    *,
+    glu: bool,  # up projection: rows [0, N/2) -> h, [N/2, N) -> g, out GELU(h) * (g + 1)
+    block_tokens: int,
+    num_out_rows: int,  # NB * Nt
+    num_ctas: int,
+    max_stages: int,
+    interpret: object = None,
+) -> jax.Array:  # [NB * Nt, N or N/2] bf16
+    E, N, K = w.shape
+    nt = block_tokens
+    nparts = 2 if glu else 1
+    n_out = N // nparts
+    nj = n_out // ROWS
+    convert = w.dtype == FP8 and b.dtype != FP8  # W8A16: weight tiles upcast in registers
+    tk = 128 // jnp.dtype(w.dtype).itemsize  # one 128-byte swizzle row of weights per step
+    ks = K // tk
+    a_bytes = nparts * ROWS * tk * jnp.dtype(w.dtype).itemsize
+    b_bytes = nt * tk * jnp.dtype(b.dtype).itemsize
+    out_bytes = nt * ROWS * 2 + (nparts * ROWS * tk * 2 if convert else 0) + meta.size * 4
+    stages = min(max_stages, (SMEM_LIMIT - out_bytes - 2048) // (a_bytes + b_bytes))
+    if stages < 2:
+        raise MoEKernelError(f"block_tokens={nt} leaves no room for a 2-stage pipeline in SMEM")
+    has_w_scale, has_b_scale = w_scale is not None, b_scale is not None
+    a_tr, b_tr, o_tr = _tile_transforms(tk, w.dtype), _tile_transforms(tk, b.dtype), _tile_transforms(
+        ROWS, jnp.bfloat16)
+
+    n_chunks, _, chunk = meta.shape
+
+    def body(*refs):
+        meta_gmem, w_ref, *rest = refs
+        ws_ref = rest.pop(0) if has_w_scale else None
+        b_ref = rest.pop(0)
+        bs_ref = rest.pop(0) if has_b_scale else None
+        out_ref, a_buf, b_buf, bar, o_smem, meta_ref, meta_bar, *a16 = rest
+
+        # The block table lives in SMEM: the TMA issue path reads it every step, and an SMEM
+        # scalar load is ~30 cycles where a global one can be hundreds.
+        for c in range(n_chunks):
+            plgpu.copy_gmem_to_smem(meta_gmem.at[c], meta_ref.at[c], meta_bar)
+        plgpu.barrier_wait(meta_bar)
+
+        def block_info(blk, field):  # field 0: expert, 1: first B row
+            if n_chunks == 1:
+                return meta_ref[0, field, blk]
+            return meta_ref[lax.div(blk, chunk), field, lax.rem(blk, chunk)]
+
+        cta = lax.axis_index("cta")
+        nb = meta_ref[0, 2, 0]
+        units = nb * nj
+        # Traced integer math uses lax.div/rem (all operands >= 0): jnp's floor-mod helper does
+        # not lower inside Mosaic GPU loops.
+        mine = lax.div(jnp.maximum(units - cta + num_ctas - 1, 0), num_ctas)
+        total = mine * ks
+
+        def unit(i):  # i-th unit of this CTA -> (block, output slice)
+            u = cta + i * num_ctas
+            return lax.rem(u, nb), lax.div(u, nb)
+
+        def fetch(s):  # issue the TMA loads of global step s into its ring slot
+            slot = lax.rem(s, stages)
+            blk, j = unit(lax.div(s, ks))
+            k = lax.rem(s, ks)
+            e = block_info(blk, 0)
+            row = pl.multiple_of(block_info(blk, 1), ROW_ALIGN)
+            for p in range(nparts):
+                plgpu.copy_gmem_to_smem(
+                    w_ref.at[e, pl.ds(p * n_out + j * ROWS, ROWS), pl.ds(k * tk, tk)],
+                    a_buf.at[slot, p], bar.at[slot])
+            plgpu.copy_gmem_to_smem(b_ref.at[pl.ds(row, nt), pl.ds(k * tk, tk)], b_buf.at[slot],
+                                    bar.at[slot])
+
+        @pl.loop(0, jnp.minimum(total, stages))
+        def _prologue(s):
+            fetch(s)
+
+        @pl.loop(0, mine)
+        def _unit_loop(i):
+            blk, j = unit(i)
+            e = block_info(blk, 0)
+            row = pl.multiple_of(block_info(blk, 1), ROW_ALIGN)
+            # Epilogue vectors, loaded before the K loop so their latency hides behind it.
+            row_scales = [
+                plgpu.load(ws_ref.at[e, pl.ds(p * n_out + j * ROWS, ROWS)],
+                           layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+                for p in range(nparts)
+            ] if ws_ref is not None else []
+            col_scale = plgpu.load(bs_ref.at[pl.ds(row, nt)], layout=plgpu.Layout.WGMMA.reduce(0),
+                                   optimized=False) if bs_ref is not None else None
+
+            def acc_scope(*accs):
+                @pl.loop(0, ks)
+                def _k_loop(k):
+                    s = i * ks + k
+                    slot = lax.rem(s, stages)
+                    plgpu.barrier_wait(bar.at[slot])
+                    b_tile = b_buf.at[slot].T  # [tk, Nt] view of the K-major token rows
+                    if convert:
+                        # Upcast the e4m3 tile into the bf16 staging tile, then fence it for wgmma.
+                        for p in range(nparts):
+                            a16[0].at[p][...] = a_buf.at[slot, p][...].astype(jnp.float32).astype(b.dtype)
+                        plgpu.commit_smem()
+                    for p in range(nparts):
+                        plgpu.wgmma(accs[p], a16[0].at[p] if convert else a_buf.at[slot, p], b_tile)
+                    # After this wait step s-1's MMAs are done, so its slot may be refilled (and,
+                    # converting, all MMAs are done: the staging tile may be rewritten).
+                    plgpu.wgmma_wait(0 if convert else nparts)
+
+                    @pl.when((s >= 1) & (s - 1 + stages < total))
+                    def _refill():
+                        fetch(s - 1 + stages)
+
+                vals = []
+                for p in range(nparts):
+                    v = accs[p][...]
+                    if row_scales:
+                        v = v * lax.broadcast_in_dim(row_scales[p], (ROWS, nt), [0])
+                    if col_scale is not None:
+                        v = v * lax.broadcast_in_dim(col_scale, (ROWS, nt), [1])
+                    vals.append(v)
+                res = _gelu_erf(vals[0]) * (vals[1] + 1.0) if glu else vals[0]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous unit's store read o_smem
+                o_smem.T[...] = res.astype(jnp.bfloat16)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(blk * nt, nt), pl.ds(j * ROWS, ROWS)])
+
+            pl.run_scoped(acc_scope, *[plgpu.ACC((ROWS, nt), jnp.float32) for _ in range(nparts)])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num_out_rows, n_out), jnp.bfloat16),
+        scratch_types=[
+            plgpu.SMEM((stages, nparts, ROWS, tk), w.dtype, transforms=a_tr),
+            plgpu.SMEM((stages, nt, tk), b.dtype, transforms=b_tr),
+            plgpu.Barrier(num_arrivals=nparts + 1, num_barriers=stages),
+            plgpu.SMEM((nt, ROWS), jnp.bfloat16, transforms=o_tr),
+            plgpu.SMEM(meta.shape, jnp.int32),
+            plgpu.Barrier(num_arrivals=n_chunks),
+            *([plgpu.SMEM((nparts, ROWS, tk), b.dtype, transforms=_tile_transforms(tk, b.dtype))]
+              if convert else []),
+        ],
+        grid=(num_ctas,),
+        grid_names=("cta",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=interpret,
+    )
+    args = [meta, w] + ([w_scale] if has_w_scale else []) + [b] + ([b_scale] if has_b_scale else [])
+    return kernel(*args)
+
+
+META_CHUNK = 256  # TMA box limit per dimension
+
+
+def _meta(block_expert: jax.Array, block_row: jax.Array, num_blocks: jax.Array) -> jax.Array:
+    """[chunks, 3, CH] int32 block table: rows expert, first B row, [num_blocks, 0, ...]."""
+    nb = block_expert.shape[0]
+    chunk = META_CHUNK if nb > META_CHUNK else -(-nb // 8) * 8  # TMA rows: multiples of 16 bytes
+    n_chunks = -(-nb // chunk)
+    pad = n_chunks * chunk - nb
+    count_row = jnp.zeros((nb,), jnp.int32).at[0].set(num_blocks[0])
+    table = jnp.pad(jnp.stack([block_expert, block_row, count_row]).astype(jnp.int32), ((0, 0), (0, pad)))
+    return table.reshape(3, n_chunks, chunk).transpose(1, 0, 2)
+
+
+def moe(
+    x: jax.Array,  # [T, D]
+    routing: Routing,
+    experts: ExpertWeights,
+    *,
+    num_valid_tokens: jax.Array | int | None = None,  # rows >= it are padding (output zeros)
+    config: MoEKernelConfig | None = None,
+    interpret: object = None,
+) -> jax.Array:  # [T, D] x.dtype
+    """Kernel twin of `moe_ref` (plus padding-token support)."""
+    T, D = x.shape
+    E = experts.up_w.shape[0]
+    top_k = routing.experts.shape[1]
+    if not moe_kernel_supported(x, experts, top_k):
+        raise MoEKernelError(
+            f"unsupported MoE shapes/dtypes: x {x.shape}, up_w {experts.up_w.shape} {experts.up_w.dtype}, "
+            f"down_w {experts.down_w.shape}; need D, I multiples of 128 and bf16 or e4m3 (+ scales) experts")
+    cfg = config or default_config(T)
+    nt = cfg.block_tokens
+    if nt % ROW_ALIGN or not ROW_ALIGN <= nt <= 256 or (cfg.dense and nt < T):
+        raise MoEKernelError(f"block_tokens must be a multiple of {ROW_ALIGN} in [8, 256] (and >= T={T} "
+                             f"for the dense regime), got {nt}")
+    w8a8 = experts.is_fp8 and cfg.w8a8
+    xb = x.astype(jnp.bfloat16)
+    compact_act: jax.Array | None = None
+
+    if cfg.dense:
+        dense = group_dense(routing.experts, E, nt, num_valid_tokens)
+        n_blocks = min(E, T * top_k)
+        dest, valid = dense.dest, dense.valid
+        # Up: every block reads the same Nt token rows; down: block b reads the rows up wrote.
+        meta_up = _meta(dense.block_expert, jnp.zeros((n_blocks,), jnp.int32), dense.num_blocks)
+        meta_down = _meta(dense.block_expert, jnp.arange(n_blocks, dtype=jnp.int32) * nt, dense.num_blocks)
+        x_rows, row_token = jnp.pad(xb, ((0, nt - T), (0, 0))), None  # [Nt, D]
+    else:
+        grp = group_by_expert(routing.experts, E, nt, num_valid_tokens)
+        _, n_blocks = grouping_sizes(T, top_k, E, nt)
+        dest, valid = grp.dest, grp.valid
+        meta_up = _meta(grp.block_expert, grp.block_row, grp.num_blocks)
+        # W8A8 re-compacts the activation (quantising it), bf16 reads it where the up GEMM wrote it.
+        meta_down = meta_up if w8a8 else _meta(
+            grp.block_expert, jnp.arange(n_blocks, dtype=jnp.int32) * nt, grp.num_blocks)
+        x_rows, row_token = xb, grp.row_token  # gathered to [C, D] compact rows
+        compact_act = grp.row_block if w8a8 else None
+
+    y = _expert_gemms(x_rows, row_token, meta_up, meta_down, compact_act, experts, cfg, n_blocks, interpret)
+    return _combine(y, dest, routing.weights, valid, x.dtype)
+
+
+def _expert_gemms(
+    x_rows: jax.Array,  # [R, D] bf16 token rows
+    row_token: jax.Array | None,  # [C] row of x_rows for each compact row the up GEMM reads (sorted)
+    meta_up: jax.Array,
+    meta_down: jax.Array,
+    compact_act: jax.Array | None,  # [C] block row of each compact row (sorted W8A8), else None
+    experts: ExpertWeights,
+    cfg: MoEKernelConfig,
+    n_blocks: int,
+    interpret: object,
+) -> jax.Array:  # [NB * Nt, D] bf16 expert outputs, block rows
+    gemm = functools.partial(_grouped_gemm, block_tokens=cfg.block_tokens, num_out_rows=n_blocks * cfg.block_tokens,
+                             num_ctas=cfg.num_ctas, max_stages=cfg.max_stages, interpret=interpret)
+    if experts.is_fp8 and cfg.w8a8:
+        xq, xs = quantize_rows(x_rows)  # per token, before any gather: T rows, not C
+        if row_token is not None:
+            xq, xs = xq[row_token], xs[row_token]
+        act = gemm(meta_up, experts.up_w, experts.up_scale, xq, xs, glu=True)  # [NB*Nt, I]
+        aq, a_s = quantize_rows(act if compact_act is None else act[compact_act])
+        return gemm(meta_down, experts.down_w, experts.down_scale, aq, a_s, glu=False)
+    b = x_rows if row_token is None else x_rows[row_token]
+    act = gemm(meta_up, experts.up_w, experts.up_scale, b, None, glu=True)
+    return gemm(meta_down, experts.down_w, experts.down_scale, act, None, glu=False)
+
+
+def _combine(y: jax.Array, dest: jax.Array, weights: jax.Array, valid: jax.Array, dtype) -> jax.Array:
+    """out[t] = sum_k weights[t, k] * y[dest[t, k]]: one gather-multiply-reduce fusion. `where`, not
+    a zero weight: rows of padding tokens and rows no kernel wrote may hold NaN."""
+    w = weights.astype(jnp.float32)[..., None]
+    yk = jnp.where(valid[..., None], w * y[dest].astype(jnp.float32), 0.0)  # [T, k, D]
+    return jnp.sum(yk, axis=1).astype(dtype)
+
+
+def moe_layer(
+    x: jax.Array,  # [T, D]
+    router_w: jax.Array,  # [D, E]
+    router_b: jax.Array,  # [E]
+    experts: ExpertWeights,
+    *,
+    top_k: int,
+    num_valid_tokens: jax.Array | int | None = None,
+    config: MoEKernelConfig | None = None,
+    interpret: object = None,
+) -> jax.Array:  # [T, D]
+    """Routing + grouped up/down GEMMs + weighted sum; regime picked by the static T.
+
+    In the dense regime (and with `fused_routing`) routing and the block table come from one
+    kernel (`moe_route_mgpu.route_dense`); otherwise routing is the jnp reference.
+    """
+    T, D = x.shape
+    E = experts.up_w.shape[0]
+    cfg = config or default_config(T)
+    if not (cfg.dense and cfg.fused_routing and route_dense_supported(cfg.block_tokens, D, E, top_k)):
+        routing = route_ref(x, router_w, router_b, top_k)
+        return moe(x, routing, experts, num_valid_tokens=num_valid_tokens, config=cfg, interpret=interpret)
+    if not moe_kernel_supported(x, experts, top_k) or cfg.block_tokens < T:
+        raise MoEKernelError(f"unsupported MoE layer: x {x.shape}, up_w {experts.up_w.shape}, config {cfg}")
+    nt = cfg.block_tokens
+    x_rows = jnp.pad(x.astype(jnp.bfloat16), ((0, nt - T), (0, 0)))  # [Nt, D]
+    n_valid = jnp.asarray(T if num_valid_tokens is None else num_valid_tokens, jnp.int32).reshape(1)
+    r = route_dense(x_rows, router_w, router_b, n_valid, top_k=top_k, interpret=interpret)
+    y = _expert_gemms(x_rows, None, r.meta_up, r.meta_down, None, experts, cfg, min(E, T * top_k), interpret)
+    valid = jnp.broadcast_to((jnp.arange(T) < n_valid[0])[:, None], (T, top_k))
+    return _combine(y, r.dest[:, :T].T, r.weights[:, :T].T, valid, x.dtype)

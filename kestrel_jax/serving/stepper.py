@@ -1,0 +1,153 @@
+"""Turning scheduler plans into device steps, and step outputs back into job state.
+
+`Stepper.dispatch(plan, pending)` packs one plan's inputs (batch.py) and launches the step
+without waiting; `Stepper.process(pending)` reads a launched step's outputs and advances every
+job in it. The engine loop launches step N+1 before it processes step N, so the host work of
+one step hides under the device work of the next: a row whose latest output is still pending
+takes its input from that output on the device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kestrel_jax.serving import batch as bt
+from kestrel_jax.serving.engine import Submission
+from kestrel_jax.serving.plan import DecodePlan, PrefillPlan
+from kestrel_jax.serving.runner import IN_COORD, IN_IMAGE, IN_SIZE, Runner, unpack
+from kestrel_jax.serving.skills import StepOut
+
+
+@dataclass
+class Pending:
+    """A launched step whose outputs the host has not read yet."""
+
+    plan: PrefillPlan | DecodePlan
+    out: jax.Array  # packed [out_rows, 6]
+    rows: dict[int, int] = field(default_factory=dict)  # request id -> output row
+
+
+class Stepper:
+    def __init__(self, runner: Runner, live: dict[int, Submission], *, prefix_len: int, bos_id: int,
+                 max_images: int, image_tokens: Callable[[Submission], jax.Array]):
+        self.runner = runner
+        self.live = live
+        self.prefix_len = prefix_len
+        self.bos_id = bos_id
+        self.max_images = max_images
+        self.image_tokens = image_tokens
+        model = runner.model
+        self._zero_image = jnp.zeros((prefix_len - 1, model.cfg.text.dim), model.dtype)
+        self.steps = {"prefill": 0, "decode": 0}
+
+    # ------------------------------------------------------------------------------ launch
+    def dispatch(self, plan: PrefillPlan | DecodePlan, pending: Pending | None) -> Pending:
+        if plan.num_copies:
+            self.runner.copy_pages(plan.copies)
+        if isinstance(plan, DecodePlan):
+            self.steps["decode"] += 1
+            return self._decode(plan, pending)
+        self.steps["prefill"] += 1
+        return self._prefill(plan)
+
+    def _decode(self, plan: DecodePlan, pending: Pending | None) -> Pending:
+        b = plan.bucket
+        ints, floats = bt.empty_decode(b, plan.page_table.shape[1])
+        ints[:, bt.D_POS] = plan.positions
+        ints[:, bt.D_SLOT] = plan.slots
+        ints[:, bt.D_KV_LEN] = plan.kv_lens
+        ints[:, bt.DI:] = plan.page_table
+        ints[:, bt.D_NUM_VALID] = plan.num_seqs
+        rows: dict[int, int] = {}
+        for i in range(plan.num_seqs):
+            rid = int(plan.seq_ids[i])  # type: ignore[call-overload]
+            sub = self.live.get(rid)
+            if sub is None:
+                continue
+            job = sub.job
+            pend = pending is not None and rid in pending.rows
+            kind, token, value, from_prev = job.next_input(pend)
+            src = pending.rows[rid] if (from_prev and pending is not None) else -1
+            bt.decode_row(ints, floats, i, kind=kind, token=token, value=value, src=src, spec=job.row_spec(pend))
+            rows[rid] = i
+        out = self.runner.decode(ints, floats, pending.out if pending is not None else None)
+        return Pending(plan, out, rows)
+
+    def _prefill(self, plan: PrefillPlan) -> Pending:
+        t, bsz = plan.bucket, plan.kv_lens.shape[0]
+        tok_ints, tok_floats, seq_ints, seq_floats = bt.empty_prefill(t, bsz, plan.page_table.shape[1])
+        tok_ints[:, bt.T_POS] = plan.positions
+        tok_ints[:, bt.T_SLOT] = plan.slots
+        tok_ints[:, bt.T_NUM_VALID] = plan.num_tokens
+        seq_ints[:, bt.S_CU_END] = plan.cu_q_lens[1:]
+        seq_ints[:, bt.S_KV_LEN] = plan.kv_lens
+        seq_ints[:, bt.S_PREFIX] = plan.prefix_lens
+        seq_ints[:, bt.S_LOGITS_ROW] = plan.logits_rows
+        seq_ints[:, bt.SI:] = plan.page_table
+        kind, token, img_row = tok_ints[:, bt.T_KIND], tok_ints[:, bt.T_TOKEN], tok_ints[:, bt.T_IMG_ROW]
+        images: list[jax.Array] = []
+        rows: dict[int, int] = {}
+        for b in range(plan.num_seqs):
+            sid = plan.seq_ids[b]
+            sub = self.live.get(int(sid)) if sid is not None else None  # type: ignore[call-overload]
+            lo, hi = int(plan.cu_q_lens[b]), int(plan.cu_q_lens[b + 1])
+            if sub is None or hi == lo:
+                continue
+            pos = plan.positions[lo:hi]
+            pre = self.prefix_len if sub.crops is not None else 0
+            if pre and int(pos[0]) < pre:  # this chunk holds the (uncached) image prefix
+                in_img = (pos >= 1) & (pos < pre)
+                kind[lo:hi][in_img] = IN_IMAGE
+                img_row[lo:hi][in_img] = len(images) * (pre - 1) + pos[in_img] - 1
+                token[lo:hi][pos == 0] = self.bos_id
+                images.append(self.image_tokens(sub))
+            ptok = pos >= pre
+            token[lo:hi][ptok] = np.asarray(sub.tokens, np.int32)[pos[ptok] - pre]
+            offset = 0 if sub.crops is not None else 1  # text-only: BOS leads the token list
+            for j, v in sub.job.prompt.coord_slots:
+                hit = lo + np.nonzero(ptok & (pos - pre == j + offset))[0]
+                kind[hit], tok_floats[hit, 0] = IN_COORD, v
+            for j, (w, h) in sub.job.prompt.size_slots:
+                hit = lo + np.nonzero(ptok & (pos - pre == j + offset))[0]
+                kind[hit], tok_floats[hit, 0], tok_floats[hit, 1] = IN_SIZE, w, h
+            if plan.logits_rows[b] >= 0:
+                bt.prefill_seq_sampling(seq_ints, seq_floats, b, sub.job.row_spec(False))
+                rows[int(sid)] = b  # type: ignore[call-overload]
+        if len(images) > self.max_images:
+            raise RuntimeError(f"{len(images)} images in one prefill step; at most {self.max_images} fit")
+        block = jnp.stack([*images, *[self._zero_image] * (self.max_images - len(images))])
+        out = self.runner.prefill(tok_ints, tok_floats, seq_ints, seq_floats, block)
+        return Pending(plan, out, rows)
+
+    # ------------------------------------------------------------------------------ results
+    def process(self, pending: Pending) -> dict[int, str]:
+        """Read a launched step's outputs (waits for it) and advance its jobs. Returns the jobs
+        that finished: request id -> reason."""
+        host = unpack(np.asarray(jax.device_get(pending.out)))
+        now = time.monotonic()
+        finished: dict[int, str] = {}
+        for rid, row in pending.rows.items():
+            sub = self.live.get(rid)
+            if sub is None or sub.job.finish_reason is not None:
+                continue  # gone, or finished by an earlier output (this step ran ahead of it)
+            if sub.first_token_time is None:
+                sub.first_token_time = now
+            sub.last_output_time = now
+            o = StepOut(int(host.tokens[row]), float(host.logprobs[row]), float(host.coord[row]),
+                        (float(host.size[row, 0]), float(host.size[row, 1])), int(host.region_next[row]))
+            if sub.job.advance(o):
+                finished[rid] = sub.job.finish_reason or "stop"
+        return finished
+
+
+def describe(p: Pending | None) -> dict[str, Any]:
+    if p is None:
+        return {}
+    return {"kind": p.plan.kind, "rows": len(p.rows)}

@@ -1,0 +1,485 @@
+"""MoE: routing, grouping and quantisation references, the Mosaic GPU kernels (interpreted on CPU)
+against an independent float64 oracle, and cross-lowering at production shapes for an abstract H100.
+
+Every test draws fresh random inputs; the seed is printed (pytest shows it on failure). Outputs
+no kernel writes come back NaN from the interpreter, and tests poison padding tokens and unused
+experts with NaN, so any read of data that must not matter fails the finiteness checks.
+
+The routing kernel is held to exact agreement (same experts, dest and block table) on inputs
+whose router GEMM is exact in f32 (`exact_router_inputs`); on arbitrary inputs a different f32
+summation order may legitimately flip a bf16 near-tie.
+
+Error bounds (normalised: max |kernel - oracle| / max |oracle|, oracle in float64 on the same
+bf16 inputs and the same dequantised weights):
+* bf16 and FP8-W8A16: the kernel accumulates exact products in f32 and rounds three times to
+  bf16 (the activation, each expert's output, the layer output), each <= 2^-9 relative; errors
+  of many terms add in quadrature, so the normalised error is a few 2^-9. Bound 1e-2 (~5 * 2^-9).
+* FP8-W8A8 against an oracle that quantises activations the same way (`quantize_rows` on the
+  tokens and on the bf16 activation): as above, plus rare one-code differences where the kernel's
+  and the oracle's bf16 activations straddle an e4m3 rounding boundary. Bound 2e-2.
+* FP8-W8A8 against the unquantised oracle (what activation quantisation itself costs): each
+  e4m3 element carries <= 2^-4 relative rounding error (3 mantissa bits), ~2^-4/sqrt(3) RMS, and
+  two quantised GEMMs follow each other: ~5% RMS. Bound 0.1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+from kestrel_jax.pallas.moe import (
+    ExpertWeights,
+    Routing,
+    dequantize_experts,
+    moe_layer_ref,
+    moe_ref,
+    quantize_experts,
+    quantize_rows,
+    route_ref,
+)
+from kestrel_jax.pallas.moe_grouping import ROW_ALIGN, group_by_expert, group_dense, grouping_sizes
+from kestrel_jax.pallas.moe_mgpu import (
+    MoEKernelConfig,
+    MoEKernelError,
+    _gelu_erf,
+    default_config,
+    moe,
+    moe_kernel_supported,
+    moe_layer,
+)
+from kestrel_jax.pallas.moe_route_mgpu import route_dense
+
+FP8 = jnp.float8_e4m3fn
+# Interpreted shapes: D, I multiples of 128 like the production 2048 / 1024. bf16 tiles are 64 deep
+# in K and e4m3 tiles 128, so D = 128 (bf16) and 256 (FP8) both give two K steps per up-projection
+# unit while keeping the interpreter's step count (its cost) low.
+E, I = 8, 128  # noqa: E741 (the spec's name for the expert inner width)
+D_BF16, D_FP8 = 128, 256
+TOL_BF16, TOL_W8A8_EMULATED, TOL_W8A8_VS_EXACT = 1e-2, 2e-2, 0.1
+INTERPRET = plgpu.InterpretGPUParams()
+SMALL_CTAS, SMALL_STAGES = 3, 3  # few CTAs so each runs several units; a short ring that wraps
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    seed = int(np.random.SeedSequence().entropy) % 2**32  # type: ignore[arg-type]
+    print(f"test seed = {seed}")
+    return np.random.default_rng(seed)
+
+
+def dim(fp8: bool) -> int:
+    return D_FP8 if fp8 else D_BF16
+
+
+def make_experts(rng: np.random.Generator, fp8: bool, poison: tuple[int, ...] = (), n_experts: int = E
+                 ) -> ExpertWeights:
+    D = dim(fp8)
+    up = rng.standard_normal((n_experts, 2 * I, D)) / math.sqrt(D)
+    down = rng.standard_normal((n_experts, D, I)) / math.sqrt(I)
+    up[list(poison)] = np.nan  # experts no token selects: their weights must never matter
+    down[list(poison)] = np.nan
+    up_b, down_b = jnp.asarray(up, jnp.bfloat16), jnp.asarray(down, jnp.bfloat16)
+    if not fp8:
+        return ExpertWeights(up_b, down_b)
+    uq, us = quantize_experts(up_b)
+    dq, ds = quantize_experts(down_b)
+    return ExpertWeights(uq, dq, us, ds)
+
+
+def random_routing(rng: np.random.Generator, T: int, k: int, experts: np.ndarray | None = None) -> Routing:
+    if experts is None:
+        experts = np.stack([rng.permutation(E)[:k] for _ in range(T)])
+    logits = rng.standard_normal((T, k))
+    w = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    return Routing(jnp.asarray(w, jnp.float32), jnp.asarray(experts, jnp.int32), jnp.zeros((T, E)))
+
+
+def dense_weights(ex: ExpertWeights) -> tuple[np.ndarray, np.ndarray]:
+    if ex.is_fp8:
+        assert ex.up_scale is not None and ex.down_scale is not None
+        return (np.asarray(dequantize_experts(ex.up_w, ex.up_scale), np.float64),
+                np.asarray(dequantize_experts(ex.down_w, ex.down_scale), np.float64))
+    return np.asarray(ex.up_w.astype(jnp.float32), np.float64), np.asarray(ex.down_w.astype(jnp.float32), np.float64)
+
+
+def fake_quant(rows: np.ndarray) -> np.ndarray:
+    q, s = quantize_rows(jnp.asarray(rows, jnp.float32))
+    return np.asarray(q.astype(jnp.float32), np.float64) * np.asarray(s, np.float64)[:, None]
+
+
+def oracle(x: jax.Array, routing: Routing, ex: ExpertWeights, *, w8a8: bool = False) -> np.ndarray:
+    """float64 model of the MoE FFN; with w8a8, activations rounded through e4m3 like the kernel."""
+    up, down = dense_weights(ex)
+    xs = np.asarray(x.astype(jnp.float32), np.float64)
+    if w8a8:
+        xs = fake_quant(xs)
+    idx = np.asarray(routing.experts)
+    w = np.asarray(routing.weights, np.float64)
+    T, k = idx.shape
+    D = xs.shape[1]
+    tok = np.repeat(np.arange(T), k)
+    e = idx.reshape(-1)
+    z = np.einsum("and,ad->an", up[e], xs[tok])
+    h, g = z[:, :I], z[:, I:]
+    erf = np.vectorize(math.erf)
+    a = 0.5 * h * (1.0 + erf(h / math.sqrt(2.0))) * (g + 1.0)
+    if w8a8:
+        a = fake_quant(np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32), np.float64))
+    y = np.einsum("adi,ai->ad", down[e], a).reshape(T, k, D)
+    return np.einsum("tk,tkd->td", w, y)
+
+
+def run_kernel(x, routing, ex, cfg: MoEKernelConfig, num_valid=None) -> np.ndarray:
+    f = jax.jit(lambda x, r, e, n: moe(x, r, e, num_valid_tokens=n, config=cfg, interpret=INTERPRET))
+    out = f(x, routing, ex, num_valid)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    return np.asarray(out.astype(jnp.float32), np.float64)
+
+
+def rel_err(out: np.ndarray, ref: np.ndarray) -> float:
+    assert np.isfinite(out).all(), "kernel output has non-finite values"
+    return float(np.abs(out - ref).max() / np.abs(ref).max())
+
+
+def small_config(T: int, **over) -> MoEKernelConfig:
+    return dataclasses.replace(default_config(T), num_ctas=SMALL_CTAS, max_stages=SMALL_STAGES, **over)
+
+
+# ----------------------------------------------------------------------------------------------
+# References
+
+
+def test_route_ref_ties_go_to_lower_expert_and_softmax_is_over_selected(rng):
+    T, k = 5, 3
+    x = jnp.asarray(rng.standard_normal((T, 16)), jnp.float32)
+    w = jnp.zeros((16, E), jnp.float32)
+    bias = np.zeros(E, np.float32)
+    bias[[6, 2, 4]] = 1.0  # three-way tie at the top: order must be 2, 4, 6
+    r = route_ref(x, w, jnp.asarray(bias), k)
+    assert (np.asarray(r.experts) == np.array([2, 4, 6])).all()
+    np.testing.assert_allclose(np.asarray(r.weights), 1.0 / 3.0, rtol=1e-6)
+
+    x = jnp.asarray(rng.standard_normal((T, 32)), jnp.bfloat16)
+    rw = jnp.asarray(rng.standard_normal((32, E)), jnp.bfloat16)
+    rb = jnp.asarray(rng.standard_normal((E,)), jnp.bfloat16)
+    r = route_ref(x, rw, rb, k)
+    logits = np.asarray(r.logits, np.float64)
+    for t in range(T):
+        order = sorted(range(E), key=lambda i: (-logits[t, i], i))[:k]
+        assert list(np.asarray(r.experts[t])) == order
+        sel = logits[t, order]
+        np.testing.assert_allclose(np.asarray(r.weights[t]), np.exp(sel) / np.exp(sel).sum(), rtol=1e-5)
+
+
+def test_quantize_experts_round_trip_bound(rng):
+    w = rng.standard_normal((3, 40, 64)) * np.exp(rng.uniform(-8, 8, (3, 40, 1)))
+    w[0, 5] = 0.0  # all-zero row: scale 1, exact zeros
+    w[1, 7, 3] = 1e30  # one huge outlier: it sets the scale, nothing overflows to NaN
+    q, s = quantize_experts(jnp.asarray(w, jnp.float32))
+    assert q.dtype == FP8 and s.shape == (3, 40)
+    back = np.asarray(dequantize_experts(q, s), np.float64)
+    wf = np.asarray(jnp.asarray(w, jnp.float32), np.float64)
+    assert np.isfinite(back).all()
+    # e4m3: half an ulp is <= 2^-4 relative for normals; subnormal spacing 2^-9 -> 2^-10 * scale.
+    bound = np.maximum(2.0**-4 * np.abs(wf), 2.0**-10 * np.asarray(s, np.float64)[..., None])
+    assert (np.abs(back - wf) <= bound * (1 + 1e-6)).all()
+    assert (back[0, 5] == 0).all()
+    # Per row, the absmax element is represented exactly (it maps to +-448).
+    amax_idx = np.abs(wf).argmax(-1)
+    np.testing.assert_allclose(np.take_along_axis(back, amax_idx[..., None], -1),
+                               np.take_along_axis(wf, amax_idx[..., None], -1), rtol=1e-6)
+
+
+def test_quantize_rows_round_trip_bound(rng):
+    x = rng.standard_normal((7, 300)) * np.exp(rng.uniform(-5, 5, (7, 1)))
+    x[2] = 0.0
+    q, s = quantize_rows(jnp.asarray(x, jnp.bfloat16))
+    xf = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+    back = np.asarray(q.astype(jnp.float32), np.float64) * np.asarray(s, np.float64)[:, None]
+    bound = np.maximum(2.0**-4 * np.abs(xf), 2.0**-10 * np.asarray(s, np.float64)[:, None])
+    assert (np.abs(back - xf) <= bound * (1 + 1e-6)).all()
+    assert (back[2] == 0).all()
+
+
+def test_gelu_erf_polynomial_matches_exact_gelu(rng):
+    h = jnp.asarray(np.concatenate([rng.standard_normal(4000) * 4, [0.0, -30.0, 30.0, 1e-8]]), jnp.float32)
+    exact = np.asarray(jax.nn.gelu(h.astype(jnp.float64) if jax.config.jax_enable_x64 else h, approximate=False))
+    got = np.asarray(_gelu_erf(h))
+    # A&S 7.1.26 erf error <= 1.5e-7, times |h| / 2, plus float32 rounding.
+    assert (np.abs(got - exact) <= 1e-6 * (1 + np.abs(np.asarray(h)))).all()
+
+
+@pytest.mark.parametrize("T,k,nt,n_valid", [(1, 8, 8, None), (3, 4, 8, None), (17, 4, 24, 11), (300, 4, 128, 290)])
+def test_grouping_layout_invariants(rng, T, k, nt, n_valid):
+    routing = random_routing(rng, T, k)
+    g = jax.jit(lambda e, n: group_by_expert(e, E, nt, n))(routing.experts, T if n_valid is None else n_valid)
+    C, NB = grouping_sizes(T, k, E, nt)
+    ex = np.asarray(routing.experts)
+    n_valid = T if n_valid is None else n_valid
+    counts = np.bincount(ex[:n_valid].reshape(-1), minlength=E)
+    nb = int(g.num_blocks[0])
+    assert nb == int(np.sum(-(-counts // nt))) <= NB
+    block_expert, block_row = np.asarray(g.block_expert), np.asarray(g.block_row)
+    row_token, row_block, dest = np.asarray(g.row_token), np.asarray(g.row_block), np.asarray(g.dest)
+    assert (np.diff(block_expert[:nb]) >= 0).all() and (block_expert[nb:] == E).all()
+    assert (block_row % ROW_ALIGN == 0).all() and (block_row + nt <= C).all()
+    assert (np.asarray(g.valid) == (np.arange(T) < n_valid)[:, None]).all()
+    seen = set()
+    for t in range(n_valid):
+        for s in range(k):
+            b, i = divmod(int(dest[t, s]), nt)
+            assert b < nb and block_expert[b] == ex[t, s]
+            row = block_row[b] + i  # the compact row the kernels read for this assignment
+            assert row_token[row] == t and row_block[row] == dest[t, s]
+            seen.add(int(dest[t, s]))
+    assert len(seen) == n_valid * k  # every assignment has its own output row
+    for e in range(E):  # blocks of an expert hold its assignments in token order
+        toks = [row_token[block_row[b] + i] for b in range(nb) if block_expert[b] == e
+                for i in range(min(nt, counts[e] - nt * sum(1 for bb in range(b) if block_expert[bb] == e)))]
+        assert toks == sorted(toks) and len(toks) == counts[e]
+
+
+@pytest.mark.parametrize("T,k,n_valid", [(1, 8, None), (5, 8, 3), (32, 4, 30)])
+def test_dense_grouping_invariants(rng, T, k, n_valid):
+    routing = random_routing(rng, T, k)
+    nt = -(-T // 8) * 8
+    g = jax.jit(lambda e, n: group_dense(e, E, nt, n))(routing.experts, T if n_valid is None else n_valid)
+    n_valid = T if n_valid is None else n_valid
+    ex = np.asarray(routing.experts)
+    active = np.unique(ex[:n_valid])
+    nb = int(g.num_blocks[0])
+    block_expert = np.asarray(g.block_expert)
+    assert nb == len(active) and (block_expert[:nb] == active).all() and (block_expert[nb:] == E).all()
+    dest = np.asarray(g.dest)
+    for t in range(n_valid):
+        for s in range(k):
+            b, i = divmod(int(dest[t, s]), nt)
+            assert block_expert[b] == ex[t, s] and i == t
+    assert (np.asarray(g.valid) == (np.arange(T) < n_valid)[:, None]).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels, interpreted
+
+
+@pytest.mark.parametrize("T", [1, 3, 8, 17, 64, 300])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_kernel_matches_oracle(rng, T, fp8):
+    k = 4 if T < 300 else 2  # top-2 at T=300 halves the interpreter's work; still ~10 blocks
+    ex = make_experts(rng, fp8)
+    x = jnp.asarray(rng.standard_normal((T, dim(fp8))), jnp.bfloat16)
+    routing = random_routing(rng, T, k)
+    cfg = small_config(T)
+    w8a8 = fp8 and cfg.w8a8
+    out = run_kernel(x, routing, ex, cfg)
+    err = rel_err(out, oracle(x, routing, ex, w8a8=w8a8))
+    assert err <= (TOL_W8A8_EMULATED if w8a8 else TOL_BF16), err
+    if w8a8:
+        assert rel_err(out, oracle(x, routing, ex)) <= TOL_W8A8_VS_EXACT
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_moe_ref_matches_oracle(rng, fp8):
+    """The CPU path. The reference rounds h and g to bf16 before the activation (its GEMM outputs
+    are bf16); with quantize_activations that 2^-9 shift moves ~1/45 of the activation's e4m3 codes
+    (code spacing 2^-3..2^-4), each by one code, hence the wider bound for that mode."""
+    T = 40
+    ex = make_experts(rng, fp8)
+    x = jnp.asarray(rng.standard_normal((T, dim(fp8))), jnp.bfloat16)
+    routing = random_routing(rng, T, 4)
+    ref = jax.jit(moe_ref, static_argnames="quantize_activations")
+    out = np.asarray(ref(x, routing, ex).astype(jnp.float32), np.float64)
+    assert rel_err(out, oracle(x, routing, ex)) <= TOL_BF16
+    if fp8:
+        out = np.asarray(ref(x, routing, ex, quantize_activations=True).astype(jnp.float32), np.float64)
+        assert rel_err(out, oracle(x, routing, ex, w8a8=True)) <= 3 * TOL_W8A8_EMULATED
+
+
+@pytest.mark.parametrize("T,w8a8", [(100, False)], ids=["sorted-W8A16"])
+def test_kernel_fp8_modes_in_both_regimes(rng, T, w8a8):
+    """The non-default FP8 mode of the sorted regime (dense W8A8 is the default at T=64, dense
+    W8A16 at T <= 32, sorted W8A8 at T=300: all in test_kernel_matches_oracle)."""
+    ex = make_experts(rng, fp8=True)
+    x = jnp.asarray(rng.standard_normal((T, D_FP8)), jnp.bfloat16)
+    routing = random_routing(rng, T, 2)
+    out = run_kernel(x, routing, ex, small_config(T, w8a8=w8a8))
+    assert rel_err(out, oracle(x, routing, ex, w8a8=w8a8)) <= (TOL_W8A8_EMULATED if w8a8 else TOL_BF16)
+
+
+def test_kernel_single_expert_spanning_several_blocks(rng):
+    """k=1 and every token on expert 5: one expert, three blocks; all other experts NaN-poisoned."""
+    T, nt = 40, 16
+    ex = make_experts(rng, fp8=False, poison=tuple(e for e in range(E) if e != 5))
+    x = jnp.asarray(rng.standard_normal((T, D_BF16)), jnp.bfloat16)
+    routing = random_routing(rng, T, 1, experts=np.full((T, 1), 5))
+    out = run_kernel(x, routing, ex, small_config(T, block_tokens=nt, dense=False))
+    assert rel_err(out, oracle(x, routing, ex)) <= TOL_BF16
+
+
+def test_kernel_block_table_in_several_chunks(rng, monkeypatch):
+    """The SMEM block table is copied in chunks of META_CHUNK columns (256 in production, a TMA
+    box limit); with 8 the 20+ blocks of this case span several chunks."""
+    import kestrel_jax.pallas.moe_mgpu as moe_mgpu
+
+    monkeypatch.setattr(moe_mgpu, "META_CHUNK", 8)
+    T = 40
+    ex = make_experts(rng, fp8=False)
+    x = jnp.asarray(rng.standard_normal((T, D_BF16)), jnp.bfloat16)
+    routing = random_routing(rng, T, 4)
+    out = run_kernel(x, routing, ex, small_config(T, block_tokens=8, dense=False))
+    assert rel_err(out, oracle(x, routing, ex)) <= TOL_BF16
+
+
+def test_kernel_every_token_on_every_expert(rng):
+    T = 5
+    ex = make_experts(rng, fp8=True)
+    x = jnp.asarray(rng.standard_normal((T, D_FP8)), jnp.bfloat16)
+    routing = random_routing(rng, T, E)
+    out = run_kernel(x, routing, ex, small_config(T))
+    assert rel_err(out, oracle(x, routing, ex)) <= TOL_BF16
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["dense", "sorted"])
+def test_kernel_padding_tokens_cost_nothing_and_give_zeros(rng, dense):
+    """Rows >= num_valid_tokens are NaN and route to NaN-poisoned experts: valid rows are unaffected,
+    padding rows come back zero, and the padding creates no blocks."""
+    T, n_valid, k = 17, 11, 4
+    ex = make_experts(rng, fp8=True, poison=(7,))
+    x = np.asarray(rng.standard_normal((T, D_FP8)), np.float32)
+    x[n_valid:] = np.nan
+    xj = jnp.asarray(x, jnp.bfloat16)
+    experts = np.stack([rng.permutation(7)[:k] for _ in range(T)])
+    experts[n_valid:, 0] = 7
+    routing = random_routing(rng, T, k, experts=experts)
+    cfg = small_config(T) if dense else small_config(T, dense=False, block_tokens=8)
+    out = run_kernel(xj, routing, ex, cfg, num_valid=jnp.int32(n_valid))
+    assert (out[n_valid:] == 0).all()
+    head = Routing(routing.weights[:n_valid], routing.experts[:n_valid], routing.logits[:n_valid])
+    assert rel_err(out[:n_valid], oracle(xj[:n_valid], head, ex)) <= TOL_BF16
+    assert int(group_dense(routing.experts, E, 24, n_valid).num_blocks[0]) == len(np.unique(experts[:n_valid]))
+
+
+def exact_router_inputs(rng, T: int, D: int, n_experts: int):
+    """Tokens and router weights on coarse grids (multiples of 1/4 and 1/16, |.| <= 1/2 and 1/8) so
+    every partial sum of the router GEMM is exact in f32: kernel and reference then see identical
+    logits, including their many bf16 ties, and must make identical choices."""
+    x = jnp.asarray(rng.integers(-2, 3, (T, D)) / 4, jnp.bfloat16)
+    rw = jnp.asarray(rng.integers(-2, 3, (D, n_experts)) / 16, jnp.bfloat16)
+    rb = jnp.asarray(rng.integers(-4, 5, (n_experts,)) / 8, jnp.bfloat16)
+    return x, rw, rb
+
+
+@pytest.mark.parametrize("T,nt,n_experts,k,n_valid", [(1, 8, 64, 8, 1), (7, 8, 64, 8, 5), (16, 16, 16, 4, 16)])
+def test_route_dense_kernel_matches_reference(rng, T, nt, n_experts, k, n_valid):
+    x, rw, rb = exact_router_inputs(rng, T, 256, n_experts)
+    x = x.at[0].set(0)  # logits = bias: ties among the experts with equal bias
+    xp = jnp.pad(x, ((0, nt - T), (0, 0)))
+    if n_valid < T:
+        xp = xp.at[n_valid:T].set(jnp.nan)  # padding tokens: must select nothing
+    r = jax.jit(lambda *a: route_dense(*a, top_k=k, interpret=INTERPRET))(xp, rw, rb, jnp.array([n_valid], jnp.int32))
+    ref = route_ref(x, rw, rb, k)
+    g = group_dense(ref.experts, n_experts, nt, n_valid)
+    v = n_valid
+    assert (np.asarray(ref.experts)[:v] == np.asarray(r.experts)[:, :v].T).all()
+    np.testing.assert_allclose(np.asarray(r.weights)[:, :v].T, np.asarray(ref.weights)[:v], rtol=1e-6, atol=1e-7)
+    assert (np.asarray(g.dest) == np.asarray(r.dest)[:, :T].T).all()
+    nb = int(g.num_blocks[0])
+    for meta, rows in ((r.meta_up, np.zeros(64)), (r.meta_down, np.arange(64) * nt)):
+        meta = np.asarray(meta)[0]
+        assert meta[2, 0] == nb and (meta[2, 1:] == 0).all()
+        assert (meta[0, :nb] == np.asarray(g.block_expert)[:nb]).all() and (meta[0, nb:] == n_experts).all()
+        assert (meta[1] == rows).all()
+
+
+@pytest.mark.parametrize("fp8", [False], ids=["bf16"])
+def test_moe_layer_matches_reference_layer(rng, fp8):
+    """The whole layer with fused routing (dense regime, 16 experts) against `moe_layer_ref`."""
+    T, k, n_experts, n_valid = 6, 4, 16, 5
+    ex = make_experts(rng, fp8, n_experts=n_experts)
+    x, rw, rb = exact_router_inputs(rng, T, dim(fp8), n_experts)
+    cfg = small_config(T)
+    assert cfg.dense and cfg.fused_routing
+    out = jax.jit(lambda x: moe_layer(x, rw, rb, ex, top_k=k, num_valid_tokens=n_valid, config=cfg,
+                                      interpret=INTERPRET))(x)
+    ref = moe_layer_ref(x, rw, rb, ex, top_k=k, num_valid_tokens=n_valid)
+    o, r = np.asarray(out.astype(jnp.float32), np.float64), np.asarray(ref.astype(jnp.float32), np.float64)
+    assert (o[n_valid:] == 0).all() and (r[n_valid:] == 0).all()
+    routing = route_ref(x[:n_valid], rw, rb, k)
+    assert rel_err(o[:n_valid], oracle(x[:n_valid], routing, ex)) <= TOL_BF16
+    assert rel_err(o, r) <= 2 * TOL_BF16  # the reference rounds its intermediates to bf16 too
+
+
+def test_supported_and_validation():
+    x = jnp.zeros((4, 2048), jnp.bfloat16)
+    ok = ExpertWeights(jnp.zeros((64, 2048, 2048), FP8), jnp.zeros((64, 2048, 1024), FP8),
+                       jnp.ones((64, 2048)), jnp.ones((64, 2048)))
+    assert moe_kernel_supported(x, ok, 8)
+    assert not moe_kernel_supported(x, ok._replace(up_scale=None), 8)
+    assert not moe_kernel_supported(x, ok._replace(up_w=jnp.zeros((64, 2048, 2048), jnp.float32)), 8)
+    odd = ExpertWeights(jnp.zeros((4, 2 * 96, 2048), jnp.bfloat16), jnp.zeros((4, 2048, 96), jnp.bfloat16))
+    assert not moe_kernel_supported(x, odd, 2)
+    routing = Routing(jnp.ones((4, 2)), jnp.zeros((4, 2), jnp.int32), jnp.zeros((4, 4)))
+    with pytest.raises(MoEKernelError, match="multiples of 128"):
+        moe(x, routing, odd)
+    with pytest.raises(MoEKernelError, match="block_tokens"):
+        moe(x, routing._replace(experts=jnp.array([[0, 1]] * 4, jnp.int32)), ok,
+            config=MoEKernelConfig(block_tokens=12))
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-lowering at production shapes (64 experts, top-8, D 2048, I 1024) for an abstract H100.
+# What works in jax 0.11.2: trace with ShapeDtypeStructs, then
+# `.lower(lowering_platforms=("cuda",))` inside `use_abstract_mesh` of a mesh whose
+# AbstractDevice is "NVIDIA H100 80GB HBM3" with 132 cores. This runs Mosaic GPU's layout
+# inference, its SMEM-capacity check (232448 B) and its lowering to the custom call; ptxas,
+# register allocation and speed are only checked on the GPU (tools/bench_moe.py).
+
+H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_cross_lowering_production_shapes_h100(fp8):
+    """bf16: the whole `moe_layer` (routing kernel in the dense regime, up and down GEMMs) for every
+    benchmarked T. FP8: the expert GEMMs through `moe` (the routing kernel is precision-independent
+    and already lowered by the bf16 case), including the W8A8 alternative of the dense regime."""
+    S = jax.ShapeDtypeStruct
+    Ep, Dp, Ip, k = 64, 2048, 1024, 8
+    wd = FP8 if fp8 else jnp.bfloat16
+    # ExpertWeights of ShapeDtypeStructs: a pytree of specs for tracing.
+    ex = ExpertWeights(S((Ep, 2 * Ip, Dp), wd), S((Ep, Dp, Ip), wd),  # type: ignore[arg-type]
+                       S((Ep, 2 * Ip), jnp.float32) if fp8 else None,  # type: ignore[arg-type]
+                       S((Ep, Dp), jnp.float32) if fp8 else None)  # type: ignore[arg-type]
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=H100)
+    cases: list[tuple[int, bool | None]] = [(T, None) for T in (1, 4, 8, 16, 32, 64, 256, 740, 2048)]
+    if fp8:
+        cases += [(T, True) for T in (1, 16)]  # the W8A8 alternative of the streaming regime
+    for T, w8a8 in cases:
+        cfg = default_config(T, num_ctas=132)
+        if w8a8 is not None:
+            cfg = dataclasses.replace(cfg, w8a8=w8a8)
+        specs: tuple[Any, ...]
+        if fp8:
+            def f(x, routing, ex, n, cfg=cfg):
+                return moe(x, routing, ex, num_valid_tokens=n, config=cfg)
+
+            second = Routing(S((T, k), jnp.float32), S((T, k), jnp.int32), S((T, Ep), jnp.float32))  # type: ignore[arg-type]
+            specs = (S((T, Dp), jnp.bfloat16), second, ex, S((), jnp.int32))
+            kernels = 2
+        else:
+            def f(x, rw, rb, ex, n, cfg=cfg):  # type: ignore[misc]
+                return moe_layer(x, rw, rb, ex, top_k=k, num_valid_tokens=n, config=cfg)
+
+            specs = (S((T, Dp), jnp.bfloat16), S((Dp, Ep), jnp.bfloat16), S((Ep,), jnp.bfloat16), ex,
+                     S((), jnp.int32))
+            kernels = 3 if cfg.dense else 2
+        with jax.sharding.use_abstract_mesh(mesh):
+            lowered = jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",))
+        assert lowered.as_text().count("stablehlo.custom_call @mosaic_gpu") == kernels, (T, w8a8)

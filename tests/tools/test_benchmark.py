@@ -1,0 +1,156 @@
+"""tools/benchmark.py: a quick end-to-end run on a tiny synthetic MD3 (CPU, real engine) that must
+produce every workload's figures, plus the pieces that need no engine (byte accounting at full
+MD3 size, engine-argument parsing, the ours/Kestrel ratio table, the warm-start-up merge)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jax.numpy as jnp
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "tools" / "benchmark.py"
+# Small enough for a CPU: one decode bucket, one prefill bucket that holds the 740-token prompt,
+# 2-crop images only, f32 (XLA:CPU compiles it faster than bf16).
+ENGINE_ARGS = ["dtype=float32", "runner.kv_dtype=f32", "decode_buckets=2", "prefill_token_buckets=768",
+               "max_prefill_seqs=2", "runner.vision_buckets=2", "runner.num_pages=64", "runner.max_seq_len=832"]
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kjx_benchmark", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str, Path]:
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "r.json"
+    cmd = [sys.executable, str(SCRIPT), "--model", "tiny-md3", "--quick", "--out", str(out),
+           "--trace-dir", str(tmp / "trace"), "--w4-images", "378x378", "--w1-tokens", "16",
+           "--engine-args", *ENGINE_ARGS]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout, tmp
+
+
+def test_quick_run_reports_every_workload(quick_run: tuple[dict[str, Any], str, Path]) -> None:
+    res, stdout, tmp = quick_run
+    assert res["errors"] == {} and res["skipped"] == {}
+    assert res["checkpoint"]["write_s"] > 0 and res["checkpoint"]["fp8_experts"] and res["checkpoint"]["kv_scales"]
+    assert res["device"]["platform"] == "cpu" and res["versions"]["jax"]
+    assert res["copy_bandwidth"]["ceiling_gbs"] > 0
+    assert res["engine_config"]["decode_buckets"] == [2]
+    assert res["startup"][0]["create_s"] > 0 and res["startup"][0]["cache_state"] == "none"
+
+    w1 = res["w1"]["summary"]
+    assert w1["n"] == 1 and w1["output_tokens_min"] == 16 and w1["not_full_length"] == 0
+    assert w1["decode_tok_s_per_seq_p50"] > 0 and w1["ms_per_token"] > 0
+    assert w1["bytes_per_step"]["experts_active"] > 0 and w1["achieved_gbs"] > 0 and w1["fraction_of_copy_bw"] > 0
+    for tr in (res["w1"]["trace"], res["w2"]["trace"]):
+        assert "error" not in tr, tr
+        assert tr["events"] > 0 and Path(tr["file"]).is_file() and str(tmp) in tr["file"]
+    tr = res["w1"]["trace"]
+    assert tr["engine_steps"]["decode"] == 0 or tr["kernels_per_decode_step"] > 0
+
+    w2 = res["w2"]["2"]["summary"]
+    assert w2["n"] == 2 and w2["requests_per_s"] > 0 and w2["output_tok_s"] > 0
+    assert w2["ttft_ms_p50"] > 0 and w2["ttft_ms_p90"] >= w2["ttft_ms_p50"]
+    assert w2["cached_tokens_max"] == 0 and w2["not_full_length"] == 0 and w2["input_tokens"] == [740]
+    for c in ("1", "2"):
+        w3 = res["w3"][c]["summary"]
+        assert w3["n"] == 2 and w3["requests_per_s"] > 0 and w3["cached_tokens_max"] == 0
+        assert w3["latency_ms_p99"] >= w3["latency_ms_p50"] > 0
+    w4 = res["w4"]["378x378"]
+    assert w4["crops"] == 2 and w4["cold"]["ttft_ms_p50"] > 0 and w4["cold"]["cached_tokens_max"] == 0
+    assert w4["warm"]["cached_tokens_min"] >= 730 and w4["warm"]["ttft_ms_p50"] > 0
+    assert res["headline"]["decode_tok_s_b1"] == w1["decode_tok_s_per_seq_p50"]
+    assert res["headline"]["ttft_ms_378"] == w4["cold"]["ttft_ms_p50"]
+    assert "| w2 | C=2 req/s" in stdout and "| w4 | TTFT 378x378 (2 crops)" in stdout
+
+
+def test_append_adds_a_startup_record_and_keeps_the_rest(bench: ModuleType, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps({"model": "md3", "w1": {"summary": {"x": 1}}, "startup": [{"create_s": 9.0}],
+                               "errors": {}}))
+    a = bench.parse_args(["--model", "md3", "--out", str(out), "--append"])
+    o = bench.Output(a)
+    o.res["startup"] = [{"create_s": 2.0, "cache_state": "warm"}]
+    o.res["errors"]["startup"] = "boom"
+    o.dump()
+    got = json.loads(out.read_text())
+    assert [s["create_s"] for s in got["startup"]] == [9.0, 2.0]
+    assert got["w1"] == {"summary": {"x": 1}} and got["errors"] == {"append:startup": "boom"}
+
+
+def test_decode_bytes_full_size_md3(bench: ModuleType) -> None:
+    from kestrel_jax.models.config import md2_config, md3_config
+    from kestrel_jax.models.moondream import abstract_model
+
+    md3 = abstract_model(md3_config(), dtype=jnp.bfloat16, fp8_experts=True)
+    b1 = bench.decode_bytes(md3, batch=1, context=1000, kv_dtype="float8_e4m3fn")
+    # KERNELS.md section 2: ~1.28 GB of bf16 non-expert text weights + ~1.0 GB of FP8 active experts
+    assert 1.2e9 < b1["weights_dense"] < 1.35e9
+    assert 0.98e9 < b1["experts_active"] < 1.03e9
+    assert b1["kv"] == 24 * 2 * 32 * 64 * 1 * 1000
+    b64 = bench.decode_bytes(md3, batch=64, context=1000, kv_dtype="float8_e4m3fn")
+    assert 7.9e9 < b64["experts_active"] < 8.1e9  # nearly every expert is touched at batch 64
+    md2 = bench.decode_bytes(abstract_model(md2_config(), dtype=jnp.bfloat16), batch=1, context=10,
+                             kv_dtype="bfloat16")
+    assert md2["experts_active"] == 0 and 2.5e9 < md2["weights_dense"] < 3.0e9
+
+
+def test_engine_args(bench: ModuleType) -> None:
+    cfg = bench.engine_config("/x", ["decode_buckets=1,4", "prefill_token_buckets=768", "runner.num_pages=12",
+                                     "runner.kv_dtype=fp8", "warmup=False"], "/cache")
+    assert cfg.decode_buckets == (1, 4) and cfg.prefill_token_buckets == (768,) and cfg.warmup is False
+    assert cfg.runner.num_pages == 12 and cfg.runner.kv_dtype == "fp8" and cfg.runner.compilation_cache_dir == "/cache"
+    for bad in (["nope=1"], ["decode_buckets"], ["runner=1"], ["runner.nope=2"]):
+        with pytest.raises(SystemExit):
+            bench.engine_config("/x", bad, None)
+
+
+def test_ratio_table_against_kestrel_summaries(bench: ModuleType) -> None:
+    ours = {"md3": {"w1": {"summary": {"decode_tok_s_per_seq_p50": 848.0}},
+                    "w4": {"378x378": {"cold": {"ttft_ms_p50": 90.0}}},
+                    "w2": {"64": {"summary": {"requests_per_s": 17.0, "output_tok_s": 2177.5, "ttft_ms_p50": 500.0}}}}}
+    # both shapes bench_kestrel.py writes: full ({"summary": ...}) and the compact stored one
+    full = {"model": "moondream3-preview", "single": {"378": {"summary": {"decode_tok_s_per_seq_p50": 424.0,
+                                                                         "ttft_ms_p50": 45.0}}},
+            "concurrency": {"64": {"summary": {"requests_per_s": 34.0, "output_tok_s": 4355.0}}}}
+    compact = {"single": {"378": {"decode_tok_s_per_seq_p50": 424.0, "ttft_ms_p50": 45.0}},
+               "concurrency": {"64": {"requests_per_s": 34.0, "output_tok_s": 4355.0}}}
+    for peer in (full, compact):
+        text, table = bench.ratio_table(ours, {"md3": peer}, "same run")
+        t = table["md3"]
+        assert t["decode_tok_s_b1"]["ratio"] == 2.0 and t["ttft_ms_378"]["ratio"] == 2.0
+        assert t["req_s_c64"]["ratio"] == 0.5 and t["out_tok_s_c64"]["ratio"] == 0.5
+        assert t["ttft_ms_756"]["ratio"] is None
+        assert "| md3 | batch-1 decode tok/s | 848.0 | 424.0 | 2.0 | ours |" in text
+        assert "| md3 | TTFT 378 px ms | 90.0 | 45.0 | 2.0 | Kestrel |" in text  # lower is better
+
+
+def test_compare_cli_falls_back_to_the_stored_reference(bench: ModuleType, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    ours = {"model": "md2", "w1": {"summary": {"decode_tok_s_per_seq_p50": 600}}}
+    (tmp_path / "md2.json").write_text(json.dumps(ours))
+    ref = {"runs": {"run2": {"md2": {"single": {"378": {"decode_tok_s_per_seq_p50": 500.0}}}}}}
+    (tmp_path / "ref.json").write_text(json.dumps(ref))
+    rc = bench.main(["compare", "--ours", str(tmp_path / "md2.json"), "--peer", str(tmp_path / "missing.json"),
+                     "--ref", str(tmp_path / "ref.json"), "--out", str(tmp_path / "ratios.json")])
+    assert rc == 0
+    got = json.loads((tmp_path / "ratios.json").read_text())
+    assert got["reference"]["md2"]["decode_tok_s_b1"]["ratio"] == 1.2
+    assert "against the stored reference" in capsys.readouterr().out
