@@ -56,6 +56,7 @@ class EngineConfig:
     max_prefill_seqs: int = 8
     enable_prefix_cache: bool = True
     warmup: bool = True  # compile every bucket at start-up, then forbid recompiles
+    pipeline: bool = True  # launch step N+1 before reading step N (False: read each step at once)
     max_copies: int | None = None
 
 

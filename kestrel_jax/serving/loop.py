@@ -159,6 +159,9 @@ class EngineWorker:
                 if pending is not None:  # the device is busy with `launched` meanwhile
                     self._process(pending)
                 pending = launched
+                if not self.config.pipeline:
+                    self._process(pending)
+                    pending = None
                 self._deliver_finished(pending)
             except Exception as e:  # the loop itself broke: fail everyone, refuse new work
                 log.exception("engine loop failed")

@@ -182,3 +182,19 @@ def test_sampled_outputs_equal_reference_with_the_same_seed(engine: InferenceEng
     want = ref.query(images[0], "Describe it", reasoning=False,
                      settings=SamplingSettings(temperature=0.8, top_p=0.9, max_tokens=6, seed=1234))
     assert a.output["answer"] == b.output["answer"] == want.output
+
+
+def test_cancel_mid_stream(engine: InferenceEngine, images: list[Path]) -> None:
+    async def run() -> Result:
+        stream = await engine.caption(images[0], stream=True,
+                                      settings={"temperature": 0.0, "max_tokens": 250, "ignore_eos": True})
+        n = 0
+        async for _ in stream:  # type: ignore[union-attr]
+            n += 1
+            if n == 2:
+                engine.cancel(stream.request_id)  # type: ignore[union-attr]
+        return await stream.result()  # type: ignore[union-attr]
+
+    res = asyncio.run(run())
+    assert res.finish_reason == "cancelled" and res.metrics.output_tokens < 250
+    _leak_free(engine)
