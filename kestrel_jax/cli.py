@@ -1,4 +1,4 @@
-"""`kestrel-jax` command line: demo, query, caption, detect, point, convert.
+"""`kestrel-jax` command line: demo, query, caption, detect, point, serve, convert.
 
 With no `--model`, commands use a small synthetic Moondream 3 (random weights, generated
 deterministically on first use into a cache folder) and, where no image is given, the bundled
@@ -46,22 +46,40 @@ def demo_checkpoint(family: str = "md3") -> Path:
     return out
 
 
-def _load(args: argparse.Namespace) -> Any:
-    import jax.numpy as jnp
+def _engine_config(args: argparse.Namespace) -> Any:
+    """A one-shot engine: batch buckets up to 8 and lazy compilation (only the shapes a command
+    uses are compiled; a server compiles every bucket up front instead)."""
+    from kestrel_jax.serving.engine import EngineConfig
+    from kestrel_jax.serving.runner import RunnerConfig
 
-    from kestrel_jax.reference import ReferenceMoondream
+    path = str(args.model) if args.model else str(demo_checkpoint(args.family))
+    return EngineConfig(model_path=path, dtype=args.dtype, runner=RunnerConfig(max_seq_len=args.max_seq_len),
+                        decode_buckets=(1, 2, 4, 8), prefill_token_buckets=(128, 1024, 2048), max_prefill_seqs=4,
+                        warmup=False)
 
-    path = Path(args.model) if args.model else demo_checkpoint(args.family)
-    dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
+
+async def _with_engine(args: argparse.Namespace, body: Any) -> int:
+    from kestrel_jax.serving.engine import InferenceEngine
+
     t0 = time.perf_counter()
-    md = ReferenceMoondream.from_checkpoint(path, dtype=dtype, progress=not args.quiet)
+    engine = await InferenceEngine.create(_engine_config(args))
     if not args.quiet:
-        print(f"[kestrel-jax] loaded {md.cfg.name} ({md.cfg.family}) from {path} in "
-              f"{time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        print(f"[kestrel-jax] {engine.cfg.name} ({engine.cfg.family}) ready in {time.perf_counter() - t0:.1f}s "
+              f"({engine.stats['kv_dtype']} KV cache, {engine.stats['num_pages']} pages)", file=sys.stderr)
     if not args.model:
         print("[kestrel-jax] NOTE: no --model given; using a small synthetic model with RANDOM weights. "
               "Its answers are noise; pass --model PATH for a real Moondream checkpoint.", file=sys.stderr)
-    return md
+    try:
+        await body(engine)
+    finally:
+        await engine.shutdown()
+    return 0
+
+
+def _run(args: argparse.Namespace, body: Any) -> int:
+    import asyncio
+
+    return asyncio.run(_with_engine(args, body))
 
 
 def _image(args: argparse.Namespace) -> Any:
@@ -70,11 +88,9 @@ def _image(args: argparse.Namespace) -> Any:
     return Path(args.image) if args.image else DEMO_IMAGE_PATH
 
 
-def _settings(args: argparse.Namespace, temperature: float) -> Any:
-    from kestrel_jax.generate import SamplingSettings
-
-    t = temperature if args.temperature is None else args.temperature
-    return SamplingSettings(temperature=t, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed).validate()
+def _settings(args: argparse.Namespace, temperature: float) -> dict[str, Any]:
+    return {"temperature": temperature if args.temperature is None else args.temperature, "top_p": args.top_p,
+            "max_tokens": args.max_tokens, "seed": args.seed}
 
 
 def _emit(args: argparse.Namespace, payload: dict[str, Any]) -> None:
@@ -85,66 +101,83 @@ def _emit(args: argparse.Namespace, payload: dict[str, Any]) -> None:
             print(f"{k}: {v}")
 
 
+def _payload(res: Any) -> dict[str, Any]:
+    m = res.metrics
+    return {**res.output, "finish_reason": res.finish_reason,
+            "metrics": {"ttft_ms": round(m.ttft_ms, 1), "decode_tok_s": round(m.tokens_per_s, 1),
+                        "output_tokens": m.output_tokens, "cached_tokens": m.cached_tokens}}
+
+
 def cmd_caption(args: argparse.Namespace) -> int:
-    md = _load(args)
-    r = md.caption(_image(args), args.length, _settings(args, 0.2))
-    _emit(args, {"caption": r.output, "finish_reason": r.finish_reason, "tokens": len(r.tokens)})
-    return 0
+    async def body(engine: Any) -> None:
+        _emit(args, _payload(await engine.caption(_image(args), length=args.length, settings=_settings(args, 0.2))))
+
+    return _run(args, body)
 
 
 def cmd_query(args: argparse.Namespace) -> int:
-    md = _load(args)
     reasoning = None if args.reasoning is None else args.reasoning == "on"
-    image = None if args.no_image else _image(args)
-    r = md.query(image, args.question, reasoning=reasoning, settings=_settings(args, 0.2))
-    out = {"answer": r.output, "finish_reason": r.finish_reason, "tokens": len(r.tokens)}
-    if "reasoning" in r.extra:
-        out["reasoning"] = r.extra["reasoning"]["text"]
-    _emit(args, out)
-    return 0
+
+    async def body(engine: Any) -> None:
+        image = None if args.no_image else _image(args)
+        res = await engine.query(image, args.question, reasoning=reasoning, settings=_settings(args, 0.2))
+        out = _payload(res)
+        if "reasoning" in out:
+            out["reasoning"] = out["reasoning"]["text"]
+        _emit(args, out)
+
+    return _run(args, body)
+
+
+def _region_cmd(args: argparse.Namespace, skill: str) -> int:
+    settings = {} if args.max_objects is None else {"max_objects": args.max_objects}
+
+    async def body(engine: Any) -> None:
+        fn = engine.detect if skill == "detect" else engine.point
+        _emit(args, _payload(await fn(_image(args), args.object, settings=settings)))
+
+    return _run(args, body)
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
-    md = _load(args)
-    r = md.detect(_image(args), args.object, max_objects=args.max_objects)
-    _emit(args, {"objects": r.output, "finish_reason": r.finish_reason})
-    return 0
+    return _region_cmd(args, "detect")
 
 
 def cmd_point(args: argparse.Namespace) -> int:
-    md = _load(args)
-    r = md.point(_image(args), args.object, max_objects=args.max_objects)
-    _emit(args, {"points": r.output, "finish_reason": r.finish_reason})
-    return 0
+    return _region_cmd(args, "point")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kestrel_jax.generate import SamplingSettings
+    """Every skill on one image, submitted together: the engine batches them, and all but the
+    first hit the prefix cache for the image (no second vision pass or 730-token prefill)."""
+    import asyncio
 
-    md = _load(args)
-    image = _image(args)
-    print(f"[demo] image: {image}")
-    t0 = time.perf_counter()
-    enc = md.encode_image(image)
-    print(f"[demo] vision: {enc.n_crops} crops, tiling {enc.tiling}, {time.perf_counter() - t0:.2f}s")
-    s = SamplingSettings(temperature=0.0, max_tokens=args.max_tokens)
-    runs = [
-        ("caption (short)", lambda: md.caption(enc, "short", s)),
-        ("query", lambda: md.query(enc, "What is in this image?", reasoning=False, settings=s)),
-        ("query (reasoning)", lambda: md.query(enc, "How many shapes are there?", reasoning=True,
-                                               settings=s)),
-        ("detect 'car'", lambda: md.detect(enc, "car", max_objects=args.max_objects)),
-        ("point 'sun'", lambda: md.point(enc, "sun", max_objects=args.max_objects)),
-    ]
-    for name, fn in runs:
-        t = time.perf_counter()
-        r = fn()
-        dt = time.perf_counter() - t
-        out = r.output if not isinstance(r.output, str) else repr(r.output[:120])
-        print(f"[demo] {name:18s} {dt:6.2f}s  finish={r.finish_reason:6s} -> {out}")
-    if not args.model:
-        print("[demo] (random weights: the text above is noise, by design)")
-    return 0
+    async def body(engine: Any) -> None:
+        image = _image(args)
+        print(f"[demo] image: {image}")
+        s = {"temperature": 0.0, "max_tokens": args.max_tokens}
+        objs = {"max_objects": args.max_objects}
+        t0 = time.perf_counter()
+        first = await engine.caption(image, length="short", settings=s)  # encodes the image once
+        t1 = time.perf_counter()
+        rest = await asyncio.gather(
+            engine.query(image, "What is in this image?", reasoning=False, settings=s),
+            engine.query(image, "How many shapes are there?", reasoning=True, settings=s),
+            engine.detect(image, "car", settings=objs),
+            engine.point(image, "sun", settings=objs))
+        t2 = time.perf_counter()
+        names = ["caption (short)", "query", "query (reasoning)", "detect 'car'", "point 'sun'"]
+        for name, res in zip(names, [first, *rest], strict=True):
+            out = {k: v for k, v in res.output.items()}
+            text = next((v for v in out.values() if isinstance(v, str)), None)
+            shown = repr(text[:100]) if text is not None else out
+            print(f"[demo] {name:18s} finish={res.finish_reason:6s} ttft={res.metrics.ttft_ms:7.1f}ms "
+                  f"cached={res.metrics.cached_tokens:4d} -> {shown}")
+        print(f"[demo] first request {t1 - t0:.2f}s; the other four together {t2 - t1:.2f}s")
+        if not args.model:
+            print("[demo] (random weights: the text above is noise, by design)")
+
+    return _run(args, body)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -201,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--temperature", type=float, default=None)
         p.add_argument("--top-p", type=float, default=0.9)
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--max-seq-len", type=int, default=None, help="context (default: the model's)")
         p.add_argument("--json", action="store_true")
         p.add_argument("--quiet", action="store_true")
 

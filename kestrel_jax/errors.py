@@ -10,7 +10,9 @@ def user_errors() -> tuple[type[Exception], ...]:
     from kestrel_jax.models.config import ConfigError
     from kestrel_jax.models.image_crops import ImageError
     from kestrel_jax.prompts import PromptError
+    from kestrel_jax.serving.request import RequestRejected
+    from kestrel_jax.serving.skills import SettingsError
     from kestrel_jax.tokenizer import TokenizerError
 
     return (CheckpointError, GenerationError, ConfigError, ImageError, PromptError, TokenizerError,
-            FileNotFoundError)
+            SettingsError, RequestRejected, FileNotFoundError)

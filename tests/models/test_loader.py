@@ -86,3 +86,19 @@ def test_md2_synthetic_runs_forward(tmp_path: Path) -> None:
     # lm_head bias suppresses ids < 16 in synthetic checkpoints (benchmarks run to max_tokens).
     assert int(np.argmax(out.logits)) >= 16
     assert jax.devices()[0].platform == "cpu"
+
+
+def test_convert_tool_script(md3_dir: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    p = subprocess.run([sys.executable, str(repo / "tools" / "convert_checkpoint.py"), str(md3_dir),
+                        str(tmp_path / "out"), "--fp8-experts", "on"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "converted" in p.stdout
+    model = load_model(tmp_path / "out", progress=False)
+    assert model.fp8_experts and model.text.blocks[3].mlp.fc1[...].dtype == jnp.float8_e4m3fn
+    bad = subprocess.run([sys.executable, str(repo / "tools" / "convert_checkpoint.py"), str(tmp_path / "nope"),
+                          str(tmp_path / "x")], capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "no such checkpoint" in bad.stderr

@@ -1,0 +1,17 @@
+#!/usr/bin/env python3
+"""HF safetensors checkpoint -> converted (orbax) checkpoint of the project's params.
+
+    python tools/convert_checkpoint.py SRC DST [--fp8-experts on|off|keep] [--dtype bfloat16|float32]
+
+Same as `kestrel-jax convert`. With `--fp8-experts on` the MoE experts are stored as e4m3 with
+per-(expert, output row) scales; the engine loads either format (`load_model` tells them apart).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from kestrel_jax.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["convert", *sys.argv[1:]]))
