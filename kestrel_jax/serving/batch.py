@@ -21,7 +21,8 @@ import numpy as np
 D_POS, D_SLOT, D_KV_LEN, D_KIND, D_TOKEN, D_SRC, D_FLAGS, D_TOP_K, D_SEED, D_STEP = range(10)
 D_SUP = 10  # 3 suppressed-id slots: 10, 11, 12
 D_NUM_VALID = 13
-DI = 14
+D_NSTEPS = 14  # multi-step decode: iterations this row runs (0 = padding)
+DI = 15
 # Decode float columns.
 F_VAL0, F_VAL1, F_TEMP, F_TOP_P = range(4)
 DF = 4
@@ -80,8 +81,8 @@ def empty_decode(b: int, pages: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def decode_row(ints: np.ndarray, floats: np.ndarray, i: int, *, kind: int, token: int, value: tuple[float, float],
-               src: int, spec: RowSpec) -> None:
-    ints[i, D_KIND], ints[i, D_TOKEN], ints[i, D_SRC] = kind, token, src
+               src: int, spec: RowSpec, steps: int = 1) -> None:
+    ints[i, D_KIND], ints[i, D_TOKEN], ints[i, D_SRC], ints[i, D_NSTEPS] = kind, token, src, steps
     floats[i, F_VAL0], floats[i, F_VAL1] = value
     _fill_sampling(ints, floats, i, spec, D_TOP_K, D_SEED, D_STEP, D_SUP, D_FLAGS, F_TEMP, F_TOP_P)
 

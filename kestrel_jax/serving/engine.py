@@ -57,6 +57,11 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     warmup: bool = True  # compile every bucket at start-up, then forbid recompiles
     pipeline: bool = True  # launch step N+1 before reading step N (False: read each step at once)
+    # Multi-step decode: when every decoding row is a plain answer/caption row and at most
+    # `multi_step_max_batch` sequences are running, one launch runs `decode_steps` iterations
+    # on the device (host cost per token / decode_steps). 1 disables it.
+    decode_steps: int = 8
+    multi_step_max_batch: int = 16
     max_copies: int | None = None
 
 

@@ -104,7 +104,8 @@ class FakeRunner:
     # -- execution ---------------------------------------------------------------------------
 
     def run(self, plan: StepPlan) -> np.ndarray:
-        """Checks and applies the plan; returns sampled tokens [B] int32, -1 where none."""
+        """Checks and applies the plan; returns sampled tokens [B] int32 ([K, B] for a K-step
+        decode plan), -1 where none."""
         self.steps += 1
         protected = set(self._cached_pages()) if self._cached_pages is not None else set()
         self._apply_copies(plan.copies, plan.num_copies)
@@ -243,7 +244,8 @@ class FakeRunner:
             raise PlanViolation("two decode rows write the same slot")
         if len(set(plan.seq_ids[:n])) != n:
             raise PlanViolation("a sequence appears twice in one decode step")
-        tokens = np.full(B, -1, dtype=np.int32)
+        K, ps = plan.steps, self.page_size
+        tokens = np.full((K, B), -1, dtype=np.int32)
         for i in range(n):
             st = self._state(plan.seq_ids[i])
             if st is None:
@@ -251,22 +253,34 @@ class FakeRunner:
             pos, kv = int(plan.positions[i]), int(plan.kv_lens[i])
             if st.next_pos < st.req.prompt_total or pos != st.next_pos or kv != pos + 1:
                 raise PlanViolation(f"{st.req.request_id!r}: decode at {pos} (kv_len {kv}) but KV holds {st.next_pos}")
-            self._check_row(st, plan.page_table[i], kv)
-            self._write(st, plan.positions[i : i + 1], plan.slots[i : i + 1], protected)
-            self._check_reads(st, kv)
-            tokens[i] = self._sample(st, pos)
-        return tokens
+            steps = plan.steps_of(i)
+            if not 1 <= steps <= K:
+                raise PlanViolation(f"{st.req.request_id!r}: {steps} iterations in a {K}-step launch")
+            for j in range(steps):  # later iterations: slot from the page-table row (as on the device)
+                p = pos + j
+                slot = int(plan.slots[i]) if j == 0 else int(plan.page_table[i, p // ps]) * ps + p % ps
+                self._check_row(st, plan.page_table[i], p + 1)
+                self._write(st, np.array([p]), np.array([slot]), protected)
+                self._check_reads(st, p + 1)
+                tokens[j, i] = self._sample(st, p)
+        return tokens[0] if K == 1 else tokens
 
 
-def sampled(plan: StepPlan, tokens: np.ndarray) -> Mapping[Hashable, int]:
-    """request id -> token for the sequences that got a token from this step."""
-    return {sid: int(t) for sid, t in zip(plan.seq_ids, tokens.tolist(), strict=True) if sid is not None and t >= 0}
+def sampled(plan: StepPlan, tokens: np.ndarray) -> Mapping[Hashable, list[int]]:
+    """request id -> tokens (in order) for the sequences that got tokens from this step."""
+    rows = tokens[None] if tokens.ndim == 1 else tokens  # [K, B]
+    out: dict[Hashable, list[int]] = {}
+    for i, sid in enumerate(plan.seq_ids):
+        toks = [int(t) for t in rows[:, i].tolist() if t >= 0]
+        if sid is not None and toks:
+            out[sid] = toks
+    return out
 
 
 @dataclass(frozen=True)
 class StepOutcome:
     plan: StepPlan
-    tokens: np.ndarray  # [B] int32 as returned by FakeRunner.run
+    tokens: np.ndarray  # [B] (or [K, B] multi-step) int32 as returned by FakeRunner.run
     finished: list[FinishedRequest]  # everything that ended during this step's commit
 
 
@@ -277,19 +291,21 @@ def submit(scheduler: Scheduler, runner: FakeRunner, req: Request) -> None:
 
 
 def run_step(
-    scheduler: Scheduler, runner: FakeRunner, stop: Callable[[Hashable, int], bool] | None = None
+    scheduler: Scheduler, runner: FakeRunner, stop: Callable[[Hashable, int], bool] | None = None,
+    decode_steps: int = 1,
 ) -> StepOutcome | None:
     """One engine iteration: schedule -> run -> commit. `stop(request_id, token)` marks a sampled
     token as the end of its request (reason "stop"). Ended requests are forgotten by the runner
     (cancels and deadline expiries from schedule() included) and returned."""
-    plan = scheduler.schedule()
+    plan = scheduler.schedule(decode_steps)
     ended = scheduler.take_finished()  # cancels since the last step and deadline expiries
     for f in ended:
         runner.forget(f.request_id)  # before run: their pages may already be someone else's
     if plan is None:
         return None
     tokens = runner.run(plan)
-    finished = {sid: "stop" for sid, tok in sampled(plan, tokens).items() if stop is not None and stop(sid, tok)}
+    finished = {sid: "stop" for sid, toks in sampled(plan, tokens).items()
+                if stop is not None and any(stop(sid, t) for t in toks)}
     scheduler.commit(plan, finished)
     done = scheduler.take_finished()
     for f in done:
@@ -303,11 +319,12 @@ def run_until_idle(
     runner: FakeRunner,
     stop: Callable[[Hashable, int], bool] | None = None,
     max_steps: int = 100_000,
+    decode_steps: int = 1,
 ) -> list[FinishedRequest]:
     """Steps until nothing is waiting or running; returns everything that ended."""
     ended: list[FinishedRequest] = []
     for _ in range(max_steps):
-        out = run_step(scheduler, runner, stop)
+        out = run_step(scheduler, runner, stop, decode_steps)
         if out is None:
             if scheduler.has_work():
                 raise RuntimeError("scheduler has work but planned nothing (deadlock)")

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 
 class EngineWorker:
     def __init__(self, config: EngineConfig, model: Any, tokenizer: Tokenizer):
+        if config.decode_steps < 1 or config.multi_step_max_batch < 1:
+            raise ValueError(f"decode_steps and multi_step_max_batch must be >= 1, got {config.decode_steps} and "
+                             f"{config.multi_step_max_batch}")
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -113,7 +116,8 @@ class EngineWorker:
         p = self.runner.max_pages_per_seq
         for b in self.config.decode_buckets:
             ints, floats = bt.empty_decode(b, p)
-            jax.block_until_ready(self.runner.decode(ints, floats, None))
+            for steps in self._step_variants(b):
+                jax.block_until_ready(self.runner.decode(ints, floats, None, steps))
         bsz = self.config.max_prefill_seqs
         for t in self.config.prefill_token_buckets:
             jax.block_until_ready(self.runner.prefill(*bt.empty_prefill(t, bsz, p), self._no_images()))
@@ -123,6 +127,27 @@ class EngineWorker:
             crops = np.zeros((n, vis.crop_size, vis.crop_size, 3), np.uint8)
             jax.block_until_ready(self.runner.encode_image(crops, (1, n - 1)))
         self.runner.freeze()
+
+    def _step_variants(self, bucket: int) -> tuple[int, ...]:
+        """Decode iterations per launch compiled for a batch bucket."""
+        k, cap = self.config.decode_steps, self.config.multi_step_max_batch
+        buckets = self.config.decode_buckets
+        multi = k > 1 and bucket <= next((b for b in sorted(buckets) if b >= cap), max(buckets))
+        return (1, k) if multi else (1,)
+
+    def _decode_steps(self, pending: Pending | None) -> int:
+        """Iterations for the next decode launch: `decode_steps` when every decoding job can run
+        ahead without the host (plain answer/caption tokens), else 1."""
+        k = self.config.decode_steps
+        if k <= 1 or self.scheduler.num_running > self.config.multi_step_max_batch:
+            return 1
+        for rid, sub in self._live.items():
+            pend = pending.outputs_of(rid) if pending is not None else 0
+            if sub.job.samples == 0 and pend == 0:
+                continue  # not decoding yet (queued or prefilling): not in a decode plan
+            if not sub.job.can_run_ahead(pend):
+                return 1
+        return k
 
     def _no_images(self) -> jax.Array:
         t = self.model.cfg.text
@@ -134,7 +159,7 @@ class EngineWorker:
         while not self._stop.is_set():
             try:
                 self._drain_inbox(block=pending is None and not self.scheduler.has_work())
-                plan = self.scheduler.schedule()
+                plan = self.scheduler.schedule(self._decode_steps(pending))
                 if plan is None:
                     if pending is not None:
                         self._process(pending)

@@ -70,7 +70,15 @@ class PrefillPlan:
 
 @dataclass(frozen=True, eq=False)
 class DecodePlan:
-    """One new position per running sequence; rows padded to a decode bucket B."""
+    """One new position per running sequence (or up to `steps` with multi-step decode); rows
+    padded to a decode bucket B.
+
+    Multi-step: the device runs `steps` decode iterations in one launch, each row taking its own
+    previous sample as input; row i runs `row_steps[i]` of them (its remaining token budget),
+    writing positions `positions[i] .. positions[i] + row_steps[i] - 1`. `positions`, `slots`
+    and `kv_lens` describe the first iteration; the device derives the later slots from the
+    page-table row.
+    """
 
     step: int
     seq_ids: tuple[Hashable | None, ...]  # [B] request id per row, None = padding
@@ -81,6 +89,8 @@ class DecodePlan:
     page_table: np.ndarray  # [B, P] int32
     copies: np.ndarray  # [C, 2] int32 page copies to run first (see module doc)
     num_copies: int
+    steps: int = 1  # decode iterations in this launch (the compiled variant)
+    row_steps: np.ndarray | None = None  # [B] int32 iterations per row (0 = padding); None: all 1
     kind: Literal["decode"] = "decode"
 
     def __post_init__(self) -> None:
@@ -89,6 +99,11 @@ class DecodePlan:
     @property
     def bucket(self) -> int:
         return int(self.positions.shape[0])
+
+    def steps_of(self, row: int) -> int:
+        if self.row_steps is None:
+            return 1 if row < self.num_seqs else 0
+        return int(self.row_steps[row])
 
 
 StepPlan = PrefillPlan | DecodePlan

@@ -85,7 +85,33 @@ def unpack(host: np.ndarray) -> StepOutputs:
                        host[:, 5].astype(np.int32))  # type: ignore[arg-type]
 
 
-def _embed(model: MoondreamModel, kind: jax.Array, token: jax.Array, value: jax.Array,
+class LM(NamedTuple):
+    """What the prefill and decode steps use of the model: the text decoder and region heads.
+    The vision encoder's params stay out of these steps' arguments (half of MD2's arrays): every
+    argument costs host time at each dispatch."""
+
+    cfg: Any  # MoondreamConfig
+    dtype: Any
+    text: Any  # TextModel
+    region: Any  # RegionModel
+
+
+class _Parts(NamedTuple):
+    """Static description of how to rebuild `LM` from a flat list of arrays."""
+
+    cfg: Any
+    dtype: Any
+    text_gd: Any
+    region_gd: Any
+    treedef: Any
+
+
+def _lm(parts: _Parts, params: list[jax.Array]) -> LM:
+    text_state, region_state = jax.tree.unflatten(parts.treedef, params)
+    return LM(parts.cfg, parts.dtype, nnx.merge(parts.text_gd, text_state), nnx.merge(parts.region_gd, region_state))
+
+
+def _embed(model: LM, kind: jax.Array, token: jax.Array, value: jax.Array,
            image_row: jax.Array | None, images: jax.Array | None) -> jax.Array:
     """Per-row input embedding: wte[token], E_coord(value[0]), E_size(value) or an image row."""
     dtype = model.dtype
@@ -102,16 +128,19 @@ def _embed(model: MoondreamModel, kind: jax.Array, token: jax.Array, value: jax.
 
 
 def _sampling(ints: jax.Array, floats: jax.Array, top_k: int, seed: int, step: int, sup: int, temp: int,
-              top_p: int, suppressed: jax.Array | None = None) -> SamplingParams:
+              top_p: int, suppressed: jax.Array | None = None, step_offset: jax.Array | int = 0) -> SamplingParams:
     return SamplingParams(
         temperature=floats[:, temp], top_k=ints[:, top_k], top_p=floats[:, top_p],
-        seed=jax.lax.bitcast_convert_type(ints[:, seed], jnp.uint32), step=ints[:, step],
+        seed=jax.lax.bitcast_convert_type(ints[:, seed], jnp.uint32), step=ints[:, step] + step_offset,
         suppressed_ids=ints[:, sup: sup + bt.N_SUP] if suppressed is None else suppressed)
 
 
-def _heads(model: MoondreamModel, hidden: jax.Array, sp: SamplingParams, region: jax.Array,
-           reasoning: jax.Array, backend: str, out_rows: int) -> jax.Array:
-    """hidden [B, D] (pre post_ln) -> packed outputs [out_rows, 6] (see StepOutputs.packed)."""
+def _heads(model: LM, hidden: jax.Array, sp: SamplingParams, backend: str, out_rows: int) -> jax.Array:
+    """hidden [B, D] (pre post_ln) -> packed outputs [out_rows, 6] (see StepOutputs.packed).
+
+    The region heads run for every row and every step. A `lax.cond` on "does any row need
+    them" would make XLA copy the predicate to the host and wait for it in the middle of the
+    step, stalling the dispatch of everything after it; the heads cost ~1% of a decode step."""
     tk = model.cfg.tokenizer
     logits = model.text.logits(hidden)  # [B, V] f32
     out = sample(logits, sp, return_logprobs=True, backend=backend)  # type: ignore[arg-type]
@@ -119,16 +148,9 @@ def _heads(model: MoondreamModel, hidden: jax.Array, sp: SamplingParams, region:
         nxt = jnp.where(logits[:, tk.coord_id] >= logits[:, tk.eos_id], tk.coord_id, tk.eos_id)
     else:
         nxt = jnp.argmax(logits, axis=-1)
-    need = region | (reasoning & (out.tokens == tk.coord_id))
     b = hidden.shape[0]
-
-    def region_outputs(h: jax.Array) -> tuple[jax.Array, jax.Array]:
-        c = coord_bin_to_value(jnp.argmax(model.region.decode_coordinate(h), axis=-1))
-        s = size_bin_to_value(jnp.argmax(model.region.decode_size(h), axis=-1))
-        return c, s
-
-    coord, size = jax.lax.cond(jnp.any(need), region_outputs,
-                               lambda h: (jnp.zeros((b,), jnp.float32), jnp.zeros((b, 2), jnp.float32)), hidden)
+    coord = coord_bin_to_value(jnp.argmax(model.region.decode_coordinate(hidden), axis=-1))
+    size = size_bin_to_value(jnp.argmax(model.region.decode_size(hidden), axis=-1))
     assert out.logprobs is not None
     packed = StepOutputs(out.tokens, out.logprobs, coord, size, nxt.astype(jnp.int32)).packed()
     return jnp.pad(packed, ((0, out_rows - b), (0, 0)))
@@ -143,51 +165,83 @@ def _copy_pages(cache: KVCache, copies: jax.Array) -> KVCache:
     return KVCache(k, v, cache.k_scale, cache.v_scale)
 
 
-def _merge(graphdef: Any, treedef: Any, params: list[jax.Array]) -> MoondreamModel:
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-
-
-def _decode_step(graphdef: Any, treedef: Any, params: list[jax.Array], cache: KVCache, ints: jax.Array,
-                 floats: jax.Array, prev: jax.Array, backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
-    """ints [B, DI + P], floats [B, DF] (batch.py layout), prev [out_rows, 6] the previous step's
-    packed outputs (rows with src >= 0 take their input from it)."""
-    model = _merge(graphdef, treedef, params)
+def _decode_once(model: LM, cache: KVCache, ints: jax.Array, floats: jax.Array, prev: jax.Array, src: jax.Array,
+                 slots: jax.Array, positions: jax.Array, kv_lens: jax.Array, step_offset: jax.Array | int,
+                 backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
+    """One decode iteration; rows with src >= 0 take their input from row src of `prev`."""
     tk = model.cfg.tokenizer
+    use_prev = src >= 0
+    p = prev[jnp.clip(src, 0, prev.shape[0] - 1)]
+    p_tok = p[:, 0].astype(jnp.int32)
+    reasoning = (ints[:, bt.D_FLAGS] & bt.FLAG_REASONING) != 0
+    kind = ints[:, bt.D_KIND]
+    token = jnp.where(use_prev, p_tok, ints[:, bt.D_TOKEN])
+    value = floats[:, bt.F_VAL0: bt.F_VAL1 + 1]
+    p_coord = jnp.stack([p[:, 2], jnp.zeros_like(p[:, 2])], axis=1)
+    # a reasoning row that sampled the coordinate token feeds E_coord(its decoded value)
+    r_coord = use_prev & reasoning & (p_tok == tk.coord_id)
+    kind = jnp.where(r_coord, IN_COORD, kind)
+    value = jnp.where((use_prev & (kind == IN_COORD))[:, None], p_coord, value)
+    value = jnp.where((use_prev & (kind == IN_SIZE))[:, None], p[:, 3:5], value)
+    # a reasoning row that sampled the answer token feeds it and starts its answer: the next
+    # sample is the answer's first, with nothing suppressed
+    first_answer = use_prev & reasoning & (p_tok == tk.answer_id)
+    sup = jnp.where(first_answer[:, None], -1, ints[:, bt.D_SUP: bt.D_SUP + bt.N_SUP])
+    x = _embed(model, kind, token, value, None, None)
+    batch = AttentionBatch(positions, slots, kv_lens, ints[:, bt.DI:], num_valid=ints[0, bt.D_NUM_VALID])
+    hidden, cache, _ = model.text(x, batch, cache)
+    sp = _sampling(ints, floats, bt.D_TOP_K, bt.D_SEED, bt.D_STEP, bt.D_SUP, bt.F_TEMP, bt.F_TOP_P, sup, step_offset)
+    return cache, _heads(model, hidden, sp, backend, out_rows)
+
+
+def _decode_step(parts: _Parts, params: list[jax.Array], cache: KVCache, ints: jax.Array, floats: jax.Array,
+                 prev: jax.Array, backend: str, out_rows: int, steps: int) -> tuple[KVCache, jax.Array, jax.Array]:
+    """ints [B, DI + P], floats [B, DF] (batch.py layout), prev [out_rows, 6] the previous step's
+    packed outputs (rows with src >= 0 take their input from it).
+
+    `steps` > 1 runs that many iterations in one launch (a loop with a static trip count, so no
+    host round trip): iteration j feeds each row its own sample of iteration j - 1, writes
+    position pos + j (slot from the row's page table) and samples with step counter step + j.
+    Row i runs ints[i, D_NSTEPS] iterations; after those its writes are dropped (slot -1) and its
+    outputs are ignored by the host. Returns (cache, outputs [steps, out_rows, 6], last
+    [out_rows, 6] = each row's output of its last iteration, the next launch's `prev`)."""
+    model = _lm(parts, params)
     with ops.use_backend(backend):  # type: ignore[arg-type]
-        src = ints[:, bt.D_SRC]
-        use_prev = src >= 0
-        p = prev[jnp.clip(src, 0, prev.shape[0] - 1)]
-        p_tok = p[:, 0].astype(jnp.int32)
-        reasoning = (ints[:, bt.D_FLAGS] & bt.FLAG_REASONING) != 0
-        region = (ints[:, bt.D_FLAGS] & bt.FLAG_REGION) != 0
-        kind = ints[:, bt.D_KIND]
-        token = jnp.where(use_prev, p_tok, ints[:, bt.D_TOKEN])
-        value = floats[:, bt.F_VAL0: bt.F_VAL1 + 1]
-        p_coord = jnp.stack([p[:, 2], jnp.zeros_like(p[:, 2])], axis=1)
-        # a reasoning row that sampled the coordinate token feeds E_coord(its decoded value)
-        r_coord = use_prev & reasoning & (p_tok == tk.coord_id)
-        kind = jnp.where(r_coord, IN_COORD, kind)
-        value = jnp.where((use_prev & (kind == IN_COORD))[:, None], p_coord, value)
-        value = jnp.where((use_prev & (kind == IN_SIZE))[:, None], p[:, 3:5], value)
-        # a reasoning row that sampled the answer token feeds it and starts its answer: the next
-        # sample is the answer's first, with nothing suppressed
-        first_answer = use_prev & reasoning & (p_tok == tk.answer_id)
-        sup = jnp.where(first_answer[:, None], -1, ints[:, bt.D_SUP: bt.D_SUP + bt.N_SUP])
-        reasoning = reasoning & ~first_answer
-        x = _embed(model, kind, token, value, None, None)
-        batch = AttentionBatch(ints[:, bt.D_POS], ints[:, bt.D_SLOT], ints[:, bt.D_KV_LEN], ints[:, bt.DI:],
-                               num_valid=ints[0, bt.D_NUM_VALID])
-        hidden, cache, _ = model.text(x, batch, cache)
-        sp = _sampling(ints, floats, bt.D_TOP_K, bt.D_SEED, bt.D_STEP, bt.D_SUP, bt.F_TEMP, bt.F_TOP_P, sup)
-        return cache, _heads(model, hidden, sp, region, reasoning, backend, out_rows)
+        pos0, slot0, kv0 = ints[:, bt.D_POS], ints[:, bt.D_SLOT], ints[:, bt.D_KV_LEN]
+        if steps == 1:
+            cache, out = _decode_once(model, cache, ints, floats, prev, ints[:, bt.D_SRC], slot0, pos0, kv0, 0,
+                                      backend, out_rows)
+            return cache, out[None], out
+        b = ints.shape[0]
+        n = ints[:, bt.D_NSTEPS]
+        table = ints[:, bt.DI:]
+        page = cache.page_size
+        own = jnp.arange(b, dtype=jnp.int32)
+
+        def body(carry: tuple[KVCache, jax.Array], j: jax.Array) -> tuple[tuple[KVCache, jax.Array], jax.Array]:
+            cache, prev = carry
+            adv = jnp.minimum(j, jnp.maximum(n - 1, 0))
+            pos = pos0 + adv
+            kv = jnp.where(kv0 > 0, kv0 + adv, 0)
+            page_of = jnp.take_along_axis(table, jnp.clip(pos // page, 0, table.shape[1] - 1)[:, None], axis=1)[:, 0]
+            slot = jnp.where(j == 0, slot0, jnp.where(j < n, page_of * page + pos % page, -1))
+            src = jnp.where(j == 0, ints[:, bt.D_SRC], own)
+            cache, out = _decode_once(model, cache, ints, floats, prev, src, slot, pos, kv, j, backend, out_rows)
+            return (cache, out), out
+
+        (cache, _), outs = jax.lax.scan(body, (cache, prev), jnp.arange(steps, dtype=jnp.int32))
+        last_iter = jnp.clip(n - 1, 0, steps - 1)
+        last = outs[last_iter, own]  # [B, 6]
+        last = jnp.pad(last, ((0, out_rows - b), (0, 0)))
+        return cache, outs, last
 
 
-def _prefill_step(graphdef: Any, treedef: Any, params: list[jax.Array], cache: KVCache, tok_ints: jax.Array,
+def _prefill_step(parts: _Parts, params: list[jax.Array], cache: KVCache, tok_ints: jax.Array,
                   tok_floats: jax.Array, seq_ints: jax.Array, seq_floats: jax.Array, images: jax.Array,
                   backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
     """tok_ints [T, TI], tok_floats [T, 2], seq_ints [B, SI + P], seq_floats [B, 2] (batch.py
     layout), images [NI, 729, D]: per-sequence outputs of each completed prompt's last row."""
-    model = _merge(graphdef, treedef, params)
+    model = _lm(parts, params)
     with ops.use_backend(backend):  # type: ignore[arg-type]
         x = _embed(model, tok_ints[:, bt.T_KIND], tok_ints[:, bt.T_TOKEN], tok_floats, tok_ints[:, bt.T_IMG_ROW],
                    images)
@@ -196,16 +250,14 @@ def _prefill_step(graphdef: Any, treedef: Any, params: list[jax.Array], cache: K
                                seq_ints[:, bt.SI:], cu, seq_ints[:, bt.S_PREFIX], tok_ints[0, bt.T_NUM_VALID])
         hidden, cache, _ = model.text(x, batch, cache)
         last = hidden[jnp.clip(seq_ints[:, bt.S_LOGITS_ROW], 0, hidden.shape[0] - 1)]  # [B, D]
-        flags = seq_ints[:, bt.S_FLAGS]
         sp = _sampling(seq_ints, seq_floats, bt.S_TOP_K, bt.S_SEED, bt.S_STEP, bt.S_SUP, 0, 1)
-        return cache, _heads(model, last, sp, (flags & bt.FLAG_REGION) != 0, (flags & bt.FLAG_REASONING) != 0,
-                             backend, out_rows)
+        return cache, _heads(model, last, sp, backend, out_rows)
 
 
-def _vision_step(graphdef: Any, treedef: Any, params: list[jax.Array], crops: jax.Array,
+def _vision_step(graphdef: Any, treedef: Any, dtype: Any, params: list[jax.Array], crops: jax.Array,
                  pool_rows: jax.Array, pool_cols: jax.Array) -> jax.Array:
-    model = _merge(graphdef, treedef, params)
-    return model.vision.encode_padded(crops, pool_rows, pool_cols, model.dtype)
+    vision = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+    return vision.encode_padded(crops, pool_rows, pool_cols, dtype)
 
 
 def _kv_dtype(name: str, model: MoondreamModel) -> jnp.dtype:
@@ -241,22 +293,27 @@ class Runner:
         self.max_pages_per_seq = self.config.max_pages_per_seq or -(-self.max_seq_len // self.page_size)
         self.kv_dtype = _kv_dtype(self.config.kv_dtype, model)
         self.vision_buckets = tuple(sorted(self.config.vision_buckets))
-        # Params travel as one flat list: dispatching a flat list of arrays is much cheaper per
-        # step than flattening the nested module state on every call.
-        self.graphdef, state = nnx.split(model)
-        self.params, self.treedef = jax.tree.flatten(state)
+        # Params travel as flat lists (dispatching a flat list of arrays is much cheaper per step
+        # than flattening the nested module state on every call): the text decoder and region
+        # heads for prefill/decode, the vision encoder for the vision step.
+        text_gd, text_state = nnx.split(model.text)
+        region_gd, region_state = nnx.split(model.region)
+        self.lm_params, lm_treedef = jax.tree.flatten((text_state, region_state))
+        self._parts = _Parts(model.cfg, model.dtype, text_gd, region_gd, lm_treedef)
+        vision_gd, vision_state = nnx.split(model.vision)
+        self.vision_params, vision_treedef = jax.tree.flatten(vision_state)
         self.num_pages = self.config.num_pages or self._pages_from_memory()
         pool = init_kv_pool(t.n_layers, self.num_pages, self.page_size, t.n_kv_heads, t.head_dim, self.kv_dtype)
         scales = jnp.asarray(model.text.kv_scales[...], jnp.float32)
         self.cache = KVCache(tuple(k for k, _ in pool), tuple(v for _, v in pool), scales[:, 0], scales[:, 1])
         backend = self.config.backend
-        self._decode = jax.jit(functools.partial(_decode_step, self.graphdef, self.treedef, backend=backend,
-                                                 out_rows=out_rows), donate_argnums=(1,))
-        self._prefill = jax.jit(functools.partial(_prefill_step, self.graphdef, self.treedef, backend=backend,
+        self._backend = backend
+        self._decode: dict[int, Any] = {}  # iterations per launch -> jitted step
+        self._prefill = jax.jit(functools.partial(_prefill_step, self._parts, backend=backend,
                                                   out_rows=out_rows), donate_argnums=(1,))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
         self.no_outputs = jnp.zeros((out_rows, 6), jnp.float32)
-        self._vision = jax.jit(functools.partial(_vision_step, self.graphdef, self.treedef))
+        self._vision = jax.jit(functools.partial(_vision_step, vision_gd, vision_treedef, model.dtype))
         self._frozen: dict[str, int] | None = None
 
     # ------------------------------------------------------------------------------- sizing
@@ -289,20 +346,33 @@ class Runner:
                              f"({self.vision_buckets[-1]}); extend RunnerConfig.vision_buckets")
         pad = np.zeros((bucket - n, *crops_u8.shape[1:]), np.uint8)
         rows, cols = tile_pool_matrices(tiling, self.cfg.vision, bucket - 1)
-        return self._guarded("vision", self._vision, self.params, jnp.asarray(np.concatenate([crops_u8, pad])),
-                             rows, cols)
+        return self._guarded("vision", self._vision, self.vision_params,
+                             jnp.asarray(np.concatenate([crops_u8, pad])), rows, cols)
 
     # ------------------------------------------------------------------------------- steps
-    def decode(self, ints: np.ndarray, floats: np.ndarray, prev: jax.Array | None) -> jax.Array:
-        """Dispatch a decode step (batch.py layout); returns its packed outputs [out_rows, 6]
-        without waiting. `prev`: the previous step's packed outputs (for rows with src >= 0)."""
+    def _decode_fn(self, steps: int) -> Any:
+        fn = self._decode.get(steps)
+        if fn is None:
+            if self._frozen is not None:
+                raise RecompileError(f"no {steps}-iteration decode step was compiled at start-up")
+            fn = jax.jit(functools.partial(_decode_step, self._parts, backend=self._backend, out_rows=self.out_rows,
+                                           steps=steps), donate_argnums=(1,))
+            self._decode[steps] = fn
+        return fn
+
+    def decode(self, ints: np.ndarray, floats: np.ndarray, prev: jax.Array | None,
+               steps: int = 1) -> tuple[jax.Array, jax.Array]:
+        """Dispatch a decode launch of `steps` iterations (batch.py layout) without waiting.
+        Returns (outputs [steps, out_rows, 6], last [out_rows, 6]: each row's output of its last
+        iteration). `prev`: the previous launch's `last` (for rows with src >= 0)."""
         prev = self.no_outputs if prev is None else prev
-        self.cache, out = self._guarded("decode", self._decode, self.params, self.cache, ints, floats, prev)
-        return out
+        self.cache, outs, last = self._guarded(f"decode{steps}", self._decode_fn(steps), self.lm_params, self.cache,
+                                               ints, floats, prev)
+        return outs, last
 
     def prefill(self, tok_ints: np.ndarray, tok_floats: np.ndarray, seq_ints: np.ndarray, seq_floats: np.ndarray,
                 images: jax.Array) -> jax.Array:
-        self.cache, out = self._guarded("prefill", self._prefill, self.params, self.cache, tok_ints, tok_floats,
+        self.cache, out = self._guarded("prefill", self._prefill, self.lm_params, self.cache, tok_ints, tok_floats,
                                         seq_ints, seq_floats, images)
         return out
 
@@ -323,7 +393,9 @@ class Runner:
 
     # ------------------------------------------------------------------------------- guard
     def _fns(self) -> dict[str, Any]:
-        return {"decode": self._decode, "prefill": self._prefill, "vision": self._vision, "copy": self._copy}
+        fns = {"prefill": self._prefill, "vision": self._vision, "copy": self._copy}
+        fns.update({f"decode{k}": fn for k, fn in self._decode.items()})
+        return fns
 
     def freeze(self) -> None:
         """After warm-up: any further trace of a step is an error (a shape escaped its bucket)."""

@@ -22,7 +22,9 @@ reach the cache instead of prefilling the same image again.
 
 Steps: prefill has priority. A prefill step packs chunks of prefilling sequences in admission
 order under the token budget; an uncached image prefix goes whole in one chunk, prompts may be
-split anywhere. Otherwise a decode step advances every decoding sequence by one position.
+split anywhere. Otherwise a decode step advances every decoding sequence by one position, or
+by up to `decode_steps` positions (each capped by the sequence's remaining token budget) when
+the engine asks for a multi-step launch.
 Pure Python + numpy (no JAX).
 """
 
@@ -201,14 +203,18 @@ class Scheduler:
 
     # -- step --------------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan | None:
-        """Admits what fits and returns the next step's plan, or None when nothing can run."""
+    def schedule(self, decode_steps: int = 1) -> StepPlan | None:
+        """Admits what fits and returns the next step's plan, or None when nothing can run.
+        `decode_steps` > 1: a decode plan advances each sequence by up to that many positions
+        in one launch (the engine asks for it only when every row can run ahead)."""
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         if self._in_flight is not None:
             raise SchedulerStateError("commit() the plan in flight before scheduling another")
         now = self.clock()
         self._expire(now)
         self._admit(now)
-        plan = self._build_prefill() or self._build_decode()
+        plan = self._build_prefill() or self._build_decode(decode_steps)
         self._in_flight = plan
         return plan
 
@@ -236,12 +242,13 @@ class Scheduler:
                     seq.metrics.first_token_time = now
                     stepped.append(seq)
         else:
-            for sid in plan.seq_ids[: plan.num_seqs]:
+            for i, sid in enumerate(plan.seq_ids[: plan.num_seqs]):
                 seq = self._live.get(sid)
                 if seq is None:
                     continue
-                seq.computed += 1
-                seq.generated += 1
+                n = plan.steps_of(i)
+                seq.computed += n
+                seq.generated += n
                 stepped.append(seq)
         for sid, reason in (finished or {}).items():
             seq = self._live.get(sid)
@@ -408,7 +415,7 @@ class Scheduler:
             copies=copies, num_copies=num_copies,
         )  # fmt: skip
 
-    def _build_decode(self) -> DecodePlan | None:
+    def _build_decode(self, steps: int = 1) -> DecodePlan | None:
         cfg = self.config
         running = [s for s in self._live.values() if s.decoding]
         if not running:
@@ -426,14 +433,20 @@ class Scheduler:
         slots[:n] = table[np.arange(n), pos // cfg.page_size].astype(np.int64) * cfg.page_size + pos % cfg.page_size
         kv_lens[:n] = pos + 1
         seq_ids = tuple(s.req.request_id for s in running) + (None,) * (B - n)
+        row_steps = None
+        if steps > 1:  # each row runs ahead at most to the end of its reservation
+            row_steps = np.zeros(B, np.int32)
+            left = np.fromiter((s.req.max_new_tokens - s.generated for s in running), np.int64, n)
+            row_steps[:n] = np.clip(left, 1, steps)
         copies, num_copies = self._copies()
         self._step += 1
         self.stats.decode_steps += 1
-        self.stats.decode_rows += n
-        self.stats.decode_padding += B - n
+        self.stats.decode_rows += n if row_steps is None else int(row_steps.sum())
+        self.stats.decode_padding += (B - n) * steps
         return DecodePlan(
             step=self._step, seq_ids=seq_ids, num_seqs=n, positions=positions, slots=slots,
-            kv_lens=kv_lens, page_table=table, copies=copies, num_copies=num_copies,
+            kv_lens=kv_lens, page_table=table, copies=copies, num_copies=num_copies, steps=steps,
+            row_steps=row_steps,
         )  # fmt: skip
 
     # -- checks and teardown -----------------------------------------------------------------

@@ -136,15 +136,22 @@ class Job:
         return m
 
     # ----------------------------------------------------------------------------- next step
-    # The engine may dispatch a step before it has read this job's previous output ("pending"):
-    # then the step takes its input from that output on the device (batch.py), and these methods
-    # describe the step as if the pending output had been consumed.
+    # The engine may dispatch a step before it has read this job's previous outputs ("pending":
+    # how many; more than one after a multi-step launch): then the step takes its input from the
+    # last of them on the device (batch.py), and these methods describe the step as if the
+    # pending outputs had been consumed.
 
-    def _forced_answer(self, pending: bool) -> bool:
+    def can_run_ahead(self, pending: int) -> bool:
+        """Whether this job's next outputs need no host decision between them: plain answer /
+        caption tokens, each fed back as the next input (multi-step decode). Reasoning and
+        region phases, and the first sample of a phase, go one step at a time."""
+        return self.phase == "text" and (pending > 0 or not self.first_of_phase)
+
+    def _forced_answer(self, pending: int) -> bool:
         """Reasoning hit max_tokens: the pending sample is discarded and the answer token fed."""
-        return pending and self.phase == "reasoning" and len(self.reasoning_tokens) >= self.settings.max_tokens
+        return bool(pending) and self.phase == "reasoning" and len(self.reasoning_tokens) >= self.settings.max_tokens
 
-    def next_input(self, pending: bool) -> tuple[int, int, tuple[float, float], bool]:
+    def next_input(self, pending: int) -> tuple[int, int, tuple[float, float], bool]:
         """(kind, token, value, from_previous_output) of the next step's input."""
         if not pending:
             return self.next_kind, self.next_token, self.next_value, False
@@ -156,10 +163,11 @@ class Job:
             return IN_COORD, 0, (0.0, 0.0), True  # x (from the deciding hidden state) or y
         return IN_SIZE, 0, (0.0, 0.0), True
 
-    def row_spec(self, pending: bool) -> RowSpec:
-        """Sampling settings and flags for the next output."""
+    def row_spec(self, pending: int) -> RowSpec:
+        """Sampling settings and flags for the next output (a multi-step launch numbers its
+        later samples step + 1, step + 2, ... on the device)."""
         tk = self.cfg.tokenizer
-        seed, step = self.settings.seed or 0, self.samples + (1 if pending else 0)
+        seed, step = self.settings.seed or 0, self.samples + int(pending)
         if self.skill in ("detect", "point"):
             return RowSpec(seed=seed, step=step, region=True)
         s = self.settings

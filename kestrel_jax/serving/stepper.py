@@ -21,7 +21,7 @@ import numpy as np
 from kestrel_jax.serving import batch as bt
 from kestrel_jax.serving.engine import Submission
 from kestrel_jax.serving.plan import DecodePlan, PrefillPlan
-from kestrel_jax.serving.runner import IN_COORD, IN_IMAGE, IN_SIZE, Runner, unpack
+from kestrel_jax.serving.runner import IN_COORD, IN_IMAGE, IN_SIZE, Runner
 from kestrel_jax.serving.skills import StepOut
 
 
@@ -30,8 +30,18 @@ class Pending:
     """A launched step whose outputs the host has not read yet."""
 
     plan: PrefillPlan | DecodePlan
-    out: jax.Array  # packed [out_rows, 6]
+    out: jax.Array  # packed [out_rows, 6] (prefill) or [steps, out_rows, 6] (decode)
     rows: dict[int, int] = field(default_factory=dict)  # request id -> output row
+    last: jax.Array | None = None  # [out_rows, 6] each row's last output (the next launch's inputs)
+    row_steps: dict[int, int] = field(default_factory=dict)  # request id -> outputs (decode; default 1)
+
+    def outputs_of(self, rid: int) -> int:
+        """How many outputs this step produces for the request (0: not in it)."""
+        return self.row_steps.get(rid, 1) if rid in self.rows else 0
+
+    @property
+    def feed(self) -> jax.Array:
+        return self.out if self.last is None else self.last
 
 
 class Stepper:
@@ -45,7 +55,7 @@ class Stepper:
         self.image_tokens = image_tokens
         model = runner.model
         self._zero_image = jnp.zeros((prefix_len - 1, model.cfg.text.dim), model.dtype)
-        self.steps = {"prefill": 0, "decode": 0}
+        self.steps = {"prefill": 0, "decode": 0, "decode_multi": 0}
 
     # ------------------------------------------------------------------------------ launch
     def dispatch(self, plan: PrefillPlan | DecodePlan, pending: Pending | None) -> Pending:
@@ -53,6 +63,7 @@ class Stepper:
             self.runner.copy_pages(plan.copies)
         if isinstance(plan, DecodePlan):
             self.steps["decode"] += 1
+            self.steps["decode_multi"] += plan.steps > 1
             return self._decode(plan, pending)
         self.steps["prefill"] += 1
         return self._prefill(plan)
@@ -66,19 +77,23 @@ class Stepper:
         ints[:, bt.DI:] = plan.page_table
         ints[:, bt.D_NUM_VALID] = plan.num_seqs
         rows: dict[int, int] = {}
+        row_steps: dict[int, int] = {}
         for i in range(plan.num_seqs):
             rid = int(plan.seq_ids[i])  # type: ignore[call-overload]
             sub = self.live.get(rid)
             if sub is None:
                 continue
             job = sub.job
-            pend = pending is not None and rid in pending.rows
+            pend = pending.outputs_of(rid) if pending is not None else 0
             kind, token, value, from_prev = job.next_input(pend)
             src = pending.rows[rid] if (from_prev and pending is not None) else -1
-            bt.decode_row(ints, floats, i, kind=kind, token=token, value=value, src=src, spec=job.row_spec(pend))
+            n = plan.steps_of(i)
+            bt.decode_row(ints, floats, i, kind=kind, token=token, value=value, src=src, spec=job.row_spec(pend),
+                          steps=n)
             rows[rid] = i
-        out = self.runner.decode(ints, floats, pending.out if pending is not None else None)
-        return Pending(plan, out, rows)
+            row_steps[rid] = n
+        outs, last = self.runner.decode(ints, floats, pending.feed if pending is not None else None, plan.steps)
+        return Pending(plan, outs, rows, last, row_steps)
 
     def _prefill(self, plan: PrefillPlan) -> Pending:
         t, bsz = plan.bucket, plan.kv_lens.shape[0]
@@ -130,7 +145,8 @@ class Stepper:
     def process(self, pending: Pending) -> dict[int, str]:
         """Read a launched step's outputs (waits for it) and advance its jobs. Returns the jobs
         that finished: request id -> reason."""
-        host = unpack(np.asarray(jax.device_get(pending.out)))
+        raw = np.asarray(jax.device_get(pending.out))
+        raw = raw[None] if raw.ndim == 2 else raw  # [steps, out_rows, 6]
         now = time.monotonic()
         finished: dict[int, str] = {}
         for rid, row in pending.rows.items():
@@ -140,10 +156,12 @@ class Stepper:
             if sub.first_token_time is None:
                 sub.first_token_time = now
             sub.last_output_time = now
-            o = StepOut(int(host.tokens[row]), float(host.logprobs[row]), float(host.coord[row]),
-                        (float(host.size[row, 0]), float(host.size[row, 1])), int(host.region_next[row]))
-            if sub.job.advance(o):
-                finished[rid] = sub.job.finish_reason or "stop"
+            for j in range(pending.outputs_of(rid)):
+                h = raw[j, row]
+                o = StepOut(int(h[0]), float(h[1]), float(h[2]), (float(h[3]), float(h[4])), int(h[5]))
+                if sub.job.advance(o):
+                    finished[rid] = sub.job.finish_reason or "stop"
+                    break
         return finished
 
 

@@ -184,6 +184,31 @@ def test_sampled_outputs_equal_reference_with_the_same_seed(engine: InferenceEng
     assert a.output["answer"] == b.output["answer"] == want.output
 
 
+def test_multi_step_decode_equals_reference(engine: InferenceEngine, ref: ReferenceMoondream,
+                                           images: list[Path]) -> None:
+    """Answer/caption rows run 8 decode iterations per launch (EngineConfig.decode_steps); the
+    outputs are the single-step reference's, greedy and seeded, for lengths that are not
+    multiples of 8 (the last launch of each row runs short)."""
+    before = engine.stats["steps"]["decode_multi"]
+    sampled = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 13, "seed": 77}
+
+    async def run() -> list[Result]:
+        rs = await asyncio.gather(
+            engine.caption(images[0], length="normal", settings={"temperature": 0.0, "max_tokens": 19}),
+            engine.query(images[1], "Why?", reasoning=False, settings=sampled),
+        )
+        return [r for r in rs if isinstance(r, Result)]
+
+    cap, ans = asyncio.run(run())
+    assert engine.stats["steps"]["decode_multi"] >= before + 2
+    assert cap.output["caption"] == ref.caption(images[0], "normal",
+                                                SamplingSettings(temperature=0.0, max_tokens=19)).output
+    assert ans.output["answer"] == ref.query(images[1], "Why?", reasoning=False,
+                                             settings=SamplingSettings(**sampled)).output  # type: ignore[arg-type]
+    assert cap.metrics.output_tokens == 19 and ans.metrics.output_tokens == 13
+    _leak_free(engine)
+
+
 def test_cancel_mid_stream(engine: InferenceEngine, images: list[Path]) -> None:
     async def run() -> Result:
         stream = await engine.caption(images[0], stream=True,

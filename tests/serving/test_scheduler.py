@@ -308,8 +308,12 @@ def test_engine_finishes_and_metrics(make: Make) -> None:
     assert ended2[0].metrics.cached_tokens == PRE
 
 
-def _soak(seed: int, page_size: int, steps_cap: int = 20_000) -> None:
+def _soak(seed: int, page_size: int, steps_cap: int = 20_000, multi_step: bool = False) -> None:
     rng = np.random.default_rng(seed)
+
+    def k() -> int:  # decode iterations asked for this step
+        return int(rng.choice([1, 3, 8])) if multi_step else 1
+
     clock = Clock()
     s = Scheduler(
         SchedulerConfig(
@@ -359,7 +363,7 @@ def _soak(seed: int, page_size: int, steps_cap: int = 20_000) -> None:
             r.forget(f.request_id)
             ended.append(f)
         if rng.random() < 0.05:  # cancel a sequence while its plan is in flight
-            plan = s.schedule()
+            plan = s.schedule(k())
             if plan is not None:
                 victims = [sid for sid in plan.seq_ids if sid is not None]
                 s.cancel(victims[0])
@@ -368,7 +372,7 @@ def _soak(seed: int, page_size: int, steps_cap: int = 20_000) -> None:
                 s.commit(plan)
             out_finished = s.take_finished()
         else:
-            out = run_step(s, r, stop=lambda sid, tok: tok % 23 == 0)
+            out = run_step(s, r, stop=lambda sid, tok: tok % 23 == 0, decode_steps=k())
             out_finished = out.finished if out is not None else s.take_finished()
         for f in out_finished:
             r.forget(f.request_id)
@@ -386,6 +390,26 @@ def _soak(seed: int, page_size: int, steps_cap: int = 20_000) -> None:
     assert_released(s)
 
 
-@pytest.mark.parametrize(("seed", "page_size"), [(0, 64), (1, 16)])
-def test_randomized_soak(seed: int, page_size: int) -> None:
-    _soak(seed, page_size)
+@pytest.mark.parametrize(("seed", "page_size", "multi_step"), [(0, 64, False), (1, 16, False), (2, 16, True)])
+def test_randomized_soak(seed: int, page_size: int, multi_step: bool) -> None:
+    _soak(seed, page_size, multi_step=multi_step)
+
+
+def test_multi_step_decode_runs_ahead_within_each_budget(make: Make) -> None:
+    s, r, _ = make(page_size=16)
+    submit(s, r, text("a", 30, max_new=20))  # 19 decode tokens after the prefill's first
+    submit(s, r, text("b", 14, max_new=4))  # 3: fewer than one launch
+    run_step(s, r, decode_steps=8)  # prefill both
+    out = run_step(s, r, decode_steps=8)
+    assert out is not None and isinstance(out.plan, DecodePlan)
+    p = out.plan
+    assert p.steps == 8 and p.row_steps is not None and p.row_steps.tolist() == [8, 3]
+    assert out.tokens.shape == (8, 2) and (out.tokens[3:, 1] == -1).all()  # b stopped after 3
+    assert {f.request_id: f.reason for f in out.finished} == {"b": "length"}
+    assert sampled(p, out.tokens)["a"] == [r.token_for("a", 30 + j) for j in range(8)]
+    out = run_step(s, r, decode_steps=8)  # a: positions 38..45, crossing page boundaries (16)
+    assert out is not None and out.plan.steps_of(0) == 8  # type: ignore[union-attr]
+    out = run_step(s, r, decode_steps=8)
+    assert out is not None and out.plan.steps_of(0) == 3  # type: ignore[union-attr]
+    assert [(f.request_id, f.reason, f.metrics.generated_tokens) for f in out.finished] == [("a", "length", 20)]
+    assert s.stats.decode_rows == 8 + 3 + 8 + 3
