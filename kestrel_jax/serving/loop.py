@@ -65,6 +65,9 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="kestrel-jax-engine", daemon=True)
         self.load_s: float | None = None
         self.startup_s: float | None = None
+        self.compile_s: dict[str, float] = {}  # warm-up: seconds per compiled step variant
+        # host time of the loop's phases (seconds, cumulative): where a step's host budget goes
+        self.host_s: dict[str, float] = {"schedule": 0.0, "dispatch": 0.0, "process": 0.0, "deliver": 0.0}
 
     # ------------------------------------------------------------------------------ lifecycle
     @classmethod
@@ -107,25 +110,31 @@ class EngineWorker:
     def stats(self) -> dict[str, Any]:
         return {"steps": dict(self.stepper.steps), "live": len(self._live), "num_pages": self.runner.num_pages,
                 "page_size": self.runner.page_size, "kv_dtype": str(jnp.dtype(self.runner.kv_dtype)),
-                "startup_s": self.startup_s, "load_s": self.load_s,
-                "scheduler": self.scheduler.stats}
+                "startup_s": self.startup_s, "load_s": self.load_s, "compile_s": dict(self.compile_s),
+                "host_s": {**self.host_s, "wait_outputs": self.stepper.wait_s}, "scheduler": self.scheduler.stats}
 
     def warmup(self) -> None:
         """Compile every decode and prefill bucket, the page copy and the vision buckets with
         inert inputs (no KV writes), then freeze: any later compile raises RecompileError."""
         p = self.runner.max_pages_per_seq
+
+        def timed(name: str, fn: Any, *args: Any) -> None:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            self.compile_s[name] = round(time.perf_counter() - t0, 2)
+
         for b in self.config.decode_buckets:
             ints, floats = bt.empty_decode(b, p)
             for steps in self._step_variants(b):
-                jax.block_until_ready(self.runner.decode(ints, floats, None, steps))
+                timed(f"decode_b{b}_k{steps}", self.runner.decode, ints, floats, None, steps)
         bsz = self.config.max_prefill_seqs
         for t in self.config.prefill_token_buckets:
-            jax.block_until_ready(self.runner.prefill(*bt.empty_prefill(t, bsz, p), self._no_images()))
+            timed(f"prefill_t{t}", self.runner.prefill, *bt.empty_prefill(t, bsz, p), self._no_images())
         self.runner.copy_pages(np.full((self.scheduler.config.max_copies, 2), -1, np.int32))
         vis = self.model.cfg.vision
         for n in self.runner.vision_buckets:
             crops = np.zeros((n, vis.crop_size, vis.crop_size, 3), np.uint8)
-            jax.block_until_ready(self.runner.encode_image(crops, (1, n - 1)))
+            timed(f"vision_n{n}", self.runner.encode_image, crops, (1, n - 1))
         self.runner.freeze()
 
     def _step_variants(self, bucket: int) -> tuple[int, ...]:
@@ -159,7 +168,10 @@ class EngineWorker:
         while not self._stop.is_set():
             try:
                 self._drain_inbox(block=pending is None and not self.scheduler.has_work())
+                t0 = time.perf_counter()
                 plan = self.scheduler.schedule(self._decode_steps(pending))
+                t1 = time.perf_counter()
+                self.host_s["schedule"] += t1 - t0
                 if plan is None:
                     if pending is not None:
                         self._process(pending)
@@ -181,13 +193,18 @@ class EngineWorker:
                     self._deliver_finished(None)
                     continue
                 self.scheduler.commit(plan)
+                t2 = time.perf_counter()
+                self.host_s["dispatch"] += t2 - t1
                 if pending is not None:  # the device is busy with `launched` meanwhile
                     self._process(pending)
                 pending = launched
                 if not self.config.pipeline:
                     self._process(pending)
                     pending = None
+                t3 = time.perf_counter()
+                self.host_s["process"] += t3 - t2
                 self._deliver_finished(pending)
+                self.host_s["deliver"] += time.perf_counter() - t3
             except Exception as e:  # the loop itself broke: fail everyone, refuse new work
                 log.exception("engine loop failed")
                 self._failed = e

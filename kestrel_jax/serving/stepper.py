@@ -56,6 +56,7 @@ class Stepper:
         model = runner.model
         self._zero_image = jnp.zeros((prefix_len - 1, model.cfg.text.dim), model.dtype)
         self.steps = {"prefill": 0, "decode": 0, "decode_multi": 0}
+        self.wait_s = 0.0  # time spent blocked on step outputs (device not done yet)
 
     # ------------------------------------------------------------------------------ launch
     def dispatch(self, plan: PrefillPlan | DecodePlan, pending: Pending | None) -> Pending:
@@ -145,7 +146,9 @@ class Stepper:
     def process(self, pending: Pending) -> dict[int, str]:
         """Read a launched step's outputs (waits for it) and advance its jobs. Returns the jobs
         that finished: request id -> reason."""
+        t0 = time.perf_counter()
         raw = np.asarray(jax.device_get(pending.out))
+        self.wait_s += time.perf_counter() - t0
         raw = raw[None] if raw.ndim == 2 else raw  # [steps, out_rows, 6]
         now = time.monotonic()
         finished: dict[int, str] = {}
