@@ -112,8 +112,27 @@ def census_from_dump(dump_dir: str) -> dict[str, Any]:
     return out
 
 
+_DURATIONS: dict[str, list[float]] = {}
+
+
+def _listen() -> None:
+    """Collect JAX's compile-phase durations (tracing, lowering to MLIR, XLA compile, cache I/O)."""
+    import jax
+
+    def on_duration(event: str, secs: float, **_: Any) -> None:
+        _DURATIONS.setdefault(event, []).append(secs)
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+
+
+def _durations() -> dict[str, Any]:
+    return {k: {"n": len(v), "total_s": round(sum(v), 2), "max_s": round(max(v), 2)} for k, v in _DURATIONS.items()}
+
+
 async def run(a: argparse.Namespace) -> dict[str, Any]:
     import jax
+
+    _listen()
 
     from kestrel_jax.models.config import md2_config, md3_config, tiny_config
     from kestrel_jax.models.moondream import random_model
@@ -140,8 +159,10 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     res["create_s"] = round(time.perf_counter() - t0, 2)
     worker = eng._worker
     res["compile_s"] = dict(worker.compile_s)
+    res["compile_phases"] = _durations()
     res["cache_entries"] = len(os.listdir(a.compile_cache)) if a.compile_cache else None
-    print(json.dumps({k: res[k] for k in ("device", "model_s", "create_s", "compile_s")}), flush=True)
+    print(json.dumps({k: res[k] for k in ("device", "model_s", "create_s", "compile_s", "compile_phases")}),
+          flush=True)
     if a.startup_only:
         await eng.shutdown()
         return res
@@ -216,7 +237,11 @@ def main() -> int:
     ap.add_argument("--startup-only", action="store_true")
     ap.add_argument("--census", action="store_true", help="dump optimized HLO and count kernels per step")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--hlo-tar", default=None, help="with --census: also save the optimized HLO texts here (.tar.gz)")
+    ap.add_argument("--no-burst", action="store_true")
     a = ap.parse_args()
+    if a.no_burst:
+        a.concurrency = []
     dump = None
     if a.census:
         dump = tempfile.mkdtemp(prefix="kjx_hlo_")
@@ -225,6 +250,12 @@ def main() -> int:
     res = asyncio.run(run(a))
     if dump is not None:
         res["census"] = census_from_dump(dump)
+        if a.hlo_tar:
+            import tarfile
+
+            with tarfile.open(a.hlo_tar, "w:gz") as tar:
+                for path in glob.glob(os.path.join(dump, "*_step*after_optimizations.txt")):
+                    tar.add(path, arcname=os.path.basename(path))
         for name, c in res["census"].items():
             print(name, json.dumps({k: v for k, v in c.items() if k != "entry_ops"})[:2000], flush=True)
     if a.out:

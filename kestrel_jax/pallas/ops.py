@@ -8,9 +8,10 @@ The choice is made at trace time, so it is baked into each jitted function.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 
@@ -38,6 +39,14 @@ def use_backend(backend: Backend) -> Iterator[None]:
         _state.backend = prev
 
 
+@functools.cache
+def _jitted(fn: Any, static: tuple[str, ...] = ()) -> Any:
+    """Kernel entry points wrapped in `jax.jit`: a model calls each kernel once per layer with the
+    same shapes, and JAX lowers a jitted callee once per (function, shapes) within one trace, so
+    the Mosaic lowering is done once instead of once per layer (start-up time). XLA inlines it."""
+    return jax.jit(fn, static_argnames=static)
+
+
 def _want_kernel() -> bool:
     b = current_backend()
     if b == "reference":
@@ -57,7 +66,7 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
         from kestrel_jax.pallas import paged_attention_mgpu as kern
 
         if kern.write_kv_kernel_supported(k_pages, k):
-            return kern.write_kv_kernel(k_pages, v_pages, k, v, slots, k_scale, v_scale)
+            return _jitted(kern.write_kv_kernel)(k_pages, v_pages, k, v, slots, k_scale, v_scale)
     return attn_ref_mod.write_kv_ref(k_pages, v_pages, k, v, slots, k_scale, v_scale)
 
 
@@ -67,8 +76,8 @@ def decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_le
         from kestrel_jax.pallas import paged_attention_mgpu as kern
 
         if kern.decode_attention_kernel_supported(q, k_pages, page_table):
-            return kern.decode_attention_kernel(q, k_pages, v_pages, kv_lens, page_table, k_scale, v_scale,
-                                                sm_scale=sm_scale)
+            return _jitted(kern.decode_attention_kernel, ("sm_scale",))(q, k_pages, v_pages, kv_lens, page_table,
+                                                                        k_scale, v_scale, sm_scale=sm_scale)
     return attn_ref_mod.decode_attention_ref(q, k_pages, v_pages, kv_lens, page_table, k_scale, v_scale,
                                              sm_scale=sm_scale)
 
@@ -80,8 +89,8 @@ def prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cu_q
         from kestrel_jax.pallas import paged_attention_prefill_mgpu as kern
 
         if kern.prefill_attention_kernel_supported(q, k_pages, page_table):
-            return kern.prefill_attention_kernel(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, prefix_lens,
-                                                 k_scale, v_scale, sm_scale=sm_scale)
+            return _jitted(kern.prefill_attention_kernel, ("sm_scale",))(
+                q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, prefix_lens, k_scale, v_scale, sm_scale=sm_scale)
     return attn_ref_mod.prefill_attention_ref(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table,
                                               prefix_lens, k_scale, v_scale, sm_scale=sm_scale)
 
@@ -101,6 +110,7 @@ def moe_layer(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: E
         from kestrel_jax.pallas import moe_mgpu as kern
 
         if kern.moe_kernel_supported(x, experts, top_k):
-            return kern.moe_layer(x, router_w, router_b, experts, top_k=top_k, num_valid_tokens=num_valid_tokens)
+            return _jitted(kern.moe_layer, ("top_k",))(x, router_w, router_b, experts, top_k=top_k,
+                                                       num_valid_tokens=num_valid_tokens)
     return moe_ref_mod.moe_layer_ref(x, router_w, router_b, experts, top_k=top_k,
                                      num_valid_tokens=num_valid_tokens)
