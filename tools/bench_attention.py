@@ -34,15 +34,18 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kestrel_jax.pallas import paged_attention as pa
-from kestrel_jax.pallas import paged_attention_mgpu as pm
-from kestrel_jax.pallas import paged_attention_prefill_mgpu as pp
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout, installed or not
+
+from kestrel_jax.pallas import paged_attention as pa  # noqa: E402
+from kestrel_jax.pallas import paged_attention_mgpu as pm  # noqa: E402
+from kestrel_jax.pallas import paged_attention_prefill_mgpu as pp  # noqa: E402
 
 L2_BYTES = 50 * 2**20
 D = 64

@@ -30,14 +30,17 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kestrel_jax.pallas.moe import ExpertWeights, moe_layer_ref, moe_ref, quantize_experts, route_ref
-from kestrel_jax.pallas.moe_mgpu import MoEKernelConfig, default_config, moe_layer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout, installed or not
+
+from kestrel_jax.pallas.moe import ExpertWeights, moe_layer_ref, moe_ref, quantize_experts, route_ref  # noqa: E402
+from kestrel_jax.pallas.moe_mgpu import MoEKernelConfig, default_config, moe_layer  # noqa: E402
 
 FP8 = jnp.float8_e4m3fn
 KESTREL_H100_FP8_US = {1: 29.0, 4: 79.0, 16: 146.0, 740: 245.0}

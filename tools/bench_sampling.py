@@ -31,14 +31,17 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kestrel_jax.pallas.sampling import RowSampling, SamplingParams, make_sampling_params, sample_reference
-from kestrel_jax.pallas.sampling_kernel import sample_kernel
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout, installed or not
+
+from kestrel_jax.pallas.sampling import RowSampling, SamplingParams, make_sampling_params, sample_reference  # noqa: E402
+from kestrel_jax.pallas.sampling_kernel import sample_kernel  # noqa: E402
 
 L2_BYTES = 50 * 2**20
 MD2_ANSWER = {"temperature": 0.5, "top_p": 0.3, "suppressed_ids": (3,)}

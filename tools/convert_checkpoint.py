@@ -10,8 +10,11 @@ per-(expert, output row) scales; the engine loads either format (`load_model` te
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from kestrel_jax.cli import main
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout, installed or not
+
+from kestrel_jax.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["convert", *sys.argv[1:]]))

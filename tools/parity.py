@@ -15,7 +15,9 @@ from pathlib import Path
 
 import jax
 
-from kestrel_jax.parity import DEFAULT_REL_TOL, run_parity
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout, installed or not
+
+from kestrel_jax.parity import DEFAULT_REL_TOL, run_parity  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,9 +43,12 @@ class LayerNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        # One pass (E[x], E[x^2]): XLA computes both sums in one reduction kernel instead of two
+        # dependent ones. In float32 over the model widths the cancellation error is far below
+        # the bf16 rounding of the output.
         xf = x.astype(jnp.float32)
         mean = jnp.mean(xf, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        var = jnp.maximum(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) - jnp.square(mean), 0.0)
         y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
         y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
         return y.astype(x.dtype)

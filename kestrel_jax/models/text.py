@@ -33,8 +33,10 @@ class KVCache(NamedTuple):
 
     k: tuple[jax.Array, ...]  # L x [P, Hkv, S, Dh]
     v: tuple[jax.Array, ...]  # L x [P, Hkv, S, Dh]
-    k_scale: jax.Array  # [L] f32 (ignored unless the pool is FP8)
-    v_scale: jax.Array  # [L] f32
+    # [L] f32 (ignored unless the pool is FP8), or a tuple of L scalars: the runner keeps one
+    # buffer per layer so that a step passes each kernel its scale without a slicing kernel.
+    k_scale: jax.Array | tuple[jax.Array, ...]
+    v_scale: jax.Array | tuple[jax.Array, ...]
 
     @property
     def page_size(self) -> int:  # pages are [P, Hkv, S, Dh] (head-major)
@@ -126,7 +128,17 @@ class Attention(nnx.Module):
             o = ops.prefill_attention(q, k_pages, v_pages, batch.cu_q_lens, batch.kv_lens,
                                       batch.page_table, batch.prefix_lens, k_scale, v_scale,
                                       sm_scale=scale)
-        return self.proj(o.reshape(t, h * hd)), k_pages, v_pages
+        return self._project(o.reshape(t, h * hd)), k_pages, v_pages
+
+    def _project(self, o: jax.Array) -> jax.Array:
+        """Output projection. With a single row, XLA's GPU simplifier rewrites a
+        [1, D] x [D, D] dot below its size threshold into multiply + reduce, which materialises
+        a [D, D] product (3x the weight bytes per decode step). Two rows keep it a GEMM; the
+        barrier stops the slice from being pushed back into the dot."""
+        if o.shape[0] != 1:
+            return self.proj(o)
+        y = jax.lax.optimization_barrier(self.proj(jnp.pad(o, ((0, 1), (0, 0)))))
+        return y[:1]
 
 
 class MoE(nnx.Module):

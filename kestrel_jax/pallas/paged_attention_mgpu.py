@@ -348,9 +348,23 @@ def decode_attention_kernel(
 
 
 def merge_splits(o: jax.Array, lse: jax.Array) -> jax.Array:
-    """o [..., splits, D] normalised partials, lse [..., splits] log2-sum-exp2 -> [..., D] f32."""
-    top = jnp.max(lse, axis=-1, keepdims=True)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    w = jnp.exp2(lse - top)  # empty splits: exp2(-inf) = 0
-    den = jnp.sum(w, axis=-1, keepdims=True)
-    return jnp.sum(o * w[..., None], axis=-2) / jnp.where(den > 0, den, 1.0)
+    """o [..., splits, D] normalised partials, lse [..., splits] log2-sum-exp2 -> [..., D] f32.
+
+    One variadic reduction over the splits (running max, weight sum, weighted sum), so XLA emits
+    a single kernel instead of a max pass, a sum pass and a normalising pass."""
+    m = jnp.broadcast_to(lse[..., None], o.shape)
+    live = jnp.isfinite(m)
+    ones = jnp.where(live, 1.0, 0.0).astype(jnp.float32)
+    acc0 = jnp.where(live, o, 0.0).astype(jnp.float32)
+
+    def combine(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        (ma, la, oa), (mb, lb, ob) = a, b
+        top = jnp.maximum(ma, mb)
+        safe = jnp.where(jnp.isfinite(top), top, 0.0)
+        wa = jnp.where(jnp.isfinite(ma), jnp.exp2(ma - safe), 0.0)  # empty split: weight 0
+        wb = jnp.where(jnp.isfinite(mb), jnp.exp2(mb - safe), 0.0)
+        return top, la * wa + lb * wb, oa * wa + ob * wb
+
+    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0))
+    _, den, acc = jax.lax.reduce((m.astype(jnp.float32), ones, acc0), init, combine, (o.ndim - 2,))
+    return acc / jnp.where(den > 0, den, 1.0)
