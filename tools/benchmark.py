@@ -689,6 +689,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--model", required=True, choices=sorted(MODELS))
     ap.add_argument("--checkpoint", default=None, help="reuse (or write, then keep) a synthetic checkpoint here")
     ap.add_argument("--prepare-only", action="store_true", help="write the checkpoint if missing, then exit")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="make random weights on the device instead of a checkpoint (no load time measured)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {','.join(WORKLOADS)}")
     ap.add_argument("--concurrency", type=int, nargs="+", default=None, help="w2 levels (default 8 32 64)")
     ap.add_argument("--out", default=None, help="result JSON")
@@ -753,7 +755,20 @@ async def run(a: argparse.Namespace, o: Output) -> int:
 
     t_start = time.perf_counter()
     res = o.res
-    path, res["checkpoint"], tmp = prepare_checkpoint(a.model, a.checkpoint, seed=0)
+    model = None
+    if a.random_weights:  # weights made on the device: no checkpoint to write or load
+        import jax.numpy as jnp
+
+        from kestrel_jax.models.moondream import random_model
+
+        factory, kw = MODELS[a.model]
+        t0 = time.perf_counter()
+        model = random_model(factory(), dtype=jnp.bfloat16, fp8_experts=bool(kw.get("fp8_experts")),
+                             kv_scale=0.05 if kw.get("kv_scales") else None)
+        path, tmp = Path("random-weights"), None
+        res["checkpoint"] = {"random_weights": True, "make_s": rnd(time.perf_counter() - t0), **kw}
+    else:
+        path, res["checkpoint"], tmp = prepare_checkpoint(a.model, a.checkpoint, seed=0)
     o.dump()
     if a.prepare_only:
         return 0
@@ -776,7 +791,7 @@ async def run(a: argparse.Namespace, o: Output) -> int:
         log(f"creating the engine (compile cache {state}, {entries} entries)")
         t0 = time.perf_counter()
         try:
-            engine = await InferenceEngine.create(cfg)
+            engine = await InferenceEngine.create(cfg, model=model)
         except Exception as e:
             res["errors"]["startup"] = repr(e)
             res["startup_traceback"] = traceback.format_exc()
