@@ -33,10 +33,8 @@ class KVCache(NamedTuple):
 
     k: tuple[jax.Array, ...]  # L x [P, Hkv, S, Dh]
     v: tuple[jax.Array, ...]  # L x [P, Hkv, S, Dh]
-    # [L] f32 (ignored unless the pool is FP8), or a tuple of L scalars: the runner keeps one
-    # buffer per layer so that a step passes each kernel its scale without a slicing kernel.
-    k_scale: jax.Array | tuple[jax.Array, ...]
-    v_scale: jax.Array | tuple[jax.Array, ...]
+    k_scale: jax.Array  # [L] f32 (ignored unless the pool is FP8)
+    v_scale: jax.Array  # [L] f32
 
     @property
     def page_size(self) -> int:  # pages are [P, Hkv, S, Dh] (head-major)

@@ -304,9 +304,11 @@ class Runner:
         self.vision_params, vision_treedef = jax.tree.flatten(vision_state)
         self.num_pages = self.config.num_pages or self._pages_from_memory()
         pool = init_kv_pool(t.n_layers, self.num_pages, self.page_size, t.n_kv_heads, t.head_dim, self.kv_dtype)
-        scales = np.asarray(model.text.kv_scales[...], np.float32)
-        self.cache = KVCache(tuple(k for k, _ in pool), tuple(v for _, v in pool),
-                             tuple(jnp.asarray(x) for x in scales[:, 0]), tuple(jnp.asarray(x) for x in scales[:, 1]))
+        # Scales stay [L] arrays: each layer's slice is materialised by XLA (256-byte aligned,
+        # as Mosaic kernels require of their operands). Tiny per-layer scalars passed straight
+        # from the host were refused by Mosaic at run time for misalignment.
+        scales = jnp.asarray(model.text.kv_scales[...], jnp.float32)
+        self.cache = KVCache(tuple(k for k, _ in pool), tuple(v for _, v in pool), scales[:, 0], scales[:, 1])
         backend = self.config.backend
         self._backend = backend
         self._decode: dict[int, Any] = {}  # iterations per launch -> jitted step
