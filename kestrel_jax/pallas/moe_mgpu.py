@@ -58,6 +58,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kestrel_jax.pallas.moe import ExpertWeights, Routing, quantize_rows, route_ref
 from kestrel_jax.pallas.moe_grouping import ROW_ALIGN, group_by_expert, group_dense, grouping_sizes
 from kestrel_jax.pallas.moe_route_mgpu import route_dense, route_dense_supported
+from kestrel_jax.pallas.paged_attention_mgpu import own_buffer
 
 FP8 = jnp.float8_e4m3fn
 ROWS = 64  # weight rows per tile: the wgmma M of one warpgroup
@@ -425,7 +426,8 @@ def moe_layer(
     nt = cfg.block_tokens
     x_rows = jnp.pad(x.astype(jnp.bfloat16), ((0, nt - T), (0, 0)))  # [Nt, D]
     n_valid = jnp.asarray(T if num_valid_tokens is None else num_valid_tokens, jnp.int32).reshape(1)
-    r = route_dense(x_rows, router_w, router_b, n_valid, top_k=top_k, interpret=interpret)
+    r = route_dense(x_rows, router_w, own_buffer(router_b, router_b.dtype), n_valid, top_k=top_k,
+                    interpret=interpret)
     y = _expert_gemms(x_rows, None, r.meta_up, r.meta_down, None, experts, cfg, min(E, T * top_k), interpret)
     valid = jnp.broadcast_to((jnp.arange(T) < n_valid[0])[:, None], (T, top_k))
     return _combine(y, r.dest[:, :T].T, r.weights[:, :T].T, valid, x.dtype)

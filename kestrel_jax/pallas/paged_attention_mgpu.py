@@ -151,7 +151,7 @@ def write_kv_kernel(
     )
     k_ref = jax.new_ref(k_pages)
     v_ref = jax.new_ref(v_pages)
-    kern(k, v, slots.astype(jnp.int32), jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32),
+    kern(k, v, own_buffer(slots, jnp.int32), own_buffer(k_scale, jnp.float32), own_buffer(v_scale, jnp.float32),
          k_ref, v_ref)
     return jax.freeze(k_ref), jax.freeze(v_ref)
 
@@ -184,12 +184,25 @@ def default_num_splits(batch: int, n_kv_heads: int, max_tiles: int, num_sms: int
     return max(1, min(max_tiles, -(-2 * num_sms // ctas), 16))
 
 
+def own_buffer(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """`x` as a buffer of its own. Mosaic kernels require 256-byte aligned operands; a slice of
+    a step's packed input (e.g. one column of a single-row int table) can reach a kernel as an
+    unaligned view into that input, and a tiny parameter (a bias, a scale) may sit unaligned in
+    device memory. An elementwise op XLA cannot fold makes it write a fresh, aligned buffer (XLA
+    shares it between the layers that read the same value): for integers a clamp at -1, a no-op
+    for every id, slot, length and page this project passes; for floats NaN -> 0."""
+    x = jnp.asarray(x, dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.maximum(x, jnp.asarray(-1, dtype))
+    return jnp.where(jnp.isnan(x), jnp.zeros((), dtype), x)
+
+
 def _pad_page_table(page_table: jax.Array) -> jax.Array:
     # The kernel TMA-copies a table row into SMEM: its row stride must be a multiple of 16 B.
     maxp = page_table.shape[1]
     if maxp % 4:
         page_table = jnp.pad(page_table, ((0, 0), (0, 4 - maxp % 4)))
-    return page_table.astype(jnp.int32)
+    return own_buffer(page_table, jnp.int32)
 
 
 def decode_attention_kernel(
@@ -340,8 +353,8 @@ def decode_attention_kernel(
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=4096),
         interpret=_interpret_params(interpret, detect_races),
     )
-    outs = kern(q, k_pages, v_pages, kv_lens.astype(jnp.int32), page_table,
-                jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
+    outs = kern(q, k_pages, v_pages, own_buffer(kv_lens, jnp.int32), page_table,
+                own_buffer(k_scale, jnp.float32), own_buffer(v_scale, jnp.float32))
     if splits == 1:
         return outs[0]
     return merge_splits(outs[0], outs[1]).astype(q.dtype)

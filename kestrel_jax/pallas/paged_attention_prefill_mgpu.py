@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kestrel_jax.pallas.paged_attention import KVLayoutError, check_pool, is_fp8
-from kestrel_jax.pallas.paged_attention_mgpu import _NEG_INIT, LOG2E, _interpret_params, _pad_page_table
+from kestrel_jax.pallas.paged_attention_mgpu import _NEG_INIT, LOG2E, _interpret_params, _pad_page_table, own_buffer
 
 _WG_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile)
 DEFAULT_CONSUMERS = 2
@@ -325,7 +325,7 @@ def prefill_attention_kernel(
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_params(interpret, detect_races),
     )
-    out = kern(q, k_pages, v_pages, cu_q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32), page_table,
-               prefix_lens.astype(jnp.int32), jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
+    out = kern(q, k_pages, v_pages, own_buffer(cu_q_lens, jnp.int32), own_buffer(kv_lens, jnp.int32), page_table,
+               own_buffer(prefix_lens, jnp.int32), own_buffer(k_scale, jnp.float32), own_buffer(v_scale, jnp.float32))
     return out[:T0] if T0 != T else out
 
