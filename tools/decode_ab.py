@@ -113,6 +113,7 @@ def census_from_dump(dump_dir: str) -> dict[str, Any]:
 
 
 _DURATIONS: dict[str, list[float]] = {}
+_EVENTS: dict[str, int] = {}
 
 
 def _listen() -> None:
@@ -122,11 +123,19 @@ def _listen() -> None:
     def on_duration(event: str, secs: float, **_: Any) -> None:
         _DURATIONS.setdefault(event, []).append(secs)
 
+    def on_event(event: str, **_: Any) -> None:
+        if "cache" in event:  # persistent compilation cache hits / misses
+            _EVENTS[event] = _EVENTS.get(event, 0) + 1
+
     jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
 
 
 def _durations() -> dict[str, Any]:
-    return {k: {"n": len(v), "total_s": round(sum(v), 2), "max_s": round(max(v), 2)} for k, v in _DURATIONS.items()}
+    out: dict[str, Any] = {k: {"n": len(v), "total_s": round(sum(v), 2), "max_s": round(max(v), 2)}
+                           for k, v in _DURATIONS.items()}
+    out["events"] = dict(_EVENTS)
+    return out
 
 
 async def run(a: argparse.Namespace) -> dict[str, Any]:
