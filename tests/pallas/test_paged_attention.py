@@ -312,3 +312,35 @@ def test_kernels_lower_at_other_page_sizes_and_configs():
     pre = functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE)
     _lower_for_h100(pre, _SDS((740, 32, 64), BF16), pool, pool, _SDS((2,), jnp.int32),
                     _SDS((1,), jnp.int32), _SDS((1, 128), jnp.int32), _SDS((1,), jnp.int32), _F32, _F32)
+
+
+def test_split_merge_matches_the_two_pass_formula():
+    """The one-reduction merge equals max / exp2-weights / normalise, with empty (-inf) splits and
+    rows whose every split is empty (output 0)."""
+    rng = np.random.default_rng(int(time.time_ns() % 2**32))
+    o = jnp.asarray(rng.normal(size=(3, 4, 9, 64)), jnp.float32)
+    lse = rng.normal(size=(3, 4, 9)) * 40.0  # exp2 of these overflows without a max shift
+    lse[0, 0, 2:] = -np.inf
+    lse[1, 3, :] = -np.inf
+    lse = jnp.asarray(lse, jnp.float32)
+    top = jnp.max(lse, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp2(lse - top)
+    den = jnp.sum(w, axis=-1, keepdims=True)
+    want = jnp.sum(o * w[..., None], axis=-2) / jnp.where(den > 0, den, 1.0)
+    got = pm.merge_splits(o, lse)
+    assert bool(jnp.all(jnp.isfinite(got)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert float(jnp.max(jnp.abs(got[1, 3]))) == 0.0
+
+
+def test_own_buffer_keeps_every_valid_value():
+    """Kernel operands copied to aligned buffers keep their values: ids/slots/lengths (>= -1)
+    and finite floats of any sign."""
+    ints = jnp.asarray([-1, 0, 5, 2**30], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(pm.own_buffer(ints, jnp.int32)), np.asarray(ints))
+    floats = jnp.asarray([-3.5, 0.0, 1e-30, 448.0], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(pm.own_buffer(floats, jnp.float32)), np.asarray(floats))
+    bf = jnp.asarray([-2.0, 7.0], jnp.bfloat16)
+    assert pm.own_buffer(bf, jnp.bfloat16).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(pm.own_buffer(bf, jnp.bfloat16), np.float32), [-2.0, 7.0])
