@@ -6,7 +6,10 @@ is jnp and jittable for a static tiling.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +35,24 @@ def patchify(x: jax.Array, patch: int) -> jax.Array:
     return x.reshape(n, g * g, c * patch * patch)
 
 
+_ATTN = threading.local()
+
+
+@contextlib.contextmanager
+def attention_implementation(impl: str | None) -> Iterator[None]:
+    """Within the block, vision self-attention traces with `jax.nn.dot_product_attention`'s
+    `implementation` = impl: None/"xla" (portable) or "cudnn" (fused flash attention on NVIDIA
+    GPUs, bf16/f16 only). A trace-time choice, baked into each jitted function."""
+    if impl not in (None, "xla", "cudnn"):
+        raise ValueError(f"vision attention implementation must be xla or cudnn, got {impl!r}")
+    prev = getattr(_ATTN, "impl", None)
+    _ATTN.impl = impl
+    try:
+        yield
+    finally:
+        _ATTN.impl = prev
+
+
 class VisionAttention(nnx.Module):
     def __init__(self, cfg: VisionConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.qkv = Linear(cfg.enc_dim, 3 * cfg.enc_dim, dtype=dtype, rngs=rngs)
@@ -43,7 +64,10 @@ class VisionAttention(nnx.Module):
         h = self.n_heads
         q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
         q, k, v = (a.reshape(n, t, h, e // h) for a in (q, k, v))
-        o = jax.nn.dot_product_attention(q, k, v)  # scale 1/sqrt(head_dim), no mask
+        impl = getattr(_ATTN, "impl", None)
+        if impl == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):
+            impl = None  # cuDNN's fused attention takes half precision only
+        o = jax.nn.dot_product_attention(q, k, v, implementation=impl)  # scale 1/sqrt(head_dim), no mask
         return self.proj(o.reshape(n, t, e))
 
 

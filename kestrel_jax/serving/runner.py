@@ -33,7 +33,7 @@ from flax import nnx
 from kestrel_jax.models.moondream import MoondreamModel
 from kestrel_jax.models.region import coord_bin_to_value, size_bin_to_value
 from kestrel_jax.models.text import AttentionBatch, KVCache
-from kestrel_jax.models.vision import tile_pool_matrices
+from kestrel_jax.models.vision import attention_implementation, tile_pool_matrices
 from kestrel_jax.pallas import ops
 from kestrel_jax.pallas.paged_attention import init_kv_pool
 from kestrel_jax.pallas.sampling import SamplingParams, sample
@@ -63,6 +63,9 @@ class RunnerConfig:
     backend: str = "auto"  # kernel backend for attention / MoE / sampling
     vision_buckets: tuple[int, ...] = VISION_CROP_BUCKETS  # crop counts (global + tiles) compiled
     compilation_cache_dir: str | None = None
+    # Vision self-attention: "xla" (portable), "cudnn" (fused, NVIDIA GPUs) or "auto" (cudnn on
+    # a GPU with a bf16 model, else xla).
+    vision_attention: str = "xla"
 
 
 class StepOutputs(NamedTuple):
@@ -254,10 +257,19 @@ def _prefill_step(parts: _Parts, params: list[jax.Array], cache: KVCache, tok_in
         return cache, _heads(model, last, sp, backend, out_rows)
 
 
-def _vision_step(graphdef: Any, treedef: Any, dtype: Any, params: list[jax.Array], crops: jax.Array,
-                 pool_rows: jax.Array, pool_cols: jax.Array) -> jax.Array:
+def _vision_step(graphdef: Any, treedef: Any, dtype: Any, attn: str | None, params: list[jax.Array],
+                 crops: jax.Array, pool_rows: jax.Array, pool_cols: jax.Array) -> jax.Array:
     vision = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-    return vision.encode_padded(crops, pool_rows, pool_cols, dtype)
+    with attention_implementation(attn):
+        return vision.encode_padded(crops, pool_rows, pool_cols, dtype)
+
+
+def _vision_attention(name: str, dtype: Any) -> str | None:
+    if name == "auto":
+        return "cudnn" if jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16 else None
+    if name not in ("xla", "cudnn"):
+        raise ValueError(f"vision_attention must be auto, xla or cudnn; got {name!r}")
+    return None if name == "xla" else name
 
 
 def _kv_dtype(name: str, model: MoondreamModel) -> jnp.dtype:
@@ -316,7 +328,8 @@ class Runner:
                                                   out_rows=out_rows), donate_argnums=(1,))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
         self.no_outputs = jnp.zeros((out_rows, 6), jnp.float32)
-        self._vision = jax.jit(functools.partial(_vision_step, vision_gd, vision_treedef, model.dtype))
+        attn = _vision_attention(self.config.vision_attention, model.dtype)
+        self._vision = jax.jit(functools.partial(_vision_step, vision_gd, vision_treedef, model.dtype, attn))
         self._frozen: dict[str, int] | None = None
 
     # ------------------------------------------------------------------------------- sizing
