@@ -39,11 +39,13 @@ def main() -> int:
     rng = np.random.default_rng(0)
     res: dict = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "model": a.model, "rows": []}
     outs: dict = {}
+    inputs = {n: [rng.integers(0, 255, (n, vis.crop_size, vis.crop_size, 3), dtype=np.uint8) for _ in range(3)]
+              for n in a.buckets}  # the same images for every implementation
     for impl in a.impls:
         r = Runner(model, RunnerConfig(num_pages=8, max_seq_len=512, vision_buckets=tuple(a.buckets),
                                        vision_attention=impl))
         for n in a.buckets:
-            crops = [rng.integers(0, 255, (n, vis.crop_size, vis.crop_size, 3), dtype=np.uint8) for _ in range(3)]
+            crops = inputs[n]
             tiling = (1, n - 1)
             try:
                 t0 = time.perf_counter()
