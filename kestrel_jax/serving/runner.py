@@ -64,8 +64,9 @@ class RunnerConfig:
     vision_buckets: tuple[int, ...] = VISION_CROP_BUCKETS  # crop counts (global + tiles) compiled
     compilation_cache_dir: str | None = None
     # Vision self-attention: "xla" (portable), "cudnn" (fused, NVIDIA GPUs) or "auto" (cudnn on
-    # a GPU with a bf16 model, else xla).
-    vision_attention: str = "xla"
+    # a GPU with a bf16 model when it runs there, else xla). cuDNN measured 1.4-1.7x faster for
+    # the whole MD2 image step on an H100 (BENCHMARKS.md), outputs within bf16 rounding.
+    vision_attention: str = "auto"
 
 
 class StepOutputs(NamedTuple):
@@ -264,9 +265,21 @@ def _vision_step(graphdef: Any, treedef: Any, dtype: Any, attn: str | None, para
         return vision.encode_padded(crops, pool_rows, pool_cols, dtype)
 
 
+def _cudnn_attention_works() -> bool:
+    """One tiny fused-attention call: cuDNN may be missing or too old on a GPU host."""
+    try:
+        x = jnp.zeros((1, 16, 2, 64), jnp.bfloat16)
+        jax.block_until_ready(jax.nn.dot_product_attention(x, x, x, implementation="cudnn"))
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure means: use the portable path
+        log.warning("cuDNN attention unavailable (%s); the vision encoder uses XLA attention", e)
+        return False
+
+
 def _vision_attention(name: str, dtype: Any) -> str | None:
     if name == "auto":
-        return "cudnn" if jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16 else None
+        usable = jax.default_backend() == "gpu" and jnp.dtype(dtype) == jnp.bfloat16
+        return "cudnn" if usable and _cudnn_attention_works() else None
     if name not in ("xla", "cudnn"):
         raise ValueError(f"vision_attention must be auto, xla or cudnn; got {name!r}")
     return None if name == "xla" else name

@@ -62,3 +62,17 @@ def test_invalid_configs_are_rejected() -> None:
 def test_configs_are_hashable_static_arguments() -> None:
     for cfg in (md2_config(), md3_config(), tiny_config("md2"), tiny_config("md3")):
         hash(cfg)
+
+
+def test_vision_attention_setting() -> None:
+    """"auto" is the portable path off a GPU; unknown names are refused."""
+    import jax.numpy as jnp
+    import pytest
+
+    from kestrel_jax.serving.runner import _vision_attention
+
+    assert _vision_attention("xla", jnp.bfloat16) is None
+    assert _vision_attention("cudnn", jnp.bfloat16) == "cudnn"
+    assert _vision_attention("auto", jnp.float32) is None
+    with pytest.raises(ValueError, match="vision_attention"):
+        _vision_attention("flash", jnp.bfloat16)
