@@ -292,7 +292,7 @@ def sched_stats(engine: Any) -> dict[str, int]:
 def sched_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]:
     d = {k: after[k] - before.get(k, 0) for k in after}
     if d.get("decode_steps"):
-        d["mean_decode_batch"] = rnd(d["decode_rows"] / d["decode_steps"])
+        d["mean_decode_batch"] = rnd(d["decode_rows"] / (d.get("decode_iterations") or d["decode_steps"]))
     return d
 
 

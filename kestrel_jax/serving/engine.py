@@ -61,7 +61,7 @@ class EngineConfig:
     # `multi_step_max_batch` sequences are running, one launch runs `decode_steps` iterations
     # on the device (host cost per token / decode_steps). 1 disables it.
     decode_steps: int = 8
-    multi_step_max_batch: int = 16
+    multi_step_max_batch: int = 64
     max_copies: int | None = None
 
 

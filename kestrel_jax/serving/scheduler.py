@@ -441,6 +441,7 @@ class Scheduler:
         copies, num_copies = self._copies()
         self._step += 1
         self.stats.decode_steps += 1
+        self.stats.decode_iterations += steps
         self.stats.decode_rows += n if row_steps is None else int(row_steps.sum())
         self.stats.decode_padding += (B - n) * steps
         return DecodePlan(

@@ -86,11 +86,12 @@ class SchedulerConfig:
 @dataclass
 class SchedulerStats:
     prefill_steps: int = 0
-    decode_steps: int = 0
+    decode_steps: int = 0  # decode launches
+    decode_iterations: int = 0  # decode positions advanced per row slot (launches x iterations)
     prefill_tokens: int = 0  # real rows computed by prefill steps
     prefill_padding: int = 0  # padding rows in prefill buckets
-    decode_rows: int = 0
-    decode_padding: int = 0
+    decode_rows: int = 0  # real row-iterations
+    decode_padding: int = 0  # padding row-iterations
     cached_tokens: int = 0  # prompt positions served from the prefix cache
     admitted: int = 0
     finished: int = 0
