@@ -5,7 +5,9 @@ Steps (each compiled once per bucket at start-up; a guard fails loudly on any la
     stitch/pool/projector per tiling -> image tokens [729, D];
   - prefill: a ragged batch of prompt chunks (T-token bucket, B sequences) -> per sequence the
     outputs of its last row (when its prompt completes);
-  - decode: one position per row (B bucket).
+  - decode: one position per row (B bucket), or K positions per row in one launch (a
+    `lax.scan` over K iterations, each row feeding back its own sample: multi-step decode,
+    compiled per bucket next to the single-step variant).
 Each step ends in the same `StepOutputs`: the sampled token per row (each row's own sampling
 settings and constraints), plus what the region skills need from that row's hidden state: the
 decoded coordinate, the decoded size, and the detect/point continuation decision. Region heads
