@@ -130,6 +130,7 @@ class EngineWorker:
         bsz = self.config.max_prefill_seqs
         for t in self.config.prefill_token_buckets:
             timed(f"prefill_t{t}", self.runner.prefill, *bt.empty_prefill(t, bsz, p), self._no_images())
+        jax.block_until_ready(self.stepper.image_block([]))  # one shape whatever the image count
         self.runner.copy_pages(np.full((self.scheduler.config.max_copies, 2), -1, np.int32))
         vis = self.model.cfg.vision
         for n in self.runner.vision_buckets:

@@ -138,9 +138,15 @@ class Stepper:
                 rows[int(sid)] = b  # type: ignore[call-overload]
         if len(images) > self.max_images:
             raise RuntimeError(f"{len(images)} images in one prefill step; at most {self.max_images} fit")
-        block = jnp.stack([*images, *[self._zero_image] * (self.max_images - len(images))])
+        block = self.image_block(images)
         out = self.runner.prefill(tok_ints, tok_floats, seq_ints, seq_floats, block)
         return Pending(plan, out, rows)
+
+    def image_block(self, images: list[jax.Array]) -> jax.Array:
+        """The prefill step's image input [max_images, 729, D]: these images, then zero rows.
+        (A small XLA computation of its own: the engine's warm-up runs it once so that the first
+        request does not compile it.)"""
+        return jnp.stack([*images, *[self._zero_image] * (self.max_images - len(images))])
 
     # ------------------------------------------------------------------------------ results
     def process(self, pending: Pending) -> dict[int, str]:

@@ -209,6 +209,39 @@ def test_multi_step_decode_equals_reference(engine: InferenceEngine, ref: Refere
     _leak_free(engine)
 
 
+def test_requests_after_warmup_compile_nothing(engine: InferenceEngine, images: list[Path]) -> None:
+    """Start-up compiles every step and every small eager op the loop uses: a request (of any
+    image size within the vision buckets) triggers no XLA compilation, which would add tens of
+    milliseconds to the first request's TTFT on a GPU."""
+    import jax
+
+    compiles: list[str] = []
+    active = [True]
+
+    def on_duration(event: str, secs: float, **_: object) -> None:
+        if active[0] and "backend_compile" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)  # type: ignore[arg-type]
+    rng = np.random.default_rng(7)
+
+    async def run() -> list[object]:
+        a = rng.integers(0, 255, (280, 310, 3), dtype=np.uint8)  # a new image: no prefix-cache hit
+        b = rng.integers(0, 255, (410, 520, 3), dtype=np.uint8)
+        return list(await asyncio.gather(
+            engine.query(a, "What?", reasoning=False, settings={"temperature": 0.0, "max_tokens": 9}),
+            engine.caption(b, length="short", settings={"temperature": 0.0, "max_tokens": 9}),
+            engine.point(a, "sun", settings={"max_objects": 1})))
+
+    try:
+        out = asyncio.run(run())
+    finally:
+        active[0] = False
+    assert all(isinstance(r, Result) for r in out), out
+    assert compiles == [], f"{len(compiles)} compilations while serving"
+    _leak_free(engine)
+
+
 def test_cancel_mid_stream(engine: InferenceEngine, images: list[Path]) -> None:
     async def run() -> Result:
         stream = await engine.caption(images[0], stream=True,
