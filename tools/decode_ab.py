@@ -190,7 +190,9 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         h = {**worker.host_s, "wait_outputs": worker.stepper.wait_s}
         return {f"{k}_us_per_token": round(1e6 * v / max(tokens, 1), 1) for k, v in h.items()}
 
-    await eng.query(image(), "What is in this image?", reasoning=False, settings=settings)  # warm
+    first = await eng.query(image(), "What is in this image?", reasoning=False, settings=settings)
+    res["first_request_ttft_ms"] = round(first.metrics.ttft_ms, 2) if isinstance(first, Result) else None
+    print(json.dumps({"first_request_ttft_ms": res["first_request_ttft_ms"]}), flush=True)
     rows = []
     for pipe, k in [(True, 1), (False, 1), (True, a.steps), (False, a.steps), (True, 1), (True, a.steps)]:
         worker.config = dataclasses.replace(worker.config, pipeline=pipe, decode_steps=k)
