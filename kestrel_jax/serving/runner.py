@@ -331,9 +331,8 @@ class Runner:
         self.vision_params, vision_treedef = jax.tree.flatten(vision_state)
         self.num_pages = self.config.num_pages or self._pages_from_memory()
         pool = init_kv_pool(t.n_layers, self.num_pages, self.page_size, t.n_kv_heads, t.head_dim, self.kv_dtype)
-        # Scales stay [L] arrays: each layer's slice is materialised by XLA (256-byte aligned,
-        # as Mosaic kernels require of their operands). Tiny per-layer scalars passed straight
-        # from the host were refused by Mosaic at run time for misalignment.
+        # [L] arrays: each layer's scale is sliced inside the step (and handed to the kernels
+        # through `own_buffer`, since Mosaic kernels require 256-byte aligned operands).
         scales = jnp.asarray(model.text.kv_scales[...], jnp.float32)
         self.cache = KVCache(tuple(k for k, _ in pool), tuple(v for _, v in pool), scales[:, 0], scales[:, 1])
         backend = self.config.backend
