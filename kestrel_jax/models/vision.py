@@ -6,10 +6,7 @@ is jnp and jittable for a static tiling.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -35,39 +32,22 @@ def patchify(x: jax.Array, patch: int) -> jax.Array:
     return x.reshape(n, g * g, c * patch * patch)
 
 
-_ATTN = threading.local()
-
-
-@contextlib.contextmanager
-def attention_implementation(impl: str | None) -> Iterator[None]:
-    """Within the block, vision self-attention traces with `jax.nn.dot_product_attention`'s
-    `implementation` = impl: None/"xla" (portable) or "cudnn" (fused flash attention on NVIDIA
-    GPUs, bf16/f16 only). A trace-time choice, baked into each jitted function."""
-    if impl not in (None, "xla", "cudnn"):
-        raise ValueError(f"vision attention implementation must be xla or cudnn, got {impl!r}")
-    prev = getattr(_ATTN, "impl", None)
-    _ATTN.impl = impl
-    try:
-        yield
-    finally:
-        _ATTN.impl = prev
-
-
 class VisionAttention(nnx.Module):
     def __init__(self, cfg: VisionConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.qkv = Linear(cfg.enc_dim, 3 * cfg.enc_dim, dtype=dtype, rngs=rngs)
         self.proj = Linear(cfg.enc_dim, cfg.enc_dim, dtype=dtype, rngs=rngs)
         self.n_heads = cfg.enc_n_heads
 
-    def __call__(self, x: jax.Array) -> jax.Array:  # [n, T, E] -> [n, T, E]
+    def __call__(self, x: jax.Array, impl: str | None = None) -> jax.Array:  # [n, T, E] -> [n, T, E]
+        """`impl`: `jax.nn.dot_product_attention`'s implementation, None (XLA, portable) or
+        "cudnn" (fused, NVIDIA GPUs; half precision only, else XLA is used)."""
         n, t, e = x.shape
         h = self.n_heads
         q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
         q, k, v = (a.reshape(n, t, h, e // h) for a in (q, k, v))
-        impl = getattr(_ATTN, "impl", None)
-        if impl == "cudnn" and q.dtype not in (jnp.bfloat16, jnp.float16):
-            impl = None  # cuDNN's fused attention takes half precision only
-        o = jax.nn.dot_product_attention(q, k, v, implementation=impl)  # scale 1/sqrt(head_dim), no mask
+        # cuDNN's fused attention takes half precision only; scale 1/sqrt(head_dim), no mask
+        fused = impl == "cudnn" and q.dtype in (jnp.bfloat16, jnp.float16)
+        o = jax.nn.dot_product_attention(q, k, v, implementation="cudnn" if fused else None)
         return self.proj(o.reshape(n, t, e))
 
 
@@ -78,8 +58,8 @@ class VisionBlock(nnx.Module):
         self.ln2 = LayerNorm(cfg.enc_dim, dtype=dtype)
         self.mlp = MLP(cfg.enc_dim, cfg.enc_ff_dim, cfg.enc_dim, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.ln1(x))
+    def __call__(self, x: jax.Array, attn_impl: str | None = None) -> jax.Array:
+        x = x + self.attn(self.ln1(x), attn_impl)
         return x + self.mlp(self.ln2(x))
 
 
@@ -185,12 +165,12 @@ class VisionEncoder(nnx.Module):
         self.post_ln = LayerNorm(cfg.enc_dim, dtype=dtype)
         self.proj_mlp = ProjectorMLP(cfg, dtype=dtype, rngs=rngs)
 
-    def encode_crops(self, crops_u8: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    def encode_crops(self, crops_u8: jax.Array, dtype: jnp.dtype, attn_impl: str | None = None) -> jax.Array:
         """uint8 [n, S, S, 3] -> features [n, g*g, E] (after post_ln)."""
         x = patchify(normalize_crops(crops_u8, dtype), self.cfg.enc_patch_size)
         x = self.patch_emb(x) + self.pos_emb[...].astype(dtype)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, attn_impl)
         return self.post_ln(x)
 
     def project(self, features: jax.Array, tiling: tuple[int, int]) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -201,11 +181,11 @@ class VisionEncoder(nnx.Module):
         return self.proj_mlp(x), grid, pooled
 
     def encode_padded(self, crops_u8: jax.Array, pool_rows: jax.Array, pool_cols: jax.Array,
-                      dtype: jnp.dtype) -> jax.Array:
+                      dtype: jnp.dtype, attn_impl: str | None = None) -> jax.Array:
         """Fixed-shape image encoding for the engine: crops [n, S, S, 3] (global first, then
         tiles, zero-padded to a bucket) with `tile_pool_matrices` weights [n-1, g, g] ->
         image tokens [g*g, D]. Equals `__call__` for the real crops."""
-        feats = self.encode_crops(crops_u8, dtype)
+        feats = self.encode_crops(crops_u8, dtype, attn_impl)
         g = self.cfg.grid_size
         tiles = feats[1:].reshape(-1, g, g, feats.shape[-1]).astype(jnp.float32)
         pooled = jnp.einsum("tar,trce,tbc->abe", pool_rows, tiles, pool_cols,

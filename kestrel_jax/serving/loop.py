@@ -21,6 +21,7 @@ import numpy as np
 
 from kestrel_jax.models.loader import load_model
 from kestrel_jax.serving import batch as bt
+from kestrel_jax.serving.buckets import pick_bucket
 from kestrel_jax.serving.engine import EngineConfig, EngineError, Metrics, Result, Submission, model_path_or_demo
 from kestrel_jax.serving.request import FinishedRequest, Request, RequestRejected
 from kestrel_jax.serving.runner import Runner
@@ -140,10 +141,10 @@ class EngineWorker:
 
     def _step_variants(self, bucket: int) -> tuple[int, ...]:
         """Decode iterations per launch compiled for a batch bucket."""
-        k, cap = self.config.decode_steps, self.config.multi_step_max_batch
-        buckets = self.config.decode_buckets
-        multi = k > 1 and bucket <= next((b for b in sorted(buckets) if b >= cap), max(buckets))
-        return (1, k) if multi else (1,)
+        k, buckets = self.config.decode_steps, sorted(self.config.decode_buckets)
+        # with at most multi_step_max_batch sequences running, the decode bucket is at most this
+        largest = pick_bucket(min(self.config.multi_step_max_batch, buckets[-1]), buckets)
+        return (1, k) if k > 1 and bucket <= largest else (1,)
 
     def _decode_steps(self, pending: Pending | None) -> int:
         """Iterations for the next decode launch: `decode_steps` when every decoding job can run

@@ -11,7 +11,7 @@ Steps (each compiled once per bucket at start-up; a guard fails loudly on any la
 Each step ends in the same `StepOutputs`: the sampled token per row (each row's own sampling
 settings and constraints), plus what the region skills need from that row's hidden state: the
 decoded coordinate, the decoded size, and the detect/point continuation decision. Region heads
-run only when some row needs them (`lax.cond`), since MD2's are 50 MB MLPs.
+run for every row (see `_heads`: a `lax.cond` around them would sync the host mid-step).
 
 Row inputs are a token id, a coordinate value, a size pair or (prefill) an image-token row:
 the embedding is selected inside the step, so one compiled step serves every skill.
@@ -35,7 +35,7 @@ from flax import nnx
 from kestrel_jax.models.moondream import MoondreamModel
 from kestrel_jax.models.region import coord_bin_to_value, size_bin_to_value
 from kestrel_jax.models.text import AttentionBatch, KVCache
-from kestrel_jax.models.vision import attention_implementation, tile_pool_matrices
+from kestrel_jax.models.vision import tile_pool_matrices
 from kestrel_jax.pallas import ops
 from kestrel_jax.pallas.paged_attention import init_kv_pool
 from kestrel_jax.pallas.sampling import SamplingParams, sample
@@ -83,12 +83,6 @@ class StepOutputs(NamedTuple):
         instead of five."""
         return jnp.stack([self.tokens.astype(jnp.float32), self.logprobs, self.coord, self.size[:, 0],
                           self.size[:, 1], self.region_next.astype(jnp.float32)], axis=1)
-
-
-def unpack(host: np.ndarray) -> StepOutputs:
-    """Inverse of `StepOutputs.packed` on the host ([B, 6] numpy)."""
-    return StepOutputs(host[:, 0].astype(np.int32), host[:, 1], host[:, 2], host[:, 3:5],  # type: ignore[arg-type]
-                       host[:, 5].astype(np.int32))  # type: ignore[arg-type]
 
 
 class LM(NamedTuple):
@@ -263,8 +257,7 @@ def _prefill_step(parts: _Parts, params: list[jax.Array], cache: KVCache, tok_in
 def _vision_step(graphdef: Any, treedef: Any, dtype: Any, attn: str | None, params: list[jax.Array],
                  crops: jax.Array, pool_rows: jax.Array, pool_cols: jax.Array) -> jax.Array:
     vision = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-    with attention_implementation(attn):
-        return vision.encode_padded(crops, pool_rows, pool_cols, dtype)
+    return vision.encode_padded(crops, pool_rows, pool_cols, dtype, attn)
 
 
 def _cudnn_attention_works() -> bool:

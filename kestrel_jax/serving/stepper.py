@@ -166,7 +166,7 @@ class Stepper:
                 sub.first_token_time = now
             sub.last_output_time = now
             for j in range(pending.outputs_of(rid)):
-                h = raw[j, row]
+                h = raw[j, row]  # columns of runner.StepOutputs.packed
                 o = StepOut(int(h[0]), float(h[1]), float(h[2]), (float(h[3]), float(h[4])), int(h[5]))
                 if sub.job.advance(o):
                     finished[rid] = sub.job.finish_reason or "stop"
