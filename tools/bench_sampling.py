@@ -24,6 +24,7 @@ logits. If CUPTI fails, the median of host-timed calls (block_until_ready; inclu
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -123,6 +124,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     v = 4096 if cpu else 51200
     # The target shapes first, so a time-budget cut drops the least important cases.
     batches = [1, 8] if cpu else ([1, 128] if args.quick else [1, 128, 8, 32, 256])
+    if args.batches:
+        batches = [int(x) for x in args.batches.split(",")]
     dtypes = [jnp.bfloat16] if (cpu or args.quick) else [jnp.bfloat16, jnp.float32]
     iters = 2 if cpu else 20
     rng = np.random.default_rng(args.seed)
@@ -153,6 +156,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             jax.random.key(0), x.astype(jnp.float32) / jnp.maximum(p.temperature, 1e-5)[:, None], axis=-1
         ).astype(jnp.int32),
     }
+    # --configs: the kernel again at other tile widths / warp counts (timed, not re-checked:
+    # these change speed only, and the unit tests run several widths).
+    sweep = []
+    for cfg in filter(None, args.configs.split(",")):
+        w, nw = (int(x) for x in cfg.split(":"))
+        name = f"kernel_w{w}_nw{nw}"
+        impls[name] = functools.partial(_kernel_tokens, width=w, num_warps=nw, **kernel_kw)
+        sweep.append(name)
+    info["configs"] = sweep
     for dtype in dtypes:
         for b in batches:
             nbytes = b * v * jnp.dtype(dtype).itemsize
@@ -166,7 +178,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 inputs = [(make_logits(k, b, v, shape, dtype), make_params(b, cycle, rng, v))
                           for k in jax.random.split(sub, r)]
                 check = _check(inputs, kernel_kw)
-                for name in ("kernel", "sort_top_p", "argmax" if sname == "greedy" else "categorical"):
+                for name in ("kernel", *sweep, "sort_top_p", "argmax" if sname == "greedy" else "categorical"):
                     case: dict[str, Any] = {"batch": b, "dtype": jnp.dtype(dtype).name, "setting": sname,
                                             "impl": name, "inputs": r, "bytes_per_call": nbytes}
                     if time.time() - t_start > args.budget_s:
@@ -177,7 +189,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         us, method, kernels = time_calls(compiled[name], inputs, iters, cpu)
                         case.update(us=round(us, 2), method=method, gbps=round(nbytes / us / 1e3, 1))
                         if name == "kernel":
-                            case.update(check, kernels=kernels)
+                            case.update(check)
+                        if name.startswith("kernel"):
+                            case.update(kernels=kernels)
                     except Exception as e:  # noqa: BLE001 - one failing case must not stop the rest
                         case.update(error=f"{type(e).__name__}: {e}"[:2000])
                         traceback.print_exc()
@@ -186,6 +200,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     info["cases"] = cases
     info["wall_s"] = round(time.time() - t_start, 1)
     return info
+
+
+def _kernel_tokens(x: jax.Array, p: SamplingParams, **kw: Any) -> jax.Array:
+    return sample_kernel(x, p, **kw).tokens
 
 
 def _check(inputs: list[tuple], kernel_kw: dict) -> dict[str, Any]:
@@ -226,6 +244,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="B in {1, 128}, bf16 only")
     ap.add_argument("--cpu-smoke", action="store_true", help="interpreted kernel on CPU, tiny shapes")
     ap.add_argument("--seed", type=int, default=int(time.time()) % 2**31)
+    ap.add_argument("--batches", default="", help="comma-separated batch sizes (overrides the list)")
+    ap.add_argument("--configs", default="",
+                    help="extra kernel configs to time, e.g. 64:4,256:16 (width:warps)")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip cases started after this many seconds")
     args = ap.parse_args()
     if not args.cpu_smoke and jax.default_backend() != "gpu":

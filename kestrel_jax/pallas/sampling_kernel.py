@@ -4,19 +4,27 @@ The reference (sampling.py, step 4) defines the draw as two-level Gumbel-max pro
 rejection; that definition was chosen so that a GPU can follow it without sorting and without
 per-token noise outside one chunk per proposal. Two kernels, logits viewed as [B, NC, C]:
 
-  stage 1, grid (B, NC): per chunk, the max logit, its first index and the mass
-    sum 2^((z - chunk max) * c2). One read of the logits, ~13 instructions per element:
-    memory bound. Greedy rows compute only the argmax.
-  stage 2, grid (B): per row, combines the chunks (max m, first argmax a, Z), draws proposal
+  statistics, grid (B, NC): per chunk, the max logit, its first index and the mass
+    sum 2^((z - chunk max) * c2). One read of the logits: memory bound. Greedy rows compute
+    only the argmax; restricted rows nothing.
+  finish, grid (B,): per row, combines the chunks (max m, first argmax a, Z), draws proposal
     0 (chunk by Gumbel over chunk masses, then one chunk of token noise), and returns it at
     once if no filter is on, it is a, or only a can survive (top_k == 1 or 1 > top_p * Z).
-    Otherwise each round is one pass over the row (tiles of R chunks, next tile prefetched,
-    tiles entirely below the proposal skipped) giving the count and mass ranked before x
-    (x survives iff count < top_k and mass <= top_p * Z) and the per-chunk masses of that
-    set, from which the next proposal is drawn if x is rejected.
-Restricted rows (a few allowed ids) skip stage 1 and are solved exactly in stage 2 from their
-gathered logits. Float sums here differ from the reference's in rounding only, which moves a
-Gumbel-max choice only at near-ties, so both return the same token.
+    Otherwise each round is one pass over the row giving the count and mass of the candidates
+    ranked before the proposal x (x survives iff count < top_k and mass <= top_p * Z) and the
+    per-chunk masses of that set, from which the next proposal is drawn if x is rejected.
+A pass streams tiles [NCP, W]: W consecutive tokens of every chunk at once (NCP = NC rounded
+up to a power of two, padded rows masked), so each lane's accumulators belong to one chunk and
+the loop body is elementwise only (the cross-lane reductions run once, after the loop); each
+tile load is issued one iteration ahead of its use. Restricted rows (a few allowed ids) are
+solved exactly in the finish kernel from their gathered logits. Float sums here differ from
+the reference's in rounding only, which moves a Gumbel-max choice only at near-ties, so both
+return the same token.
+
+Measured and not kept (BENCHMARKS.md, third session): one program per row doing the
+statistics too (a single SM streams the row 2-4x slower than 25 chunk programs), and one
+kernel whose last chunk program finishes the row after an atomic ticket (saves 0.2 us at
+B = 1, costs a zero-filled counter per call and 1-9 us at B >= 4).
 
 Randomness: Pallas GPU has no PRNG primitive, so noise is a counter hash of (row key, stream,
 index) evaluated in-kernel by the same jnp code the reference runs (sampling.gumbel2).
@@ -24,14 +32,15 @@ index) evaluated in-kernel by the same jnp code the reference runs (sampling.gum
 Why the Triton backend and not Mosaic GPU: this is a row-wise streaming reduction with integer
 hashing, data-dependent loops and per-row early exits; it needs no TMA, wgmma or warpgroup
 specialisation, and Triton lowers all of it (scf.while/if, u32 ops, libdevice log2/exp2) with
-a mature CPU interpreter. Triton tensors must have power-of-two shapes: C and R are powers of
-two, and the [B, NC] chunk tables are padded to NT * R columns.
+a mature CPU interpreter. Triton tensors must have power-of-two shapes (C, W and NCP are) and
+none 1-wide.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +63,8 @@ from kestrel_jax.pallas.sampling import (
 
 MAX_LIST_WIDTH = 64
 NEG_INF = float("-inf")
+DEFAULT_WIDTH = 128
+DEFAULT_WARPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +72,15 @@ class _Layout:
     vocab: int
     chunk: int  # C, power of two
     n_chunks: int  # NC = ceil(V / C)
-    tile: int  # R chunks per stage-2 tile, power of two
-    n_tiles: int  # ceil(NC / R): tiles per pass
+    width: int  # W: tokens of each chunk per tile, a power of two dividing C
 
     @property
-    def table_tiles(self) -> int:  # NT: tiles of the [NT, R] chunk tables, a power of two
-        return _pow2_ceil(self.n_tiles)
+    def rows(self) -> int:  # NCP: chunk rows of a tile, a power of two >= 2
+        return max(2, _pow2_ceil(self.n_chunks))
+
+    @property
+    def n_tiles(self) -> int:
+        return self.chunk // self.width
 
 
 def _pow2_ceil(n: int) -> int:
@@ -74,7 +88,7 @@ def _pow2_ceil(n: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
-# In-kernel helpers (traced inside the kernels; `b` is the row).
+# In-kernel helpers (traced inside the kernel; `b` is the row).
 
 
 def _runtime_values(b, values: tuple) -> tuple:
@@ -102,13 +116,14 @@ def _lowest_free_id(supp: list, vocab: int):
     return jnp.minimum(t, vocab - 1)
 
 
-def _clean(raw, idx, lo, hi, supp: list):
-    """Loaded logits -> f32 with NaN and suppressed ids at -inf. [lo, hi) bounds the ids in
-    `idx`, so the suppression compare runs only on blocks that hold a suppressed id."""
+def _clean(raw, idx, hit, supp: list, nan: bool = True):
+    """Loaded logits -> f32 with NaN (unless nan=False: for callers whose compares are all
+    false on NaN anyway) and suppressed ids at -inf. `hit` says whether any suppressed id is
+    among `idx`, so the per-element compare runs only where it can match."""
     z = raw.astype(jnp.float32)
-    z = jnp.where(z == z, z, NEG_INF)
+    if nan:
+        z = jnp.where(z == z, z, NEG_INF)
     if supp:
-        hit = functools.reduce(lambda h, s: h | ((s >= lo) & (s < hi)), supp, lo < 0)
 
         def apply(z):
             match = functools.reduce(lambda m_, s: m_ | (idx == s), supp, idx < 0)
@@ -133,15 +148,13 @@ def _first_max(v, idx):
 
 
 # ----------------------------------------------------------------------------------------------
-# Stage 1: per-chunk max, first argmax and local mass.
+# Chunk statistics (one program per chunk of a row).
 
 
-def _chunk_kernel(logits_ref, temp_ref, seed_ref, step_ref, *rest, lay: _Layout, n_allowed: int, n_supp: int,
-                  need_z: bool):
-    allowed_ref = rest[0] if n_allowed else None
-    supp_ref = rest[int(bool(n_allowed))] if n_supp else None
-    max_ref, arg_ref, mass_ref = rest[-3:]
-    b, j = pl.program_id(0), pl.program_id(1)
+def _chunk_stats(logits_ref, b, j, temp_ref, seed_ref, step_ref, allowed_ref, supp_ref, *, lay: _Layout,
+                 n_allowed: int, n_supp: int, need_z: bool) -> tuple:
+    """(max, first argmax, mass sum 2^((z - max) * c2)) of chunk j of row b. Restricted rows are
+    solved from their allowed ids and skip this; greedy rows need the argmax only."""
     greedy, _, c2, _, _, _ = row_settings(temp_ref[b], jnp.int32(0), jnp.float32(1.0), seed_ref[b], step_ref[b],
                                           lay.vocab)
     supp = _id_list(supp_ref, b, n_supp)
@@ -151,43 +164,69 @@ def _chunk_kernel(logits_ref, temp_ref, seed_ref, step_ref, *rest, lay: _Layout,
     def stats(carry, with_mass: bool):
         lo = j * lay.chunk
         idx = lo + jnp.arange(lay.chunk, dtype=jnp.int32)
-        z = _clean(plgpu.load(logits_ref.at[b, j, :]), idx, lo, lo + lay.chunk, supp)
+        hit = functools.reduce(lambda h, s: h | ((s >= lo) & (s < lo + lay.chunk)), supp, lo < 0)
+        z = _clean(plgpu.load(logits_ref.at[b, j, :]), idx, hit, supp)
         cm, carg = _first_max(z, idx)
         mass = carry[2]
         if with_mass:
             mass = jnp.sum(jnp.where(z > NEG_INF, jnp.exp2((z - cm) * c2), 0.0))
         return cm, carg, mass
 
-    # Restricted rows are solved in stage 2; greedy rows need the argmax only; the rest also the
-    # mass. Nested boolean conds, not lax.switch: the Triton lowering of switch's index clamp
-    # mixed i1 and i32 operands and failed to parse on the GPU.
+    # Nested boolean conds, not lax.switch: the Triton lowering of switch's index clamp mixed i1
+    # and i32 operands and failed to parse on the GPU.
     def unrestricted(c):
-        return jax.lax.cond(greedy & (not need_z), lambda c: stats(c, False), lambda c: stats(c, True), c)
+        if need_z:
+            return stats(c, True)
+        return jax.lax.cond(greedy, lambda c: stats(c, False), lambda c: stats(c, True), c)
 
-    out = jax.lax.cond(restricted, lambda c: c, unrestricted, init)
-    for ref, v in zip((max_ref, arg_ref, mass_ref), out, strict=True):
-        ref[b, j] = v
+    return jax.lax.cond(restricted, lambda c: c, unrestricted, init)
 
 
 # ----------------------------------------------------------------------------------------------
-# Stage 2: combine, draw, check, redraw.
+# Finishing a row: combine the chunk statistics, draw, check, redraw.
 
 
-def _finalize_kernel(max_ref, arg_ref, mass_ref, logits_ref, temp_ref, top_k_ref, top_p_ref, seed_ref, step_ref,
-                     *rest, lay: _Layout, n_allowed: int, n_supp: int):
-    allowed_ref = rest[0] if n_allowed else None
-    supp_ref = rest[int(bool(n_allowed))] if n_supp else None
-    tok_ref, lp_ref, m_ref, logz_ref = rest[-4:]
-    b = pl.program_id(0)
+def _finish_row(logits_ref, b, tables, temp_ref, top_k_ref, top_p_ref, seed_ref, step_ref, allowed_ref, supp_ref,
+                out_refs, *, lay: _Layout, n_allowed: int, n_supp: int):
+    """Samples row b and writes (token, logprob, max, log Z) to out_refs. `tables()` gives the
+    row's chunk statistics as three [NCP] vectors (padding: -inf, BIG_INDEX, 0)."""
     greedy, inv_t, c2, top_k, top_p, key = row_settings(
         temp_ref[b], top_k_ref[b], top_p_ref[b], seed_ref[b], step_ref[b], lay.vocab
     )
     supp = _id_list(supp_ref, b, n_supp)
     allowed = _id_list(allowed_ref, b, n_allowed)
-    C, R, NT = lay.chunk, lay.tile, lay.table_tiles
-    # Chunk tables as [NT, R]: chunk id = t * R + k.
-    cid = jnp.arange(NT, dtype=jnp.int32)[:, None] * R + jnp.arange(R, dtype=jnp.int32)[None, :]
-    tile_ids = jnp.arange(NT, dtype=jnp.int32)[:, None]
+    C, W, NCP, NT = lay.chunk, lay.width, lay.rows, lay.n_tiles
+    cid = jnp.arange(NCP, dtype=jnp.int32)
+    rows = cid[:, None]
+    lanes = jnp.arange(W, dtype=jnp.int32)[None, :]
+    zero_f, zero_i = _runtime_values(b, (0.0, 0))
+
+    def full(v):
+        return jnp.broadcast_to(v, (NCP, W))
+
+    # Passes over the row stream tiles [NCP, W]: tokens t*W .. t*W + W - 1 of every chunk, so
+    # each lane's accumulator belongs to one chunk and the loop body is elementwise only.
+
+    def load(t):
+        t = jnp.minimum(t, NT - 1)  # the prefetch past the last tile re-reads it
+        view = logits_ref.at[b, pl.ds(zero_i, NCP), pl.ds(t * W, W)]
+        if lay.n_chunks == NCP:
+            return plgpu.load(view)
+        return plgpu.load(view, mask=full(rows < lay.n_chunks), other=NEG_INF)
+
+    def stream(body, carry):
+        """Runs body(idx, z, carry) -> carry over every tile, the next tile prefetched. NaN
+        logits stay NaN in z: the bodies only count elements by ordered compares with a real
+        logit, which are false on NaN, as on -inf."""
+
+        def step(t, c):
+            raw, inner = c
+            nxt = load(t + 1)  # issued before the work on this tile: hides its latency
+            idx = rows * C + t * W + lanes
+            hit = functools.reduce(lambda h, s: h | ((s >= 0) & ((s % C) // W == t)), supp, t < 0)
+            return nxt, body(idx, _clean(raw, idx, hit, supp, nan=False), inner)
+
+        return jax.lax.fori_loop(0, NT, step, (load(0), carry))[1]
 
     def survives(count, mass, zsum):
         return ((top_k == 0) | (count < top_k)) & ((top_p >= 1.0) | (mass <= top_p * zsum))
@@ -196,12 +235,13 @@ def _finalize_kernel(max_ref, arg_ref, mass_ref, logits_ref, temp_ref, top_k_ref
         return logits_ref[b, x // C, x % C].astype(jnp.float32)
 
     def draw(logw, r, x_prev, z_prev):
-        """Proposal r from chunk log-masses logw [NT, R]; the set is the candidates ranked
+        """Proposal r from chunk log-masses logw [NCP]; the set is the candidates ranked
         before x_prev (r > 0) or all candidates (r == 0)."""
         cs = logw + gumbel2(sub_key(key, 2 * r), cid)
         _, j = _first_max(cs, cid)
         idx = j * C + jnp.arange(C, dtype=jnp.int32)
-        z = _clean(plgpu.load(logits_ref.at[b, j, :]), idx, j * C, j * C + C, supp)
+        hit = functools.reduce(lambda h, s: h | ((s >= 0) & (s // C == j)), supp, j < 0)
+        z = _clean(plgpu.load(logits_ref.at[b, j, :]), idx, hit, supp)
         in_set = z > NEG_INF
         if x_prev is not None:
             in_set &= (z > z_prev) | ((z == z_prev) & (idx < x_prev))
@@ -209,49 +249,23 @@ def _finalize_kernel(max_ref, arg_ref, mass_ref, logits_ref, temp_ref, top_k_ref
         return _first_max(sc, idx)[1]
 
     def ranked_before(x, zx, m):
-        """One pass: (count, per-chunk masses [NT, R]) of the candidates ranked before x."""
-        rows = jnp.arange(R, dtype=jnp.int32)[:, None]
-        cols = jnp.arange(C, dtype=jnp.int32)[None, :]
+        """One pass: (count, per-chunk masses [NCP]) of the candidates ranked before x."""
 
-        def load(t):
-            t = jnp.minimum(t, lay.n_tiles - 1)
-            if lay.n_chunks % R == 0:
-                return plgpu.load(logits_ref.at[b, pl.ds(t * R, R), :])
-            mask = jnp.broadcast_to(t * R + rows < lay.n_chunks, (R, C))
-            return plgpu.load(logits_ref.at[b, pl.ds(t * R, R), :], mask=mask, other=NEG_INF)
+        def body(idx, z, c):
+            count, mass = c
+            above = (z > zx) | ((z == zx) & (idx < x))
+            return count + above.astype(jnp.int32), mass + jnp.where(above, jnp.exp2((z - m) * c2), 0.0)
 
-        def body(t, carry):
-            raw, count, wt = carry
-            nxt = load(t + 1)  # issued before the work on this tile: hides its latency
-            idx = (t * R + rows) * C + cols
-            z = _clean(raw, idx, t * R * C, (t + 1) * R * C, supp)
-
-            def work(acc):
-                count, wt = acc
-                above = (z > zx) | ((z == zx) & (idx < x))
-                count += _all(jnp.sum, above.astype(jnp.int32))
-                w = jnp.where(above, jnp.exp2((z - m) * c2), 0.0)
-                wt = jnp.where(tile_ids == t, jnp.sum(w, axis=1)[None, :], wt)
-                return count, wt
-
-            count, wt = jax.lax.cond(_all(jnp.max, z) >= zx, work, lambda a: a, (count, wt))
-            return nxt, count, wt
-
-        zero_count, zero_f = _runtime_values(b, (0, 0.0))
-        init = (load(0), zero_count, jnp.broadcast_to(zero_f, (NT, R)))
-        _, count, wt = jax.lax.fori_loop(0, lay.n_tiles, body, init)
-        return count, wt
+        count, mass = stream(body, (full(zero_i), full(zero_f)))
+        return _all(jnp.sum, count), jnp.sum(mass, axis=1)
 
     def full_row():
-        valid = cid < lay.n_chunks
-        cmax = plgpu.load(max_ref.at[b], mask=valid, other=NEG_INF)
-        carg = plgpu.load(arg_ref.at[b], mask=valid, other=BIG_INDEX)
-        cmass = plgpu.load(mass_ref.at[b], mask=valid, other=0.0)
-        m = _all(jnp.max, cmax)
-        a = _all(jnp.min, jnp.where(cmax == m, carg, BIG_INDEX))
+        cmax, carg, cmass = tables()
+        m = jnp.max(cmax)
+        a = jnp.min(jnp.where(cmax == m, carg, BIG_INDEX))
         has_cand = m > NEG_INF  # else chunk argmaxes point at -inf (possibly suppressed) ids
         a = jnp.where(has_cand, a, _lowest_free_id(supp, lay.vocab))
-        zsum = _all(jnp.sum, jnp.where(cmass > 0, cmass * jnp.exp2((cmax - m) * c2), 0.0))
+        zsum = jnp.sum(jnp.where(cmass > 0, cmass * jnp.exp2((cmax - m) * c2), 0.0))
         only_top = (top_k == 1) | (top_p * zsum < 1.0)
         no_filter = (top_k == 0) & (top_p >= 1.0)
         settled = greedy | ~has_cand | (only_top & ~no_filter)
@@ -267,7 +281,7 @@ def _finalize_kernel(max_ref, arg_ref, mass_ref, logits_ref, temp_ref, top_k_ref
             x, _, r = state
             zx = logit(x)
             count, wt = ranked_before(x, zx, m)
-            accept = survives(count, _all(jnp.sum, wt), zsum)
+            accept = survives(count, jnp.sum(wt), zsum)
             capped = r >= MAX_ROUNDS  # past the cap: the top token (always a survivor)
 
             def redraw(x):
@@ -278,7 +292,7 @@ def _finalize_kernel(max_ref, arg_ref, mass_ref, logits_ref, temp_ref, top_k_ref
             return x, accept | capped | (x == a), r + 1
 
         x, _, _ = jax.lax.while_loop(lambda st: ~st[1], round_step, (x, done, jnp.int32(0)))
-        return x, m, zsum
+        return x, m, zsum, has_cand & (x == a)
 
     def restricted_row():
         width = max(2, _pow2_ceil(n_allowed))  # Triton tensors: powers of two, none 1-wide
@@ -312,19 +326,57 @@ def _finalize_kernel(max_ref, arg_ref, mass_ref, logits_ref, temp_ref, top_k_ref
         kept = ok & (zs > NEG_INF) & survives(count, mass, zsum)
         sc = jnp.where(kept, zs * c2 + gumbel2(sub_key(key, 1), ids), NEG_INF)
         drawn = jnp.min(jnp.where(kept & (sc == jnp.max(sc)), ids, BIG_INDEX))
-        return jnp.where(greedy | (m == NEG_INF), first, drawn), m, zsum
+        tok = jnp.where(greedy | (m == NEG_INF), first, drawn)
+        return tok, m, zsum, (m > NEG_INF) & (tok == first)
 
     if not allowed:
-        tok, m, zsum = full_row()
+        tok, m, zsum, at_max = full_row()
     else:
-        tok, m, zsum = jax.lax.cond(_any_listed(allowed, b), restricted_row, full_row)
+        tok, m, zsum, at_max = jax.lax.cond(_any_listed(allowed, b), restricted_row, full_row)
+    # The token's logit is m when it is the argmax (every greedy row): no dependent load then.
     # tok is always in range; the clip only makes sure a bug can never read out of bounds.
-    zt = logit(jnp.clip(tok, 0, lay.vocab - 1))
+    zt = jax.lax.cond(at_max, lambda: m, lambda: logit(jnp.clip(tok, 0, lay.vocab - 1)))
     lp = jnp.where((m == NEG_INF) | ~(zt > NEG_INF), NEG_INF, (zt - m) * inv_t - jnp.log(zsum))
-    tok_ref[b] = tok
-    lp_ref[b] = lp
-    m_ref[b] = m
-    logz_ref[b] = jnp.log(zsum)
+    for ref, v in zip(out_refs, (tok, lp, m, jnp.log(zsum)), strict=True):
+        ref[b] = v
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels.
+
+
+def _split_lists(rest, n_allowed: int, n_supp: int):
+    allowed_ref = rest[0] if n_allowed else None
+    supp_ref = rest[int(bool(n_allowed))] if n_supp else None
+    return allowed_ref, supp_ref, rest[int(bool(n_allowed)) + int(bool(n_supp)):]
+
+
+def _load_tables(max_ref, arg_ref, mass_ref, b, lay: _Layout):
+    valid = jnp.arange(lay.rows, dtype=jnp.int32) < lay.n_chunks
+    return (plgpu.load(max_ref.at[b], mask=valid, other=NEG_INF),
+            plgpu.load(arg_ref.at[b], mask=valid, other=BIG_INDEX),
+            plgpu.load(mass_ref.at[b], mask=valid, other=0.0))
+
+
+def _stats_kernel(logits_ref, temp_ref, seed_ref, step_ref, *rest, lay: _Layout, n_allowed: int, n_supp: int,
+                  need_z: bool):
+    """Two-kernel form, kernel 1, grid (B, NC): the chunk statistics tables."""
+    allowed_ref, supp_ref, (max_ref, arg_ref, mass_ref) = _split_lists(rest, n_allowed, n_supp)
+    b, j = pl.program_id(0), pl.program_id(1)
+    out = _chunk_stats(logits_ref, b, j, temp_ref, seed_ref, step_ref, allowed_ref, supp_ref, lay=lay,
+                       n_allowed=n_allowed, n_supp=n_supp, need_z=need_z)
+    for ref, v in zip((max_ref, arg_ref, mass_ref), out, strict=True):
+        ref[b, j] = v
+
+
+def _finish_kernel(max_ref, arg_ref, mass_ref, logits_ref, temp_ref, top_k_ref, top_p_ref, seed_ref, step_ref,
+                   *rest, lay: _Layout, n_allowed: int, n_supp: int):
+    """Two-kernel form, kernel 2, grid (B,): one program finishes each row."""
+    allowed_ref, supp_ref, out_refs = _split_lists(rest, n_allowed, n_supp)
+    b = pl.program_id(0)
+    _finish_row(logits_ref, b, lambda: _load_tables(max_ref, arg_ref, mass_ref, b, lay), temp_ref, top_k_ref,
+                top_p_ref, seed_ref, step_ref, allowed_ref, supp_ref, out_refs, lay=lay, n_allowed=n_allowed,
+                n_supp=n_supp)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -360,7 +412,7 @@ def _shape_problem(logits: jax.Array, params: SamplingParams) -> str | None:
     return None
 
 
-@jax.jit(static_argnames=("n_top", "return_logprobs", "chunk", "interpret", "tile"))
+@jax.jit(static_argnames=("n_top", "return_logprobs", "chunk", "interpret", "width", "num_warps"))
 def sample_kernel(
     logits: jax.Array,  # [B, V] f32 / bf16 / f16
     params: SamplingParams,
@@ -369,21 +421,23 @@ def sample_kernel(
     return_logprobs: bool = False,
     chunk: int = PROPOSAL_CHUNK,
     interpret: bool = False,
-    tile: int = 4,
+    width: int = DEFAULT_WIDTH,
+    num_warps: int = DEFAULT_WARPS,
 ) -> SampleOutput:
-    """Pallas version of sample_reference: same arguments (plus `interpret`, which runs the
-    kernels in the Pallas interpreter for CPU tests, and `tile`, the chunks per stage-2 tile, a
-    power of two that changes speed, not results). V % C != 0 costs one padded copy."""
+    """Pallas version of sample_reference: same arguments, plus `interpret` (run the kernels in
+    the Pallas interpreter, for CPU tests) and two that change speed, not results: `width`
+    (tokens of each chunk per tile of a pass over the row, a power of two) and `num_warps` (of
+    the row-finishing program). V % C != 0 costs one padded copy."""
     problem = _shape_problem(logits, params)
     if problem is not None:
         raise ValueError(f"sample_kernel: {problem}")
-    for name, v in (("chunk", chunk), ("tile", tile)):
+    for name, v in (("chunk", chunk), ("width", width), ("num_warps", num_warps)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"sample_kernel: {name} must be a power of two, got {v}")
     B, V = logits.shape
     C = chunk_size(V, chunk)
     NC = -(-V // C)
-    lay = _Layout(V, C, NC, tile, -(-NC // tile))
+    lay = _Layout(V, C, NC, max(2, min(width, C)))
     if NC * C != V:
         logits = jnp.pad(logits, ((0, 0), (0, NC * C - V)), constant_values=-jnp.inf)
     logits3 = logits.reshape(B, NC, C)
@@ -395,25 +449,26 @@ def sample_kernel(
     seed, step = params.seed.astype(jnp.uint32), params.step.astype(jnp.int32)
 
     f32, i32 = jnp.float32, jnp.int32
-    ncp = lay.table_tiles * tile
+    need_z = return_logprobs or n_top > 0
+    kw: dict[str, Any] = dict(lay=lay, n_allowed=n_allowed, n_supp=n_supp)
+    tables = [jax.ShapeDtypeStruct((B, lay.rows), t) for t in (f32, i32, f32)]
+    rows_out = [jax.ShapeDtypeStruct((B,), t) for t in (i32, f32, f32, f32)]
     chunk_tables = pl.pallas_call(
-        functools.partial(_chunk_kernel, lay=lay, n_allowed=n_allowed, n_supp=n_supp,
-                          need_z=return_logprobs or n_top > 0),
-        out_shape=[jax.ShapeDtypeStruct((B, ncp), t) for t in (f32, i32, f32)],
+        functools.partial(_stats_kernel, need_z=need_z, **kw),
+        out_shape=tables,
         grid=(B, NC),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="sample_chunk_stats",
     )(logits3, temp, seed, step, *lists)
-
     tok, lp, m, log_z = pl.pallas_call(
-        functools.partial(_finalize_kernel, lay=lay, n_allowed=n_allowed, n_supp=n_supp),
-        out_shape=[jax.ShapeDtypeStruct((B,), t) for t in (i32, f32, f32, f32)],
+        functools.partial(_finish_kernel, **kw),
+        out_shape=rows_out,
         grid=(B,),
-        compiler_params=plgpu.CompilerParams(num_warps=8, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name="sample_finalize",
-    )(*[t.reshape(B, lay.table_tiles, tile) for t in chunk_tables], logits3, temp, top_k, top_p, seed, step, *lists)
+        name="sample_finish",
+    )(*chunk_tables, logits3, temp, top_k, top_p, seed, step, *lists)
 
     out = SampleOutput(tokens=tok)
     if return_logprobs:

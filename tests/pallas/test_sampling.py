@@ -146,10 +146,11 @@ def mixed_logits(rng: np.random.Generator, B: int, V: int, dtype) -> jax.Array:
     x[::4] = np.round(x[::4])  # many exact ties
     x[1::5, rng.integers(V, size=3)] = -np.inf
     x[2::7, 0] = np.nan
+    x[3::7, rng.integers(V, size=4)] = np.nan  # NaN inside the rows' passes too
     return jnp.asarray(x, dtype)
 
 
-KERNEL_SMALL = dict(chunk=16, tile=2)  # 13 chunks of 16 for V = 203: a partial tile and a partial chunk
+KERNEL_SMALL = dict(chunk=16, width=4)  # 13 chunks of 16 (a partial chunk; 3 padded chunk rows) for V = 203
 
 
 def check_against_spec_and_reference(logits, params, rows, out, ref):
@@ -169,14 +170,14 @@ def check_against_spec_and_reference(logits, params, rows, out, ref):
         np.testing.assert_array_equal(np.asarray(out.top_ids)[i][live], top[live])
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernel_matches_reference_and_spec(rng, dtype):
+@pytest.mark.parametrize("dtype,width", [(jnp.float32, 4), (jnp.bfloat16, 2), (jnp.float32, 16)])
+def test_kernel_matches_reference_and_spec(rng, dtype, width):
     B, V = 27, 203  # V not a multiple of any chunk: the shifted last chunk is exercised
     rows = mixed_rows(rng, B, V)
     params = make_sampling_params(rows, B, n_allowed=N_ALLOWED, n_suppressed=N_SUPP, vocab_size=V)
     logits = mixed_logits(rng, B, V, dtype)
     ref = sample_reference(logits, params, n_top=3, return_logprobs=True, chunk=16)
-    out = sample_kernel(logits, params, n_top=3, return_logprobs=True, interpret=True, **KERNEL_SMALL)
+    out = sample_kernel(logits, params, n_top=3, return_logprobs=True, interpret=True, chunk=16, width=width)
     check_against_spec_and_reference(logits, params, rows, ref, ref)
     check_against_spec_and_reference(logits, params, rows, out, ref)
 
@@ -304,7 +305,7 @@ def test_kernel_rejection_rounds_distribution(rng):
     rows = [RowSampling(temperature=1.0, top_k=5, top_p=top_p, seed=base + i) for i in range(n)]
     params = make_sampling_params(rows, n, n_allowed=0, n_suppressed=0, vocab_size=V)
     logits = jnp.asarray(np.broadcast_to(z, (n, V)))
-    out = sample_kernel(logits, params, interpret=True, chunk=4, tile=2)
+    out = sample_kernel(logits, params, interpret=True, chunk=4, width=2)
     tok = np.asarray(out.tokens)
     np.testing.assert_array_equal(tok, np.asarray(sample_reference(logits, params, chunk=4).tokens))
     probs = spec_probs(z, 1.0, 5, top_p)
@@ -422,5 +423,5 @@ def test_cross_lowering_h100(dtype, widths):
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(step).trace(S((B, V), dtype), params).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 2, "expected the chunk-stats and finalize kernels"
-    assert "sample_chunk_stats" in text and "sample_finalize" in text
+    assert text.count("__gpu$xla.gpu.triton") == 2, "expected the chunk-stats and finish kernels"
+    assert "sample_chunk_stats" in text and "sample_finish" in text
