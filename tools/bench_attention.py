@@ -75,11 +75,16 @@ def time_calls(f: Callable, args: tuple, r: int, iters: int, cpu: bool, name_fil
             if per_iter:
                 totals = []
                 matched = True
+                names: dict[str, list[float]] = {}
                 for kernels in per_iter:
+                    for n, t in kernels:
+                        names.setdefault(n, []).append(t)
                     mine = [t for n, t in kernels if name_filter and name_filter in n]
                     matched &= bool(mine)
                     totals.append(sum(mine) if mine else sum(t for _, t in kernels))
                 how = "cupti" if not name_filter or matched else "cupti-all:" + ",".join(n for n, _ in per_iter[0])
+                # Per kernel name: us per call (summed over the iteration's launches, median of iterations).
+                BREAKDOWN[0] = {n[:80]: round(sum(v) / len(per_iter) * 1e3 / r, 2) for n, v in names.items()}
                 return statistics.median(totals) * 1e3 / r, how[:300]
         except Exception as e:  # noqa: BLE001 - report and fall back
             print(f"  (CUPTI failed: {type(e).__name__}: {e}; host timing)", file=sys.stderr)
@@ -90,6 +95,9 @@ def time_calls(f: Callable, args: tuple, r: int, iters: int, cpu: bool, name_fil
         jax.block_until_ready(f(*args))
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts) * 1e6 / r, "host"
+
+
+BREAKDOWN: list[dict[str, float]] = [{}]  # the last CUPTI measurement's kernels, us per call
 
 
 def rotations(set_bytes: int, cap: int = 16) -> int:
@@ -194,8 +202,9 @@ def bench_decode(rng, b, kv, page, dtype, impls, iters, cpu, kernel_kw, ks, vs) 
             res = {"compile_s": round(time.time() - t0, 2)}
             if name != "xla_ref":
                 res.update(check(outs[0], ref_out))
+            BREAKDOWN[0] = {}
             us, how = time_calls(prog, (k_pages, v_pages, tables, qs, lens), r, iters, cpu)
-            res.update({"us": us, "method": how, "GBps": kv_bytes / us / 1e3})
+            res.update({"us": us, "method": how, "GBps": kv_bytes / us / 1e3, "kernels": BREAKDOWN[0]})
             case["impls"][name] = res
         except Exception as e:  # noqa: BLE001 - record and continue
             case["impls"][name] = {"error": f"{type(e).__name__}: {e}"[:400]}
@@ -274,8 +283,9 @@ def bench_prefill(rng, label, q_lens, cached, prefix, page, dtype, impls, iters,
             res: dict[str, Any] = {"compile_s": round(time.time() - t0, 2)}
             if name != "xla_ref":
                 res.update(check(outs[0], ref_out))
+            BREAKDOWN[0] = {}
             us, how = time_calls(prog, (k_pages, v_pages, tables_j, qs), r, iters, cpu)
-            res.update({"us": us, "method": how, "TFLOPs": flops / us / 1e6})
+            res.update({"us": us, "method": how, "TFLOPs": flops / us / 1e6, "kernels": BREAKDOWN[0]})
             case["impls"][name] = res
         except Exception as e:  # noqa: BLE001
             case["impls"][name] = {"error": f"{type(e).__name__}: {e}"[:400]}
@@ -373,7 +383,8 @@ def print_summary(cases: list[dict[str, Any]], ceil: dict[str, Any]) -> None:
             if big and ceil.get("copy_GBps"):
                 extra = f" = {res['GBps'] / ceil['copy_GBps']:.0%} of copy BW (target >= 70%)"
             verdict = "" if tgt is None else ("  OK" if res["us"] <= tgt else "  SLOWER")
-            print(f"  {key}: {res['us']:.1f} us{extra}" + (f" vs {tgt} us{verdict}" if tgt else ""))
+            print(f"  {key}: {res['us']:.1f} us{extra}" + (f" vs {tgt} us{verdict}" if tgt else "")
+                  + (f"  kernels/call: {res['kernels']}" if res.get("kernels") else ""))
         for name, r in c["impls"].items():
             if "error" in r or r.get("nan"):
                 print(f"  FAILED {key} {name}: {r.get('error', 'NaN in output')}"[:300])
@@ -410,6 +421,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         case = make()
         cases.append(case)
         print(fmt_case(case, ceil), flush=True)
+        if case.get("impls", {}).get("kernel", {}).get("kernels"):
+            print(f"    kernels/call: {case['impls']['kernel']['kernels']}", flush=True)
+        if args.out:  # after every case: a run cut short by its time limit keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump({**info, "ceilings": ceil, "cases": cases, "partial": True}, f, indent=1, default=str)
 
     fp8 = jnp.float8_e4m3fn
     page = 8 if cpu else args.page
@@ -421,13 +437,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     elif args.quick:
         dec_grid = [(1, 740), (8, 512), (32, 128), (64, 2048)]
         pre_cases = [("image 740", [740], [0], [730])]
+    elif args.targets:
+        dec_grid = [(1, 740), (4, 740), (8, 512), (32, 128), (64, 2048)]
     else:
         dec_grid = [(b, kv) for b in DECODE_B for kv in DECODE_KV]
+    if not cpu and not args.quick:
         pre_cases = [("image 740", [740], [0], [730]), ("image+prompt 1024", [1024], [0], [730]),
                      ("16 x image 740", [740] * 16, [0] * 16, [730] * 16),
                      ("prompt 10 after cached 730", [10], [730], [730])]
     # The stock Triton kernel compiles slowly: run it where KERNELS.md has reference points.
     stock_at = {(1, 740), (4, 740), (8, 512), (32, 128), (32, 1024), (64, 2048), (128, 1024)}
+
+    if args.page_sweep:  # kernels only, at each page size
+        for p in (16, 32, 64, 128):
+            for b, kv in [(1, 740), (8, 512), (32, 128), (64, 2048)]:
+                emit(functools.partial(bench_decode, rng, b, kv, p, fp8, {"kernel": {}}, iters, cpu, kernel_kw,
+                                       ks, vs), f"decode page {p} {b}x{kv}", optional=True)
+            emit(functools.partial(bench_prefill, rng, "image 740", [740], [0], [730], p, fp8, {"kernel": {}},
+                                   iters, cpu, kernel_kw, ks, vs), f"prefill page {p}", optional=True)
+        info.update(cases=cases, ceilings=ceil, skipped_over_budget=skipped, wall_s=round(time.time() - t_start, 1))
+        return info
 
     # 1. the decode grid, prefill cases and KV writes (always)
     for b, kv in dec_grid:
@@ -447,13 +476,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # 2. tuning sweeps (skipped when over --budget-s)
     split_sweep = [(1, 740)] if args.quick else ([(1, 740), (4, 740), (8, 512), (32, 128), (1, 4096)] if full else [])
+    if args.targets:
+        split_sweep = [(8, 512), (32, 128)]
     for b, kv in split_sweep:
         variants: dict[str, dict[str, Any]] = {f"splits={s}": {"num_splits": s} for s in (1, 2, 4, 8)}
         variants.update({"splits=1,depth=4": {"num_splits": 1, "depth": 4},
                          "splits=1,depth=8": {"num_splits": 1, "depth": 8}})
         emit(functools.partial(bench_decode, rng, b, kv, page, fp8, variants, iters, cpu, kernel_kw, ks, vs),
              f"decode splits {b}x{kv}", optional=True)
-    if full:
+    if full or args.targets:
         pre_variants = {"1wg": {"num_consumers": 1}, "2wg,regs": {"registers": (216, 80)},
                         "3wg,regs": {"num_consumers": 3, "registers": (144, 80)},
                         "4wg,regs": {"num_consumers": 4, "registers": (104, 80)},
@@ -485,6 +516,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="write results as JSON here")
     p.add_argument("--quick", action="store_true", help="a few cases (smoke run on the GPU)")
+    p.add_argument("--page-sweep", action="store_true", help="only: the kernels at page sizes 16, 32, 64, 128")
+    p.add_argument("--targets", action="store_true",
+                   help="the issue's target cases, every prefill case and the tuning sweeps (not the full decode grid)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpreted kernels, on the CPU")
     p.add_argument("--page", type=int, default=pa.DEFAULT_PAGE_SIZE, help="page size of the main grid")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per program")
