@@ -160,12 +160,15 @@ def _chunk_stats(logits_ref, b, j, temp_ref, seed_ref, step_ref, allowed_ref, su
     supp = _id_list(supp_ref, b, n_supp)
     restricted = _any_listed(_id_list(allowed_ref, b, n_allowed), b)
     init = _runtime_values(b, (NEG_INF, BIG_INDEX, 0.0))
+    # Loaded before the branches, so the load overlaps the settings' loads instead of waiting for
+    # them (restricted rows, which do not need it, are rare).
+    raw = plgpu.load(logits_ref.at[b, j, :])
 
     def stats(carry, with_mass: bool):
         lo = j * lay.chunk
         idx = lo + jnp.arange(lay.chunk, dtype=jnp.int32)
         hit = functools.reduce(lambda h, s: h | ((s >= lo) & (s < lo + lay.chunk)), supp, lo < 0)
-        z = _clean(plgpu.load(logits_ref.at[b, j, :]), idx, hit, supp)
+        z = _clean(raw, idx, hit, supp)
         cm, carg = _first_max(z, idx)
         mass = carry[2]
         if with_mass:
@@ -195,6 +198,7 @@ def _finish_row(logits_ref, b, tables, temp_ref, top_k_ref, top_p_ref, seed_ref,
     )
     supp = _id_list(supp_ref, b, n_supp)
     allowed = _id_list(allowed_ref, b, n_allowed)
+    cmax, carg, cmass = tables()  # issued first: overlaps the settings' loads
     C, W, NCP, NT = lay.chunk, lay.width, lay.rows, lay.n_tiles
     cid = jnp.arange(NCP, dtype=jnp.int32)
     rows = cid[:, None]
@@ -260,7 +264,6 @@ def _finish_row(logits_ref, b, tables, temp_ref, top_k_ref, top_p_ref, seed_ref,
         return _all(jnp.sum, count), jnp.sum(mass, axis=1)
 
     def full_row():
-        cmax, carg, cmass = tables()
         m = jnp.max(cmax)
         a = jnp.min(jnp.where(cmax == m, carg, BIG_INDEX))
         has_cand = m > NEG_INF  # else chunk argmaxes point at -inf (possibly suppressed) ids
