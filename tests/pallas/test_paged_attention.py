@@ -315,7 +315,7 @@ def test_kernels_lower_at_other_page_sizes_and_configs():
 
 
 def test_split_merge_matches_the_two_pass_formula():
-    """The one-reduction merge equals max / exp2-weights / normalise, with empty (-inf) splits and
+    """The unrolled merge equals max / exp2-weights / normalise, with empty (-inf) splits and
     rows whose every split is empty (output 0)."""
     rng = np.random.default_rng(int(time.time_ns() % 2**32))
     o = jnp.asarray(rng.normal(size=(3, 4, 9, 64)), jnp.float32)
@@ -332,6 +332,9 @@ def test_split_merge_matches_the_two_pass_formula():
     assert bool(jnp.all(jnp.isfinite(got)))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     assert float(jnp.max(jnp.abs(got[1, 3]))) == 0.0
+    got_bf16 = pm.merge_splits(o, lse, jnp.bfloat16)  # the kernel's output dtype, cast in the same fusion
+    assert got_bf16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got_bf16.astype(jnp.float32)), np.asarray(want), rtol=1e-2, atol=1e-2)
 
 
 def test_own_buffer_keeps_every_valid_value():
