@@ -170,7 +170,8 @@ def prepare_checkpoint(model: str, path: str | None, seed: int) -> tuple[Path, d
         return out, {**info, "path": str(out), "reused": True}, tmp
     log(f"writing a synthetic {model} checkpoint to {out} ({kw or 'bf16'})")
     t0 = time.perf_counter()
-    write_synthetic_checkpoint(out, factory(), seed=seed, overwrite=True, **kw)
+    write_synthetic_checkpoint(out, factory(), seed=seed, overwrite=True, fp8_experts=kw.get("fp8_experts", False),
+                               kv_scales=kw.get("kv_scales", False))
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     info = {"write_s": rnd(time.perf_counter() - t0), "bytes": size, "seed": seed, **kw}
     record.write_text(json.dumps(info) + "\n")
@@ -286,11 +287,11 @@ def summarize(recs: list[dict[str, Any]], want_tokens: int) -> dict[str, Any]:
 
 def sched_stats(engine: Any) -> dict[str, int]:
     s = engine.stats["scheduler"]
-    return dataclasses.asdict(s) if dataclasses.is_dataclass(s) else dict(s)
+    return dataclasses.asdict(s) if dataclasses.is_dataclass(s) and not isinstance(s, type) else dict(s)
 
 
 def sched_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]:
-    d = {k: after[k] - before.get(k, 0) for k in after}
+    d: dict[str, Any] = {k: after[k] - before.get(k, 0) for k in after}
     if d.get("decode_steps"):
         d["mean_decode_batch"] = rnd(d["decode_rows"] / (d.get("decode_iterations") or d["decode_steps"]))
     return d

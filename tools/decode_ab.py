@@ -120,8 +120,8 @@ def _listen() -> None:
     """Collect JAX's compile-phase durations (tracing, lowering to MLIR, XLA compile, cache I/O)."""
     import jax
 
-    def on_duration(event: str, secs: float, **_: Any) -> None:
-        _DURATIONS.setdefault(event, []).append(secs)
+    def on_duration(event: str, duration_secs: float, **_: Any) -> None:
+        _DURATIONS.setdefault(event, []).append(duration_secs)
 
     def on_event(event: str, **_: Any) -> None:
         if "cache" in event:  # persistent compilation cache hits / misses

@@ -105,7 +105,7 @@ def part_tiny(backends: list[str]) -> dict[str, Any]:
                     eng.point(imgs[1], "sun", settings={"max_objects": 3}),
                     eng.query(imgs[1], "How many?", reasoning=True, settings={"temperature": 0.0, "max_tokens": 8}))
                 await eng.shutdown()
-                return start, [r.output for r in rs]
+                return start, [getattr(r, "output", None) for r in rs]  # Results (no stream requested)
 
             start, outs = asyncio.run(go())
             answers[backend] = outs
