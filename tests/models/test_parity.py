@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import importlib.util
 from pathlib import Path
+
+import jax
+import pytest
 
 from kestrel_jax.parity import run_parity
 
@@ -25,8 +27,11 @@ def test_golden_parity_all_models(golden_dir: Path) -> None:
         assert key in checked, key
 
 
-def test_parity_tool_fails_on_a_corrupted_golden(tmp_path: Path, golden_dir: Path) -> None:
-    """The tool must exit non-zero when a golden tensor disagrees (here: a perturbed K cache)."""
+def test_parity_tool_fails_on_a_corrupted_golden(tmp_path: Path, golden_dir: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The tool must exit non-zero when a golden tensor disagrees (here: a perturbed K cache).
+    Its main() runs in this process, so the MD2 stages the test above compiled are reused (in a
+    subprocess the tool compiles them all again: ~35 s on a CPU)."""
     import numpy as np
     from safetensors.numpy import load_file, save_file
 
@@ -40,7 +45,16 @@ def test_parity_tool_fails_on_a_corrupted_golden(tmp_path: Path, golden_dir: Pat
     k = gold["prefix_k_cache_layer0"]
     k[0, 5, 3] += 1e-3 * np.abs(k).max()
     save_file(gold, str(root / "md2" / "golden.safetensors"))
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "parity.py"), str(root)],
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "FAIL prefix_k_cache_layer0" in proc.stdout, proc.stdout
+    spec = importlib.util.spec_from_file_location("kjx_parity_tool", REPO / "tools" / "parity.py")
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    precision = jax.config.jax_default_matmul_precision
+    try:
+        rc = tool.main([str(root)])
+    finally:  # main() sets it for the whole process
+        jax.config.update("jax_default_matmul_precision", precision)
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert "FAIL prefix_k_cache_layer0" in out, out
+    assert "parity FAILED for 1 model(s)" in out, out

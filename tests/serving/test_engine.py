@@ -1,11 +1,11 @@
 """End to end on a tiny synthetic model with the real runner (CPU): the batched engine gives the
 single-request reference path's greedy outputs, for mixed skills, with and without prefix-cache
-hits; bad requests fail alone."""
+hits; bad requests fail alone. The checkpoint (`ckpt`) and the engine come from conftest.py, shared
+with test_server.py."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -13,20 +13,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from kestrel_jax.checkpoint.synthetic import write_synthetic_checkpoint
 from kestrel_jax.generate import SamplingSettings
-from kestrel_jax.models.config import tiny_config
 from kestrel_jax.models.image_crops import DEMO_IMAGE_PATH, ImageError
 from kestrel_jax.prompts import PromptError
 from kestrel_jax.reference import ReferenceMoondream
-from kestrel_jax.serving.engine import EngineConfig, InferenceEngine, Result
-from kestrel_jax.serving.runner import RunnerConfig
+from kestrel_jax.serving.engine import InferenceEngine, Result
 from kestrel_jax.serving.skills import SettingsError
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("md3"), tiny_config("md3"), seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +30,6 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
         Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(p)
         out.append(p)
     return out
-
-
-@pytest.fixture(scope="module")
-def engine(ckpt: Path) -> Iterator[InferenceEngine]:
-    cfg = EngineConfig(model_path=str(ckpt), dtype="float32",
-                       runner=RunnerConfig(num_pages=96, kv_dtype="f32", max_seq_len=1024, page_size=64,
-                                           vision_buckets=(2, 10)),
-                       decode_buckets=(1, 4), prefill_token_buckets=(64, 1024), max_prefill_seqs=4)
-    eng = asyncio.run(InferenceEngine.create(cfg))
-    yield eng
-    asyncio.run(eng.shutdown())
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """The HTTP server over a real (tiny, CPU) engine on a real socket: every endpoint's shape, SSE
 streams that add up to the non-streamed answer, every error class, isolation of bad requests,
-client disconnects, and graceful shutdown on SIGTERM (last: it stops the module's engine)."""
+client disconnects, and graceful shutdown on SIGTERM (last: it stops the module's engine). The
+engine comes from conftest.py, shared with test_engine.py."""
 
 from __future__ import annotations
 
@@ -11,19 +12,16 @@ import json
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any, cast
 
 import aiohttp
 import pytest
 
-from kestrel_jax.checkpoint.synthetic import write_synthetic_checkpoint
 from kestrel_jax.cli import build_parser
-from kestrel_jax.models.config import tiny_config
 from kestrel_jax.models.image_crops import DEMO_IMAGE_PATH
-from kestrel_jax.serving.engine import EngineConfig, EngineError, InferenceEngine, Stream
-from kestrel_jax.serving.runner import RunnerConfig
+from kestrel_jax.serving.engine import EngineError, InferenceEngine, Stream
 from kestrel_jax.serving.server import (
     RequestError,
     Server,
@@ -39,18 +37,6 @@ DEMO_URL = f"data:image/png;base64,{DEMO_B64}"
 GREEDY = {"temperature": 0.0, "max_tokens": 6}
 METRIC_KEYS = {"ttft_ms", "prefill_time_ms", "decode_time_ms", "queue_time_ms", "input_tokens", "output_tokens",
                "cached_tokens", "tokens_per_s"}
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InferenceEngine]:
-    ckpt = write_synthetic_checkpoint(tmp_path_factory.mktemp("md3"), tiny_config("md3"), seed=5)
-    cfg = EngineConfig(model_path=str(ckpt), dtype="float32",
-                       runner=RunnerConfig(num_pages=96, kv_dtype="f32", max_seq_len=1024, page_size=64,
-                                           vision_buckets=(2, 10)),
-                       decode_buckets=(1, 4), prefill_token_buckets=(64, 1024), max_prefill_seqs=4)
-    eng = asyncio.run(InferenceEngine.create(cfg))
-    yield eng
-    asyncio.run(eng.shutdown())
 
 
 @contextlib.asynccontextmanager

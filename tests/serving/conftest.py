@@ -1,0 +1,49 @@
+"""The tiny MD3 engine that test_engine.py and test_server.py share.
+
+Both modules need the same engine (one synthetic checkpoint, one configuration); building it
+compiles every step variant at start-up, about a minute on a CPU, so it is built once per test
+session and handed to each module. A module that shuts it down (the server's SIGTERM test, last in
+its module) leaves the next module a freshly built one, so no module depends on the order they run in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kestrel_jax.checkpoint.synthetic import write_synthetic_checkpoint
+from kestrel_jax.models.config import tiny_config
+from kestrel_jax.serving.engine import EngineConfig, InferenceEngine
+from kestrel_jax.serving.runner import RunnerConfig
+
+
+@pytest.fixture(scope="session")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("md3"), tiny_config("md3"), seed=5)
+
+
+def _engine_config(ckpt: Path) -> EngineConfig:
+    return EngineConfig(model_path=str(ckpt), dtype="float32",
+                        runner=RunnerConfig(num_pages=96, kv_dtype="f32", max_seq_len=1024, page_size=64,
+                                            vision_buckets=(2, 10)),
+                        decode_buckets=(1, 4), prefill_token_buckets=(64, 1024), max_prefill_seqs=4)
+
+
+@pytest.fixture(scope="session")
+def _engines() -> Iterator[list[InferenceEngine]]:
+    built: list[InferenceEngine] = []
+    yield built
+    for eng in built:
+        if eng.healthy:
+            asyncio.run(eng.shutdown())
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt: Path, _engines: list[InferenceEngine]) -> InferenceEngine:
+    """The session's engine, or a new one where an earlier module shut it down."""
+    if not _engines or not _engines[-1].healthy:
+        _engines.append(asyncio.run(InferenceEngine.create(_engine_config(ckpt))))
+    return _engines[-1]
