@@ -189,16 +189,16 @@ def _chunk_stats(logits_ref, b, j, temp_ref, seed_ref, step_ref, allowed_ref, su
 # Finishing a row: combine the chunk statistics, draw, check, redraw.
 
 
-def _finish_row(logits_ref, b, tables, temp_ref, top_k_ref, top_p_ref, seed_ref, step_ref, allowed_ref, supp_ref,
-                out_refs, *, lay: _Layout, n_allowed: int, n_supp: int):
-    """Samples row b and writes (token, logprob, max, log Z) to out_refs. `tables()` gives the
-    row's chunk statistics as three [NCP] vectors (padding: -inf, BIG_INDEX, 0)."""
+def _finish_row(logits_ref, b, table_refs, temp_ref, top_k_ref, top_p_ref, seed_ref, step_ref, allowed_ref,
+                supp_ref, out_refs, *, lay: _Layout, n_allowed: int, n_supp: int):
+    """Samples row b from its chunk statistics (table_refs: max, argmax, mass, [B, NCP]) and
+    writes (token, logprob, max, log Z) to out_refs."""
     greedy, inv_t, c2, top_k, top_p, key = row_settings(
         temp_ref[b], top_k_ref[b], top_p_ref[b], seed_ref[b], step_ref[b], lay.vocab
     )
     supp = _id_list(supp_ref, b, n_supp)
     allowed = _id_list(allowed_ref, b, n_allowed)
-    cmax, carg, cmass = tables()  # issued first: overlaps the settings' loads
+    cmax, carg, cmass = _load_tables(table_refs, b, lay)  # issued first: overlaps the settings' loads
     C, W, NCP, NT = lay.chunk, lay.width, lay.rows, lay.n_tiles
     cid = jnp.arange(NCP, dtype=jnp.int32)
     rows = cid[:, None]
@@ -354,7 +354,8 @@ def _split_lists(rest, n_allowed: int, n_supp: int):
     return allowed_ref, supp_ref, rest[int(bool(n_allowed)) + int(bool(n_supp)):]
 
 
-def _load_tables(max_ref, arg_ref, mass_ref, b, lay: _Layout):
+def _load_tables(table_refs: tuple, b, lay: _Layout):
+    max_ref, arg_ref, mass_ref = table_refs
     valid = jnp.arange(lay.rows, dtype=jnp.int32) < lay.n_chunks
     return (plgpu.load(max_ref.at[b], mask=valid, other=NEG_INF),
             plgpu.load(arg_ref.at[b], mask=valid, other=BIG_INDEX),
@@ -363,7 +364,7 @@ def _load_tables(max_ref, arg_ref, mass_ref, b, lay: _Layout):
 
 def _stats_kernel(logits_ref, temp_ref, seed_ref, step_ref, *rest, lay: _Layout, n_allowed: int, n_supp: int,
                   need_z: bool):
-    """Two-kernel form, kernel 1, grid (B, NC): the chunk statistics tables."""
+    """Kernel 1, grid (B, NC): the chunk statistics tables."""
     allowed_ref, supp_ref, (max_ref, arg_ref, mass_ref) = _split_lists(rest, n_allowed, n_supp)
     b, j = pl.program_id(0), pl.program_id(1)
     out = _chunk_stats(logits_ref, b, j, temp_ref, seed_ref, step_ref, allowed_ref, supp_ref, lay=lay,
@@ -374,12 +375,11 @@ def _stats_kernel(logits_ref, temp_ref, seed_ref, step_ref, *rest, lay: _Layout,
 
 def _finish_kernel(max_ref, arg_ref, mass_ref, logits_ref, temp_ref, top_k_ref, top_p_ref, seed_ref, step_ref,
                    *rest, lay: _Layout, n_allowed: int, n_supp: int):
-    """Two-kernel form, kernel 2, grid (B,): one program finishes each row."""
+    """Kernel 2, grid (B,): one program finishes each row."""
     allowed_ref, supp_ref, out_refs = _split_lists(rest, n_allowed, n_supp)
     b = pl.program_id(0)
-    _finish_row(logits_ref, b, lambda: _load_tables(max_ref, arg_ref, mass_ref, b, lay), temp_ref, top_k_ref,
-                top_p_ref, seed_ref, step_ref, allowed_ref, supp_ref, out_refs, lay=lay, n_allowed=n_allowed,
-                n_supp=n_supp)
+    _finish_row(logits_ref, b, (max_ref, arg_ref, mass_ref), temp_ref, top_k_ref, top_p_ref, seed_ref, step_ref,
+                allowed_ref, supp_ref, out_refs, lay=lay, n_allowed=n_allowed, n_supp=n_supp)
 
 
 # ----------------------------------------------------------------------------------------------
