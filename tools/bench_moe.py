@@ -217,6 +217,8 @@ def run(args) -> dict[str, Any]:
         token_counts, precisions = [1, 4, 8, 16, 32, 64, 256, 740, 2048], ["fp8", "bf16"]
     if args.tokens:
         token_counts = [int(t) for t in args.tokens.split(",")]
+    if args.precisions:
+        precisions = args.precisions.split(",")
     rotate = 1 if smoke else args.rotate
     iters = 3 if smoke else args.iters
     print(f"settings: T={token_counts} precisions={precisions} rotate={rotate} iters={iters} "
@@ -252,8 +254,10 @@ def run(args) -> dict[str, Any]:
                 continue
             if T <= 32 and (not args.quick or T == 1):
                 phases[1].append((T, prec, dataclasses.replace(cfg, w8a8=True)))  # other dense FP8 mode
-            if T in (1, 16):
-                phases[1].append((T, prec, dataclasses.replace(cfg, fused_routing=False)))  # routing kernel's gain
+            if cfg.dense and T in (1, 4, 16, 64):  # the other dense routings
+                phases[1] += [(T, prec, dataclasses.replace(cfg, routing=r)) for r in ("mosaic", "xla")]
+            if cfg.dense and not cfg.w8a8 and T in (1, 4, 16):  # one upcast staging tile instead of two
+                phases[1].append((T, prec, dataclasses.replace(cfg, staging_buffers=1)))
             if T >= 740 and not args.quick:
                 phases[1].append((T, prec, dataclasses.replace(cfg, block_tokens=64)))  # registers vs re-reads
     results: list[dict[str, Any]] = []
@@ -268,7 +272,7 @@ def run(args) -> dict[str, Any]:
             results.append(bench_case(T, prec, cfg, dims, xs, rw, rb, sets[prec], hit, flops, bytes_per_expert,
                                       ceil, iters, use_cupti, interpret))
     baseline_cache: dict[int, dict[str, Any]] = {}
-    for T in [] if smoke else order:
+    for T in [] if smoke or args.no_baselines else order:
         if time.time() - t_start > args.budget_s:
             print(f"  time budget reached: skipping baselines at T={T}", flush=True)
             continue
@@ -282,7 +286,7 @@ def run(args) -> dict[str, Any]:
 def bench_case(T, prec, cfg: MoEKernelConfig, dims, xs, rw, rb, exs, hit, flops, bpe, ceil, iters,
                use_cupti, interpret) -> dict[str, Any]:
     mode = "bf16" if prec == "bf16" else ("fp8-w8a8" if cfg.w8a8 else "fp8-w8a16")
-    variant = ("dense" if cfg.dense else "sorted") + ("" if cfg.fused_routing or not cfg.dense else "/xla-route")
+    variant = ("dense/" + cfg.routing if cfg.dense else "sorted") + ("/stage1" if cfg.staging_buffers == 1 else "")
     row: dict[str, Any] = {"T": T, "precision": prec, "mode": mode, "variant": variant,
                            "block_tokens": cfg.block_tokens, "config": dataclasses.asdict(cfg),
                            "experts_hit": float(np.mean(hit))}
@@ -367,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="T in {1, 16, 740} only")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in interpret mode on the CPU")
     p.add_argument("--tokens", default="", help="comma-separated token counts (overrides the list)")
+    p.add_argument("--no-baselines", action="store_true", help="skip XLA ragged_dot and ragged_dot_mgpu")
+    p.add_argument("--precisions", default="", help="comma-separated subset of fp8,bf16")
     p.add_argument("--rotate", type=int, default=3, help="distinct input/weight sets per timed call")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)

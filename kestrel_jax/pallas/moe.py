@@ -40,10 +40,16 @@ class Routing(NamedTuple):
     logits: jax.Array  # [T, E] f32 router logits
 
 
+def router_logits(x: jax.Array, router_w: jax.Array, router_b: jax.Array) -> jax.Array:
+    """x [T, D], router_w [D, E], router_b [E] -> [T, E] float32: the GEMM and the bias add in
+    x.dtype (a bf16 model rounds the product and the sum to bf16), then widened."""
+    return (jnp.dot(x, router_w.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
+            + router_b.astype(x.dtype)).astype(jnp.float32)
+
+
 def route_ref(x: jax.Array, router_w: jax.Array, router_b: jax.Array, top_k: int) -> Routing:
     """x [T, D], router_w [D, E], router_b [E] -> Routing."""
-    logits = (jnp.dot(x, router_w.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
-              + router_b.astype(x.dtype)).astype(jnp.float32)
+    logits = router_logits(x, router_w, router_b)
     top, idx = jax.lax.top_k(logits, top_k)  # stable: equal values keep the lower index first
     w = jax.nn.softmax(top, axis=-1)
     return Routing(w, idx.astype(jnp.int32), logits)

@@ -2,8 +2,8 @@
 
 One layer (`moe_layer`, T static), two regimes chosen by `default_config(T)`:
 
-  dense (T <= 64, decode):   ROUTE kernel (`moe_route_mgpu`): logits, top-k, softmax, block table
-                             -> UP -> DOWN -> combine (jnp)                        3 Mosaic + 2 XLA
+  dense (T <= 64, decode):   router GEMM (XLA) -> ROUTE tables (`moe_route_triton`: top-k,
+                             softmax, block table) -> UP -> DOWN -> combine (jnp)
   sorted (T > 64, prefill):  route_ref + group_by_expert (jnp: sort, block table, compact rows)
                              -> gather (+ FP8 quantise) -> UP -> (W8A8: quantise act) -> DOWN
                              -> combine (jnp)
@@ -55,9 +55,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kestrel_jax.pallas.moe import ExpertWeights, Routing, quantize_rows, route_ref
+from kestrel_jax.pallas.moe import ExpertWeights, Routing, quantize_rows, route_ref, router_logits
 from kestrel_jax.pallas.moe_grouping import ROW_ALIGN, group_by_expert, group_dense, grouping_sizes
 from kestrel_jax.pallas.moe_route_mgpu import route_dense, route_dense_supported
+from kestrel_jax.pallas.moe_route_triton import route_tables, route_tables_supported
 from kestrel_jax.pallas.paged_attention_mgpu import own_buffer
 
 FP8 = jnp.float8_e4m3fn
@@ -75,9 +76,15 @@ class MoEKernelConfig:
     block_tokens: int  # Nt: tokens per block, the wgmma N (multiple of 8, <= 256)
     dense: bool = False  # one block of all T tokens per active expert (needs Nt >= T); else sorted
     w8a8: bool = True  # FP8 experts: quantise activations (else dequantise weights in registers)
-    fused_routing: bool = True  # dense regime: routing + block table in one kernel (moe_layer)
+    # Dense-regime routing in `moe_layer`: "tables" (XLA router GEMM + one Triton program for
+    # top-k and the block tables), "mosaic" (all of it in one Mosaic CTA), "xla" (route_ref +
+    # group_dense in jnp). The sorted regime always routes with route_ref + group_by_expert.
+    routing: str = "tables"
     num_ctas: int = H100_SMS  # persistent grid size (one CTA per SM)
     max_stages: int = 8  # depth of the TMA ring
+    # W8A16: bf16 staging tiles the e4m3 weights are upcast into. 2 lets step s+1's upcast run
+    # while step s's MMAs do; 1 serialises them (half the staging SMEM).
+    staging_buffers: int = 2
 
 
 def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelConfig:
@@ -158,6 +165,7 @@ def _grouped_gemm(
     num_out_rows: int,  # NB * Nt
     num_ctas: int,
     max_stages: int,
+    staging_buffers: int = 2,
     interpret: object = None,
 ) -> jax.Array:  # [NB * Nt, N or N/2] bf16
     E, N, K = w.shape
@@ -170,7 +178,8 @@ def _grouped_gemm(
     ks = K // tk
     a_bytes = nparts * ROWS * tk * jnp.dtype(w.dtype).itemsize
     b_bytes = nt * tk * jnp.dtype(b.dtype).itemsize
-    out_bytes = nt * ROWS * 2 + (nparts * ROWS * tk * 2 if convert else 0) + meta.size * 4
+    n_stage = staging_buffers if convert else 0
+    out_bytes = nt * ROWS * 2 + n_stage * nparts * ROWS * tk * 2 + meta.size * 4
     stages = min(max_stages, (SMEM_LIMIT - out_bytes - 2048) // (a_bytes + b_bytes))
     if stages < 2:
         raise MoEKernelError(f"block_tokens={nt} leaves no room for a 2-stage pipeline in SMEM")
@@ -249,15 +258,16 @@ def _grouped_gemm(
                     plgpu.barrier_wait(bar.at[slot])
                     b_tile = b_buf.at[slot].T  # [tk, Nt] view of the K-major token rows
                     if convert:
-                        # Upcast the e4m3 tile into the bf16 staging tile, then fence it for wgmma.
+                        # Upcast the e4m3 tile into a bf16 staging tile, then fence it for wgmma.
+                        stage = a16[0].at[lax.rem(s, n_stage)]
                         for p in range(nparts):
-                            a16[0].at[p][...] = a_buf.at[slot, p][...].astype(jnp.float32).astype(b.dtype)
+                            stage.at[p][...] = a_buf.at[slot, p][...].astype(jnp.float32).astype(b.dtype)
                         plgpu.commit_smem()
                     for p in range(nparts):
-                        plgpu.wgmma(accs[p], a16[0].at[p] if convert else a_buf.at[slot, p], b_tile)
+                        plgpu.wgmma(accs[p], stage.at[p] if convert else a_buf.at[slot, p], b_tile)
                     # After this wait step s-1's MMAs are done, so its slot may be refilled (and,
-                    # converting, all MMAs are done: the staging tile may be rewritten).
-                    plgpu.wgmma_wait(0 if convert else nparts)
+                    # converting, its staging tile rewritten; with one staging tile, all MMAs).
+                    plgpu.wgmma_wait(0 if convert and n_stage == 1 else nparts)
 
                     @pl.when((s >= 1) & (s - 1 + stages < total))
                     def _refill():
@@ -291,7 +301,7 @@ def _grouped_gemm(
             plgpu.SMEM((nt, ROWS), jnp.bfloat16, transforms=o_tr),
             plgpu.SMEM(meta.shape, jnp.int32),
             plgpu.Barrier(num_arrivals=n_chunks),
-            *([plgpu.SMEM((nparts, ROWS, tk), b.dtype, transforms=_tile_transforms(tk, b.dtype))]
+            *([plgpu.SMEM((n_stage, nparts, ROWS, tk), b.dtype, transforms=_tile_transforms(tk, b.dtype))]
               if convert else []),
         ],
         grid=(num_ctas,),
@@ -378,7 +388,8 @@ def _expert_gemms(
     interpret: object,
 ) -> jax.Array:  # [NB * Nt, D] bf16 expert outputs, block rows
     gemm = functools.partial(_grouped_gemm, block_tokens=cfg.block_tokens, num_out_rows=n_blocks * cfg.block_tokens,
-                             num_ctas=cfg.num_ctas, max_stages=cfg.max_stages, interpret=interpret)
+                             num_ctas=cfg.num_ctas, max_stages=cfg.max_stages,
+                             staging_buffers=cfg.staging_buffers, interpret=interpret)
     if experts.is_fp8 and cfg.w8a8:
         xq, xs = quantize_rows(x_rows)  # per token, before any gather: T rows, not C
         if row_token is not None:
@@ -399,6 +410,9 @@ def _combine(y: jax.Array, dest: jax.Array, weights: jax.Array, valid: jax.Array
     return jnp.sum(yk, axis=1).astype(dtype)
 
 
+ROUTINGS = ("tables", "mosaic", "xla")
+
+
 def moe_layer(
     x: jax.Array,  # [T, D]
     router_w: jax.Array,  # [D, E]
@@ -412,22 +426,31 @@ def moe_layer(
 ) -> jax.Array:  # [T, D]
     """Routing + grouped up/down GEMMs + weighted sum; regime picked by the static T.
 
-    In the dense regime (and with `fused_routing`) routing and the block table come from one
-    kernel (`moe_route_mgpu.route_dense`); otherwise routing is the jnp reference.
+    In the dense regime the routing and block tables come from `config.routing` (see
+    MoEKernelConfig); in the sorted regime, and where the routing kernels do not support the
+    shapes, from the jnp reference.
     """
     T, D = x.shape
     E = experts.up_w.shape[0]
     cfg = config or default_config(T)
-    if not (cfg.dense and cfg.fused_routing and route_dense_supported(cfg.block_tokens, D, E, top_k)):
+    if cfg.routing not in ROUTINGS:
+        raise MoEKernelError(f"routing must be one of {ROUTINGS}, got {cfg.routing!r}")
+    nt = cfg.block_tokens
+    use_tables = cfg.routing == "tables" and route_tables_supported(nt, E, top_k)
+    use_mosaic = cfg.routing == "mosaic" and route_dense_supported(nt, D, E, top_k)
+    if not (cfg.dense and (use_tables or use_mosaic)):
         routing = route_ref(x, router_w, router_b, top_k)
         return moe(x, routing, experts, num_valid_tokens=num_valid_tokens, config=cfg, interpret=interpret)
-    if not moe_kernel_supported(x, experts, top_k) or cfg.block_tokens < T:
+    if not moe_kernel_supported(x, experts, top_k) or nt < T:
         raise MoEKernelError(f"unsupported MoE layer: x {x.shape}, up_w {experts.up_w.shape}, config {cfg}")
-    nt = cfg.block_tokens
     x_rows = jnp.pad(x.astype(jnp.bfloat16), ((0, nt - T), (0, 0)))  # [Nt, D]
     n_valid = jnp.asarray(T if num_valid_tokens is None else num_valid_tokens, jnp.int32).reshape(1)
-    r = route_dense(x_rows, router_w, own_buffer(router_b, router_b.dtype), n_valid, top_k=top_k,
-                    interpret=interpret)
+    if use_tables:
+        r = route_tables(router_logits(x_rows, router_w, router_b), n_valid, top_k=top_k, block_tokens=nt,
+                         interpret=bool(interpret))
+    else:
+        r = route_dense(x_rows, router_w, own_buffer(router_b, router_b.dtype), n_valid, top_k=top_k,
+                        interpret=interpret)
     y = _expert_gemms(x_rows, None, r.meta_up, r.meta_down, None, experts, cfg, min(E, T * top_k), interpret)
     valid = jnp.broadcast_to((jnp.arange(T) < n_valid[0])[:, None], (T, top_k))
     return _combine(y, r.dest[:, :T].T, r.weights[:, :T].T, valid, x.dtype)

@@ -25,6 +25,7 @@ bf16 inputs and the same dequantised weights):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -44,6 +45,7 @@ from kestrel_jax.pallas.moe import (
     quantize_experts,
     quantize_rows,
     route_ref,
+    router_logits,
 )
 from kestrel_jax.pallas.moe_grouping import ROW_ALIGN, group_by_expert, group_dense, grouping_sizes
 from kestrel_jax.pallas.moe_mgpu import (
@@ -56,6 +58,7 @@ from kestrel_jax.pallas.moe_mgpu import (
     moe_layer,
 )
 from kestrel_jax.pallas.moe_route_mgpu import route_dense
+from kestrel_jax.pallas.moe_route_triton import route_tables
 
 FP8 = jnp.float8_e4m3fn
 # Interpreted shapes: D, I multiples of 128 like the production 2048 / 1024. bf16 tiles are 64 deep
@@ -377,14 +380,24 @@ def exact_router_inputs(rng, T: int, D: int, n_experts: int):
     return x, rw, rb
 
 
-@pytest.mark.parametrize("T,nt,n_experts,k,n_valid", [(1, 8, 64, 8, 1), (7, 8, 64, 8, 5), (16, 16, 16, 4, 16)])
-def test_route_dense_kernel_matches_reference(rng, T, nt, n_experts, k, n_valid):
+def _route_tables_call(xp, rw, rb, nv, *, top_k):
+    return route_tables(router_logits(xp, rw, rb), nv, top_k=top_k, block_tokens=xp.shape[0], interpret=True)
+
+
+@pytest.mark.parametrize("kernel", ["mosaic", "tables"])
+@pytest.mark.parametrize("T,nt,n_experts,k,n_valid", [(1, 8, 64, 8, 1), (7, 8, 64, 8, 5), (16, 16, 16, 4, 16),
+                                                      (20, 24, 32, 8, 19)])
+def test_route_dense_kernel_matches_reference(rng, kernel, T, nt, n_experts, k, n_valid):
+    """Both dense routing kernels give the reference's experts and weights and group_dense's tables.
+    (nt = 24 is not a power of two: the tables kernel pads its logits tile to 32 rows.)"""
     x, rw, rb = exact_router_inputs(rng, T, 256, n_experts)
     x = x.at[0].set(0)  # logits = bias: ties among the experts with equal bias
     xp = jnp.pad(x, ((0, nt - T), (0, 0)))
     if n_valid < T:
         xp = xp.at[n_valid:T].set(jnp.nan)  # padding tokens: must select nothing
-    r = jax.jit(lambda *a: route_dense(*a, top_k=k, interpret=INTERPRET))(xp, rw, rb, jnp.array([n_valid], jnp.int32))
+    call = (lambda *a: route_dense(*a, top_k=k, interpret=INTERPRET)) if kernel == "mosaic" else functools.partial(
+        _route_tables_call, top_k=k)
+    r = jax.jit(call)(xp, rw, rb, jnp.array([n_valid], jnp.int32))
     ref = route_ref(x, rw, rb, k)
     g = group_dense(ref.experts, n_experts, nt, n_valid)
     v = n_valid
@@ -392,21 +405,23 @@ def test_route_dense_kernel_matches_reference(rng, T, nt, n_experts, k, n_valid)
     np.testing.assert_allclose(np.asarray(r.weights)[:, :v].T, np.asarray(ref.weights)[:v], rtol=1e-6, atol=1e-7)
     assert (np.asarray(g.dest) == np.asarray(r.dest)[:, :T].T).all()
     nb = int(g.num_blocks[0])
-    for meta, rows in ((r.meta_up, np.zeros(64)), (r.meta_down, np.arange(64) * nt)):
+    width = r.meta_up.shape[-1]  # 64 (Mosaic) or E (tables): both at least the number of blocks
+    for meta, rows in ((r.meta_up, np.zeros(width)), (r.meta_down, np.arange(width) * nt)):
         meta = np.asarray(meta)[0]
         assert meta[2, 0] == nb and (meta[2, 1:] == 0).all()
         assert (meta[0, :nb] == np.asarray(g.block_expert)[:nb]).all() and (meta[0, nb:] == n_experts).all()
         assert (meta[1] == rows).all()
 
 
-@pytest.mark.parametrize("fp8", [False], ids=["bf16"])
-def test_moe_layer_matches_reference_layer(rng, fp8):
-    """The whole layer with fused routing (dense regime, 16 experts) against `moe_layer_ref`."""
+@pytest.mark.parametrize("routing", ["tables", "mosaic", "xla"])
+def test_moe_layer_matches_reference_layer(rng, routing):
+    """The whole dense-regime layer (16 experts) with each routing against `moe_layer_ref`."""
     T, k, n_experts, n_valid = 6, 4, 16, 5
-    ex = make_experts(rng, fp8, n_experts=n_experts)
-    x, rw, rb = exact_router_inputs(rng, T, dim(fp8), n_experts)
-    cfg = small_config(T)
-    assert cfg.dense and cfg.fused_routing
+    ex = make_experts(rng, False, n_experts=n_experts)
+    x, rw, rb = exact_router_inputs(rng, T, dim(False), n_experts)
+    x = x.at[n_valid:].set(jnp.nan)  # a padding token: selects nothing, reads nothing
+    cfg = small_config(T, routing=routing)
+    assert cfg.dense and default_config(T).routing == "tables"
     out = jax.jit(lambda x: moe_layer(x, rw, rb, ex, top_k=k, num_valid_tokens=n_valid, config=cfg,
                                       interpret=INTERPRET))(x)
     ref = moe_layer_ref(x, rw, rb, ex, top_k=k, num_valid_tokens=n_valid)
@@ -447,8 +462,8 @@ H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platfo
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_cross_lowering_production_shapes_h100(fp8):
-    """bf16: the whole `moe_layer` (routing kernel in the dense regime, up and down GEMMs) for every
-    benchmarked T. FP8: the expert GEMMs through `moe` (the routing kernel is precision-independent
+    """bf16: the whole `moe_layer` (routing tables kernel in the dense regime, up and down GEMMs) for
+    every benchmarked T. FP8: the expert GEMMs through `moe` (the routing kernel is precision-independent
     and already lowered by the bf16 case), including the W8A8 alternative of the dense regime."""
     S = jax.ShapeDtypeStruct
     Ep, Dp, Ip, k = 64, 2048, 1024, 8
@@ -479,7 +494,10 @@ def test_cross_lowering_production_shapes_h100(fp8):
 
             specs = (S((T, Dp), jnp.bfloat16), S((Dp, Ep), jnp.bfloat16), S((Ep,), jnp.bfloat16), ex,
                      S((), jnp.int32))
-            kernels = 3 if cfg.dense else 2
+            kernels = 2
         with jax.sharding.use_abstract_mesh(mesh):
             lowered = jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",))
-        assert lowered.as_text().count("stablehlo.custom_call @mosaic_gpu") == kernels, (T, w8a8)
+        text = lowered.as_text()
+        assert text.count("stablehlo.custom_call @mosaic_gpu") == kernels, (T, w8a8)
+        # The dense regime's routing tables: one Triton program (the sorted regime routes in jnp).
+        assert text.count("__gpu$xla.gpu.triton") == (1 if cfg.dense and not fp8 else 0), (T, w8a8)
