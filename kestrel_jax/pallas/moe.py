@@ -10,7 +10,8 @@ Either bfloat16/float32, or float8_e4m3fn with per-(expert, output row) float32 
 
 `moe_layer_ref` (routing + `moe_ref`) is the model's CPU path and the kernels' oracle.
 `moe_ref(..., quantize_activations=True)` reproduces the W8A8 kernels' numerics: tokens and
-the up projection's output quantised per row to e4m3 (`quantize_rows`) before each GEMM.
+the up projection's output quantised per row to e4m3 (`quantize_rows`) before each GEMM, the
+GEMMs in float32.
 """
 
 from __future__ import annotations
@@ -98,34 +99,40 @@ def moe_ref(
 ) -> jax.Array:
     """x [T, D] -> [T, D]: sum_k w_k * down_e(GELU_erf(h) * (g + 1)), (h, g) = up_e(x) halves.
 
-    Reference semantics of the FP8 path: weights dequantised, activations in x.dtype. With
-    `quantize_activations` the GEMM inputs are also rounded per row through e4m3 the way the
-    W8A8 kernels do it (tokens before the up GEMM, the activation before the down GEMM).
+    Reference semantics of the FP8 path: weights dequantised, activations in x.dtype (GEMM
+    outputs rounded to x.dtype). With `quantize_activations` it follows the W8A8 kernels instead:
+    tokens rounded per row through e4m3, GEMMs in float32 on the dequantised weights, the
+    activation computed from the float32 GEMM output, rounded to bf16 (what the up kernel
+    stores) and then per row through e4m3, each expert's output rounded to bf16.
     """
     T, D = x.shape
     k = routing.experts.shape[1]
     E, two_i, _ = experts.up_w.shape
     inner = two_i // 2
-    up = _expert_matrix(experts.up_w, experts.up_scale, x.dtype)  # [E, 2I, D]
-    down = _expert_matrix(experts.down_w, experts.down_scale, x.dtype)  # [E, D, I]
+    f32 = jnp.float32
+    cdt = f32 if quantize_activations else x.dtype  # GEMM input and output dtype
+    up = _expert_matrix(experts.up_w, experts.up_scale, cdt)  # [E, 2I, D]
+    down = _expert_matrix(experts.down_w, experts.down_scale, cdt)  # [E, D, I]
 
     flat = routing.experts.reshape(-1)  # [T*k]
     order = jnp.argsort(flat, stable=True)
     token = order // k
-    xq = _fake_quantize_rows(x) if quantize_activations else x
+    xq = _fake_quantize_rows(x.astype(f32)) if quantize_activations else x
     xs = xq[token]  # [T*k, D], grouped by expert
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     hp = jax.lax.Precision.HIGHEST
     z = jax.lax.ragged_dot(xs, up.transpose(0, 2, 1), sizes, precision=hp)  # [T*k, 2I]
     h, g = z[:, :inner], z[:, inner:]
-    a = (jax.nn.gelu(h.astype(jnp.float32), approximate=False) * (g.astype(jnp.float32) + 1.0))
-    a = a.astype(x.dtype)
+    a = (jax.nn.gelu(h.astype(f32), approximate=False) * (g.astype(f32) + 1.0))
     if quantize_activations:
-        a = _fake_quantize_rows(a)
+        a = _fake_quantize_rows(a.astype(jnp.bfloat16).astype(f32))
+    else:
+        a = a.astype(x.dtype)
     y = jax.lax.ragged_dot(a, down.transpose(0, 2, 1), sizes, precision=hp)  # [T*k, D]
+    if quantize_activations:
+        y = y.astype(jnp.bfloat16)
     y_tok = jnp.zeros((T * k, D), y.dtype).at[order].set(y).reshape(T, k, D)
-    out = jnp.einsum("tk,tkd->td", routing.weights.astype(jnp.float32), y_tok.astype(jnp.float32),
-                     precision=hp)
+    out = jnp.einsum("tk,tkd->td", routing.weights.astype(f32), y_tok.astype(f32), precision=hp)
     return out.astype(x.dtype)
 
 

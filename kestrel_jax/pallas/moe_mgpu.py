@@ -28,11 +28,12 @@ the accumulator is re-scoped per unit; the block table is copied to SMEM once.
 Precisions (A = weights, B = tokens):
   bf16:        bf16 x bf16 wgmma.
   FP8 W8A8:    e4m3 x e4m3 wgmma; weight scale per (expert, row) and token scale per row applied
-               in the f32 epilogue. Default for T > 32 (matmul throughput).
+               in the f32 epilogue. Default for T >= 4.
   FP8 W8A16:   e4m3 weight tiles upcast to a bf16 SMEM staging tile (via f32: this ptxas has no
                direct e4m3 -> bf16; SMEM, not registers, because the interpreter has no
-               register-operand wgmma), bf16 activations. Default for T <= 32: same bytes, no
-               activation-quantisation kernel, smaller error. `MoEKernelConfig.w8a8` flips it.
+               register-operand wgmma), bf16 activations. Default for T < 4: same bytes, no
+               activation-quantisation passes, smaller error; measured slower from T = 4 on.
+               `MoEKernelConfig.w8a8` flips it.
 
 Predicted H100 SXM (copy ceiling ~3.0 TB/s; streaming kernels at ~85% of it; ~2-3 us fixed cost
 per kernel), CUPTI sum of kernel times per layer:
@@ -80,6 +81,7 @@ class MoEKernelConfig:
     # top-k and the block tables), "mosaic" (all of it in one Mosaic CTA), "xla" (route_ref +
     # group_dense in jnp). The sorted regime always routes with route_ref + group_by_expert.
     routing: str = "tables"
+    route_warps: int = 0  # warps of the routing tables program (0: its default)
     num_ctas: int = H100_SMS  # persistent grid size (one CTA per SM)
     max_stages: int = 8  # depth of the TMA ring
     # W8A16: bf16 staging tiles the e4m3 weights are upcast into. 2 lets step s+1's upcast run
@@ -91,14 +93,16 @@ def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelCon
     """Regime by static token count T.
 
     T <= 64: dense blocks (weight streaming; every active expert is read once). FP8 runs W8A16
-    up to 32 tokens (no activation-quantisation pass; the in-register upcast is hidden behind
-    the weight stream while wgmma N is small) and W8A8 beyond. T > 64: expert-sorted blocks of
-    64 / 128 tokens, W8A8 (FP8 wgmma throughput).
+    for T < 4 and W8A8 from 4 tokens on. H100, fourth session: W8A16 38.9 vs W8A8 40.1 us at
+    T = 1 (the two activation-quantisation passes cost more than the upcast saves), but W8A8
+    93.2 vs 105.5 us at T = 4 and 158 vs 186 us at T = 16: the upcast of every weight tile into
+    SMEM costs more than the weight stream hides once eight tokens' experts stream at once.
+    T > 64: expert-sorted blocks of 64 / 128 tokens, W8A8 (FP8 wgmma throughput).
     """
     ctas = num_ctas or _device_sms()
     if num_tokens <= 64:
         nt = max(ROW_ALIGN, -(-num_tokens // ROW_ALIGN) * ROW_ALIGN)
-        return MoEKernelConfig(block_tokens=nt, dense=True, w8a8=num_tokens > 32, num_ctas=ctas)
+        return MoEKernelConfig(block_tokens=nt, dense=True, w8a8=num_tokens >= 4, num_ctas=ctas)
     return MoEKernelConfig(block_tokens=64 if num_tokens <= 256 else 128, w8a8=True, num_ctas=ctas)
 
 
@@ -447,7 +451,7 @@ def moe_layer(
     n_valid = jnp.asarray(T if num_valid_tokens is None else num_valid_tokens, jnp.int32).reshape(1)
     if use_tables:
         r = route_tables(router_logits(x_rows, router_w, router_b), n_valid, top_k=top_k, block_tokens=nt,
-                         interpret=bool(interpret))
+                         num_warps=cfg.route_warps or None, interpret=bool(interpret))
     else:
         r = route_dense(x_rows, router_w, own_buffer(router_b, router_b.dtype), n_valid, top_k=top_k,
                         interpret=interpret)

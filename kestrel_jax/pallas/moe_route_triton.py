@@ -31,6 +31,8 @@ from jax.experimental.pallas import triton as pltriton
 
 from kestrel_jax.pallas.moe_route_mgpu import DenseRoute
 
+DEFAULT_WARPS = 4
+
 
 def route_tables_supported(num_tokens: int, num_experts: int, top_k: int) -> bool:
     """Power-of-two expert counts (Triton block shapes) and a token tile of at most 64 rows."""
@@ -82,6 +84,7 @@ def route_tables(
     *,
     top_k: int,
     block_tokens: int,  # Nt: the dense regime's block width (dest = block * Nt + token)
+    num_warps: int | None = None,  # None: DEFAULT_WARPS
     interpret: bool = False,
 ) -> DenseRoute:
     nt, E = logits.shape
@@ -96,7 +99,7 @@ def route_tables(
     w, e, dest, meta_up, meta_down = pl.pallas_call(
         functools.partial(_kernel, top_k=top_k, nt=block_tokens),
         out_shape=(vec, ivec, ivec, meta, meta),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps or DEFAULT_WARPS, num_stages=1),
         interpret=interpret,
         name="moe_route_tables",
     )(logits, num_valid.astype(jnp.int32).reshape(1))
