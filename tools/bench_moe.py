@@ -258,7 +258,7 @@ def run(args) -> dict[str, Any]:
                 phases[1] += [(T, prec, dataclasses.replace(cfg, route_warps=w)) for w in (4, 16)]
             if cfg.w8a8 and T in (4, 64, 740):  # FP8 accumulation: promotion interval (0 = none)
                 phases[1] += [(T, prec, dataclasses.replace(cfg, fp8_promote_steps=n)) for n in (0, 2, 4)]
-            if cfg.dense and T in (1, 4, 16, 64):  # the other dense routings
+            if cfg.dense and T in (1, 4, 16, 64) and not args.no_routing_ab:  # the other dense routings
                 phases[1] += [(T, prec, dataclasses.replace(cfg, routing=r)) for r in ("mosaic", "xla")]
             if cfg.dense and not cfg.w8a8 and T in (1, 4, 16):  # one upcast staging tile instead of two
                 phases[1].append((T, prec, dataclasses.replace(cfg, staging_buffers=1)))
@@ -377,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="T in {1, 16, 740} only")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in interpret mode on the CPU")
     p.add_argument("--tokens", default="", help="comma-separated token counts (overrides the list)")
+    p.add_argument("--no-routing-ab", action="store_true", help="skip the mosaic and xla dense routings")
     p.add_argument("--no-baselines", action="store_true", help="skip XLA ragged_dot and ragged_dot_mgpu")
     p.add_argument("--precisions", default="", help="comma-separated subset of fp8,bf16")
     p.add_argument("--rotate", type=int, default=3, help="distinct input/weight sets per timed call")
