@@ -256,8 +256,6 @@ def run(args) -> dict[str, Any]:
                 phases[1].append((T, prec, dataclasses.replace(cfg, w8a8=not cfg.w8a8)))  # other dense FP8 mode
             if cfg.dense and T in (1, 64):  # the routing tables program's warp count
                 phases[1] += [(T, prec, dataclasses.replace(cfg, route_warps=w)) for w in (4, 16)]
-            if cfg.w8a8 and T in (4, 64, 740):  # FP8 accumulation: promotion interval (0 = none)
-                phases[1] += [(T, prec, dataclasses.replace(cfg, fp8_promote_steps=n)) for n in (0, 2, 4)]
             if cfg.dense and T in (1, 4, 16, 64) and not args.no_routing_ab:  # the other dense routings
                 phases[1] += [(T, prec, dataclasses.replace(cfg, routing=r)) for r in ("mosaic", "xla")]
             if cfg.dense and not cfg.w8a8 and T in (1, 4, 16):  # one upcast staging tile instead of two
@@ -291,8 +289,7 @@ def bench_case(T, prec, cfg: MoEKernelConfig, dims, xs, rw, rb, exs, hit, flops,
                use_cupti, interpret) -> dict[str, Any]:
     mode = "bf16" if prec == "bf16" else ("fp8-w8a8" if cfg.w8a8 else "fp8-w8a16")
     variant = ("dense/" + cfg.routing if cfg.dense else "sorted") + ("/stage1" if cfg.staging_buffers == 1 else "") \
-        + (f"/w{cfg.route_warps}" if cfg.route_warps else "") \
-        + (f"/promote{cfg.fp8_promote_steps}" if cfg.w8a8 and cfg.fp8_promote_steps != 1 else "")
+        + (f"/w{cfg.route_warps}" if cfg.route_warps else "")
     row: dict[str, Any] = {"T": T, "precision": prec, "mode": mode, "variant": variant,
                            "block_tokens": cfg.block_tokens, "config": dataclasses.asdict(cfg),
                            "experts_hit": float(np.mean(hit))}

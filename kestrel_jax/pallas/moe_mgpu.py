@@ -87,10 +87,6 @@ class MoEKernelConfig:
     # W8A16: bf16 staging tiles the e4m3 weights are upcast into. 2 lets step s+1's upcast run
     # while step s's MMAs do; 1 serialises them (half the staging SMEM).
     staging_buffers: int = 2
-    # W8A8: K steps (of 128) accumulated on the tensor core before the partial sums are added
-    # in f32 registers. Hopper's FP8 wgmma does not keep f32 precision across long K: without
-    # this (0) the H100 results were off by ~4% of the output range (fourth session).
-    fp8_promote_steps: int = 1
 
 
 def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelConfig:
@@ -174,7 +170,6 @@ def _grouped_gemm(
     num_ctas: int,
     max_stages: int,
     staging_buffers: int = 2,
-    fp8_promote_steps: int = 1,
     interpret: object = None,
 ) -> jax.Array:  # [NB * Nt, N or N/2] bf16
     E, N, K = w.shape
@@ -188,9 +183,6 @@ def _grouped_gemm(
     a_bytes = nparts * ROWS * tk * jnp.dtype(w.dtype).itemsize
     b_bytes = nt * tk * jnp.dtype(b.dtype).itemsize
     n_stage = staging_buffers if convert else 0
-    promote = min(fp8_promote_steps, ks) if w.dtype == FP8 and b.dtype == FP8 else 0
-    if promote and ks % promote:
-        raise MoEKernelError(f"fp8_promote_steps={promote} must divide the {ks} K steps")
     out_bytes = nt * ROWS * 2 + n_stage * nparts * ROWS * tk * 2 + meta.size * 4
     stages = min(max_stages, (SMEM_LIMIT - out_bytes - 2048) // (a_bytes + b_bytes))
     if stages < 2:
@@ -262,10 +254,9 @@ def _grouped_gemm(
             col_scale = plgpu.load(bs_ref.at[pl.ds(row, nt)], layout=plgpu.Layout.WGMMA.reduce(0),
                                    optimized=False) if bs_ref is not None else None
 
-            def k_steps(first, count, accs):  # K steps [first, first + count) of unit i into accs
-                @pl.loop(0, count)
-                def _k_loop(kk):
-                    k = first + kk
+            def acc_scope(*accs):
+                @pl.loop(0, ks)
+                def _k_loop(k):
                     s = i * ks + k
                     slot = lax.rem(s, stages)
                     plgpu.barrier_wait(bar.at[slot])
@@ -286,36 +277,21 @@ def _grouped_gemm(
                     def _refill():
                         fetch(s - 1 + stages)
 
-            def group_sums(first, count):  # f32 sums of `count` K steps, one fresh accumulator each
-                def scope(*accs):
-                    k_steps(first, count, accs)
-                    return [acc[...] for acc in accs]
+                vals = []
+                for p in range(nparts):
+                    v = accs[p][...]
+                    if row_scales:
+                        v = v * lax.broadcast_in_dim(row_scales[p], (ROWS, nt), [0])
+                    if col_scale is not None:
+                        v = v * lax.broadcast_in_dim(col_scale, (ROWS, nt), [1])
+                    vals.append(v)
+                res = _gelu_erf(vals[0]) * (vals[1] + 1.0) if glu else vals[0]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous unit's store read o_smem
+                o_smem.T[...] = res.astype(jnp.bfloat16)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(blk * nt, nt), pl.ds(j * ROWS, ROWS)])
 
-                return pl.run_scoped(scope, *[plgpu.ACC((ROWS, nt), jnp.float32) for _ in range(nparts)])
-
-            if promote:
-                # FP8 wgmma accumulates with fewer bits than f32: every `promote` K steps the
-                # partial sums leave the tensor core and are added in f32 registers.
-                def group(g, sums):
-                    return [a + v for a, v in zip(sums, group_sums(g * promote, promote), strict=True)]
-
-                zero = plgpu.layout_cast(jnp.zeros((ROWS, nt), jnp.float32), plgpu.Layout.WGMMA)
-                sums = lax.fori_loop(0, ks // promote, group, [zero] * nparts)
-            else:
-                sums = group_sums(0, ks)
-            vals = []
-            for p in range(nparts):
-                v = sums[p]
-                if row_scales:
-                    v = v * lax.broadcast_in_dim(row_scales[p], (ROWS, nt), [0])
-                if col_scale is not None:
-                    v = v * lax.broadcast_in_dim(col_scale, (ROWS, nt), [1])
-                vals.append(v)
-            res = _gelu_erf(vals[0]) * (vals[1] + 1.0) if glu else vals[0]
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous unit's store read o_smem
-            o_smem.T[...] = res.astype(jnp.bfloat16)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(blk * nt, nt), pl.ds(j * ROWS, ROWS)])
+            pl.run_scoped(acc_scope, *[plgpu.ACC((ROWS, nt), jnp.float32) for _ in range(nparts)])
 
         plgpu.wait_smem_to_gmem(0)
 
@@ -417,8 +393,7 @@ def _expert_gemms(
 ) -> jax.Array:  # [NB * Nt, D] bf16 expert outputs, block rows
     gemm = functools.partial(_grouped_gemm, block_tokens=cfg.block_tokens, num_out_rows=n_blocks * cfg.block_tokens,
                              num_ctas=cfg.num_ctas, max_stages=cfg.max_stages,
-                             staging_buffers=cfg.staging_buffers, fp8_promote_steps=cfg.fp8_promote_steps,
-                             interpret=interpret)
+                             staging_buffers=cfg.staging_buffers, interpret=interpret)
     if experts.is_fp8 and cfg.w8a8:
         xq, xs = quantize_rows(x_rows)  # per token, before any gather: T rows, not C
         if row_token is not None:

@@ -316,30 +316,6 @@ def test_kernel_fp8_modes_in_both_regimes(rng, T, w8a8):
     assert rel_err(out, oracle(x, routing, ex, w8a8=w8a8)) <= (TOL_W8A8_EMULATED if w8a8 else TOL_BF16)
 
 
-@pytest.mark.parametrize("promote", [0, 2])
-def test_kernel_w8a8_promotion_intervals(rng, promote):
-    """W8A8 partial sums added in f32 registers every `promote` K steps (0: never; the default 1
-    is in test_kernel_matches_oracle). Dense and sorted regimes; numerics as the default."""
-    ex = make_experts(rng, fp8=True)
-    for T, dense in ((5, True), (70, False)):
-        x = jnp.asarray(rng.standard_normal((T, D_FP8)), jnp.bfloat16)
-        routing = random_routing(rng, T, 3)
-        cfg = small_config(T, w8a8=True, fp8_promote_steps=promote)
-        assert cfg.dense == dense
-        out = run_kernel(x, routing, ex, cfg)
-        assert rel_err(out, oracle(x, routing, ex, w8a8=True)) <= TOL_W8A8_EMULATED, (T, promote)
-
-
-def test_kernel_w8a8_promotion_must_divide_k_steps():
-    ex = make_experts(np.random.default_rng(0), fp8=True)
-    x = jnp.zeros((4, D_FP8 * 4), jnp.bfloat16)  # 8 K steps of 128 in the up projection
-    ex = ex._replace(up_w=jnp.zeros((E, 2 * I, D_FP8 * 4), FP8), down_w=jnp.zeros((E, D_FP8 * 4, I), FP8),
-                     down_scale=jnp.ones((E, D_FP8 * 4)))
-    routing = random_routing(np.random.default_rng(1), 4, 2)
-    with pytest.raises(MoEKernelError, match="fp8_promote_steps"):
-        run_kernel(x, routing, ex, small_config(4, w8a8=True, fp8_promote_steps=3))
-
-
 def test_kernel_single_expert_spanning_several_blocks(rng):
     """k=1 and every token on expert 5: one expert, three blocks; all other experts NaN-poisoned."""
     T, nt = 40, 16
