@@ -41,11 +41,12 @@ class Routing(NamedTuple):
     logits: jax.Array  # [T, E] f32 router logits
 
 
-def router_logits(x: jax.Array, router_w: jax.Array, router_b: jax.Array) -> jax.Array:
-    """x [T, D], router_w [D, E], router_b [E] -> [T, E] float32: the GEMM and the bias add in
-    x.dtype (a bf16 model rounds the product and the sum to bf16), then widened."""
-    return (jnp.dot(x, router_w.astype(x.dtype), precision=jax.lax.Precision.HIGHEST)
-            + router_b.astype(x.dtype)).astype(jnp.float32)
+def router_logits(x: jax.Array, router_w: jax.Array, router_b: jax.Array, *, widen: bool = True) -> jax.Array:
+    """x [T, D], router_w [D, E], router_b [E] -> [T, E]: the GEMM and the bias add in x.dtype (a
+    bf16 model rounds the product and the sum to bf16), then widened to float32 unless `widen`
+    is off (a consumer that widens on load saves XLA a conversion kernel)."""
+    logits = jnp.dot(x, router_w.astype(x.dtype), precision=jax.lax.Precision.HIGHEST) + router_b.astype(x.dtype)
+    return logits.astype(jnp.float32) if widen else logits
 
 
 def route_ref(x: jax.Array, router_w: jax.Array, router_b: jax.Array, top_k: int) -> Routing:

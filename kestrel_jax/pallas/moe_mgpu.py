@@ -450,7 +450,7 @@ def moe_layer(
     x_rows = jnp.pad(x.astype(jnp.bfloat16), ((0, nt - T), (0, 0)))  # [Nt, D]
     n_valid = jnp.asarray(T if num_valid_tokens is None else num_valid_tokens, jnp.int32).reshape(1)
     if use_tables:
-        r = route_tables(router_logits(x_rows, router_w, router_b), n_valid, top_k=top_k, block_tokens=nt,
+        r = route_tables(router_logits(x_rows, router_w, router_b, widen=False), n_valid, top_k=top_k, block_tokens=nt,
                          num_warps=cfg.route_warps or None, interpret=bool(interpret))
     else:
         r = route_dense(x_rows, router_w, own_buffer(router_b, router_b.dtype), n_valid, top_k=top_k,

@@ -380,7 +380,8 @@ def exact_router_inputs(rng, T: int, D: int, n_experts: int):
 
 
 def _route_tables_call(xp, rw, rb, nv, *, top_k):
-    return route_tables(router_logits(xp, rw, rb), nv, top_k=top_k, block_tokens=xp.shape[0], interpret=True)
+    return route_tables(router_logits(xp, rw, rb, widen=False), nv, top_k=top_k, block_tokens=xp.shape[0],
+                        interpret=True)
 
 
 @pytest.mark.parametrize("kernel", ["mosaic", "tables"])
