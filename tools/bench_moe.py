@@ -256,6 +256,9 @@ def run(args) -> dict[str, Any]:
                 continue
             if T <= 32 and (not args.quick or T == 1):
                 phases[1].append((T, prec, dataclasses.replace(cfg, w8a8=not cfg.w8a8)))  # other dense FP8 mode
+            if args.down_ab:  # the down projection's unit width (64-row tiles per unit)
+                phases[1] += [(T, prec, dataclasses.replace(cfg, down_row_tiles=n)) for n in (1, 4)
+                              if n != cfg.down_row_tiles]
             if args.cta_ab and cfg.dense:  # two CTAs per SM (each with half the SMEM ring)
                 for ctas, stages, staging in ((2 * cfg.num_ctas, 4, 1), (2 * cfg.num_ctas, 3, 2)):
                     if staging == 2 and cfg.w8a8:
@@ -298,6 +301,7 @@ def bench_case(T, prec, cfg: MoEKernelConfig, dims, xs, rw, rb, exs, hit, flops,
     mode = "bf16" if prec == "bf16" else ("fp8-w8a8" if cfg.w8a8 else "fp8-w8a16")
     variant = ("dense/" + cfg.routing if cfg.dense else "sorted") + ("/stage1" if cfg.staging_buffers == 1 else "") \
         + (f"/w{cfg.route_warps}" if cfg.route_warps else "") \
+        + (f"/down{cfg.down_row_tiles}" if cfg.down_row_tiles != 2 else "") \
         + (f"/ctas{cfg.num_ctas}x{cfg.max_stages}" if cfg.num_ctas > default_config(T).num_ctas else "")
     row: dict[str, Any] = {"T": T, "precision": prec, "mode": mode, "variant": variant,
                            "block_tokens": cfg.block_tokens, "config": dataclasses.asdict(cfg),
@@ -388,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="T in {1, 16, 740} only")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in interpret mode on the CPU")
     p.add_argument("--tokens", default="", help="comma-separated token counts (overrides the list)")
+    p.add_argument("--down-ab", action="store_true", help="down projection units of 1 and 4 row tiles")
     p.add_argument("--cta-ab", action="store_true", help="dense regime with two CTAs per SM (half the ring)")
     p.add_argument("--no-routing-ab", action="store_true", help="skip the mosaic and xla dense routings")
     p.add_argument("--no-baselines", action="store_true", help="skip XLA ragged_dot and ragged_dot_mgpu")

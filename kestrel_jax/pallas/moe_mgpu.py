@@ -87,6 +87,8 @@ class MoEKernelConfig:
     # W8A16: bf16 staging tiles the e4m3 weights are upcast into. 2 lets step s+1's upcast run
     # while step s's MMAs do; 1 serialises them (half the staging SMEM).
     staging_buffers: int = 2
+    # Down projection: 64-row weight tiles per work unit (each pipeline step loads all of them).
+    down_row_tiles: int = 2
 
 
 def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelConfig:
@@ -170,20 +172,30 @@ def _grouped_gemm(
     num_ctas: int,
     max_stages: int,
     staging_buffers: int = 2,
+    row_tiles: int = 1,  # down projection (glu=False): 64-row weight tiles per unit
     interpret: object = None,
 ) -> jax.Array:  # [NB * Nt, N or N/2] bf16
     E, N, K = w.shape
     nt = block_tokens
-    nparts = 2 if glu else 1
-    n_out = N // nparts
-    nj = n_out // ROWS
+    # Weight row tiles per unit: the up projection's h and g tiles (rows p * N/2 + j * ROWS); the
+    # down projection's `row_tiles` adjacent tiles (rows (j * row_tiles + p) * ROWS), which
+    # makes each pipeline step one larger transfer.
+    nparts = 2 if glu else row_tiles
+    n_out = N // 2 if glu else N
+    nj = n_out // ROWS if glu else N // (ROWS * nparts)
+    n_tiles_out = 1 if glu else nparts  # [Nt, ROWS] output tiles per unit
+    if not glu and N % (ROWS * nparts):
+        raise MoEKernelError(f"{N} output rows do not split into tiles of {nparts} x {ROWS}")
+
+    def w_row(p, j):  # first weight row of part p of output slice j
+        return p * n_out + j * ROWS if glu else (j * nparts + p) * ROWS
     convert = w.dtype == FP8 and b.dtype != FP8  # W8A16: weight tiles upcast in registers
     tk = 128 // jnp.dtype(w.dtype).itemsize  # one 128-byte swizzle row of weights per step
     ks = K // tk
     a_bytes = nparts * ROWS * tk * jnp.dtype(w.dtype).itemsize
     b_bytes = nt * tk * jnp.dtype(b.dtype).itemsize
     n_stage = staging_buffers if convert else 0
-    out_bytes = nt * ROWS * 2 + n_stage * nparts * ROWS * tk * 2 + meta.size * 4
+    out_bytes = n_tiles_out * nt * ROWS * 2 + n_stage * nparts * ROWS * tk * 2 + meta.size * 4
     stages = min(max_stages, (SMEM_LIMIT - out_bytes - 2048) // (a_bytes + b_bytes))
     if stages < 2:
         raise MoEKernelError(f"block_tokens={nt} leaves no room for a 2-stage pipeline in SMEM")
@@ -231,7 +243,7 @@ def _grouped_gemm(
             row = pl.multiple_of(block_info(blk, 1), ROW_ALIGN)
             for p in range(nparts):
                 plgpu.copy_gmem_to_smem(
-                    w_ref.at[e, pl.ds(p * n_out + j * ROWS, ROWS), pl.ds(k * tk, tk)],
+                    w_ref.at[e, pl.ds(w_row(p, j), ROWS), pl.ds(k * tk, tk)],
                     a_buf.at[slot, p], bar.at[slot])
             plgpu.copy_gmem_to_smem(b_ref.at[pl.ds(row, nt), pl.ds(k * tk, tk)], b_buf.at[slot],
                                     bar.at[slot])
@@ -247,7 +259,7 @@ def _grouped_gemm(
             row = pl.multiple_of(block_info(blk, 1), ROW_ALIGN)
             # Epilogue vectors, loaded before the K loop so their latency hides behind it.
             row_scales = [
-                plgpu.load(ws_ref.at[e, pl.ds(p * n_out + j * ROWS, ROWS)],
+                plgpu.load(ws_ref.at[e, pl.ds(w_row(p, j), ROWS)],
                            layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
                 for p in range(nparts)
             ] if ws_ref is not None else []
@@ -285,11 +297,14 @@ def _grouped_gemm(
                     if col_scale is not None:
                         v = v * lax.broadcast_in_dim(col_scale, (ROWS, nt), [1])
                     vals.append(v)
-                res = _gelu_erf(vals[0]) * (vals[1] + 1.0) if glu else vals[0]
+                res = [_gelu_erf(vals[0]) * (vals[1] + 1.0)] if glu else vals
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous unit's store read o_smem
-                o_smem.T[...] = res.astype(jnp.bfloat16)
+                for p, r in enumerate(res):
+                    o_smem.at[p].T[...] = r.astype(jnp.bfloat16)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, out_ref.at[pl.ds(blk * nt, nt), pl.ds(j * ROWS, ROWS)])
+                for p in range(n_tiles_out):
+                    col = j * ROWS if glu else w_row(p, j)
+                    plgpu.copy_smem_to_gmem(o_smem.at[p], out_ref.at[pl.ds(blk * nt, nt), pl.ds(col, ROWS)])
 
             pl.run_scoped(acc_scope, *[plgpu.ACC((ROWS, nt), jnp.float32) for _ in range(nparts)])
 
@@ -302,7 +317,7 @@ def _grouped_gemm(
             plgpu.SMEM((stages, nparts, ROWS, tk), w.dtype, transforms=a_tr),
             plgpu.SMEM((stages, nt, tk), b.dtype, transforms=b_tr),
             plgpu.Barrier(num_arrivals=nparts + 1, num_barriers=stages),
-            plgpu.SMEM((nt, ROWS), jnp.bfloat16, transforms=o_tr),
+            plgpu.SMEM((n_tiles_out, nt, ROWS), jnp.bfloat16, transforms=o_tr),
             plgpu.SMEM(meta.shape, jnp.int32),
             plgpu.Barrier(num_arrivals=n_chunks),
             *([plgpu.SMEM((n_stage, nparts, ROWS, tk), b.dtype, transforms=_tile_transforms(tk, b.dtype))]
@@ -400,10 +415,10 @@ def _expert_gemms(
             xq, xs = xq[row_token], xs[row_token]
         act = gemm(meta_up, experts.up_w, experts.up_scale, xq, xs, glu=True)  # [NB*Nt, I]
         aq, a_s = quantize_rows(act if compact_act is None else act[compact_act])
-        return gemm(meta_down, experts.down_w, experts.down_scale, aq, a_s, glu=False)
+        return gemm(meta_down, experts.down_w, experts.down_scale, aq, a_s, glu=False, row_tiles=cfg.down_row_tiles)
     b = x_rows if row_token is None else x_rows[row_token]
     act = gemm(meta_up, experts.up_w, experts.up_scale, b, None, glu=True)
-    return gemm(meta_down, experts.down_w, experts.down_scale, act, None, glu=False)
+    return gemm(meta_down, experts.down_w, experts.down_scale, act, None, glu=False, row_tiles=cfg.down_row_tiles)
 
 
 def _combine(y: jax.Array, dest: jax.Array, weights: jax.Array, valid: jax.Array, dtype) -> jax.Array:

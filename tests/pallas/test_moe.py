@@ -340,13 +340,16 @@ def test_kernel_block_table_in_several_chunks(rng, monkeypatch):
     assert rel_err(out, oracle(x, routing, ex)) <= TOL_BF16
 
 
-def test_kernel_every_token_on_every_expert(rng):
+@pytest.mark.parametrize("down_row_tiles", [1, 2, 4])
+def test_kernel_every_token_on_every_expert(rng, down_row_tiles):
+    """Also the down projection's unit width: 1, 2 (default) or 4 row tiles of 64 per unit."""
     T = 5
     ex = make_experts(rng, fp8=True)
     x = jnp.asarray(rng.standard_normal((T, D_FP8)), jnp.bfloat16)
     routing = random_routing(rng, T, E)
-    out = run_kernel(x, routing, ex, small_config(T))
-    assert rel_err(out, oracle(x, routing, ex)) <= TOL_BF16
+    cfg = small_config(T, down_row_tiles=down_row_tiles)
+    out = run_kernel(x, routing, ex, cfg)
+    assert rel_err(out, oracle(x, routing, ex, w8a8=cfg.w8a8)) <= (TOL_W8A8_EMULATED if cfg.w8a8 else TOL_BF16)
 
 
 @pytest.mark.parametrize("dense", [True, False], ids=["dense", "sorted"])
@@ -365,7 +368,8 @@ def test_kernel_padding_tokens_cost_nothing_and_give_zeros(rng, dense):
     out = run_kernel(xj, routing, ex, cfg, num_valid=jnp.int32(n_valid))
     assert (out[n_valid:] == 0).all()
     head = Routing(routing.weights[:n_valid], routing.experts[:n_valid], routing.logits[:n_valid])
-    assert rel_err(out[:n_valid], oracle(xj[:n_valid], head, ex)) <= TOL_BF16
+    tol = TOL_W8A8_EMULATED if cfg.w8a8 else TOL_BF16
+    assert rel_err(out[:n_valid], oracle(xj[:n_valid], head, ex, w8a8=cfg.w8a8)) <= tol
     assert int(group_dense(routing.experts, E, 24, n_valid).num_blocks[0]) == len(np.unique(experts[:n_valid]))
 
 
