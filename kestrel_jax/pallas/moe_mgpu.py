@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,10 @@ SMEM_LIMIT = 232448  # bytes of dynamic SMEM per block on H100/H200 (what Mosaic
 H100_SMS = 132
 
 
+RoutingImpl = Literal["tables", "mosaic", "xla"]  # dense-regime routing implementations
+ROUTINGS: tuple[str, ...] = get_args(RoutingImpl)
+
+
 class MoEKernelError(ValueError):
     """Shapes, dtypes or a configuration the MoE kernels do not support."""
 
@@ -80,7 +85,7 @@ class MoEKernelConfig:
     # Dense-regime routing in `moe_layer`: "tables" (XLA router GEMM + one Triton program for
     # top-k and the block tables), "mosaic" (all of it in one Mosaic CTA), "xla" (route_ref +
     # group_dense in jnp). The sorted regime always routes with route_ref + group_by_expert.
-    routing: str = "tables"
+    routing: RoutingImpl = "tables"
     route_warps: int = 0  # warps of the routing tables program (0: its default)
     num_ctas: int = H100_SMS  # persistent grid size (one CTA per SM)
     max_stages: int = 8  # depth of the TMA ring
@@ -427,9 +432,6 @@ def _combine(y: jax.Array, dest: jax.Array, weights: jax.Array, valid: jax.Array
     w = weights.astype(jnp.float32)[..., None]
     yk = jnp.where(valid[..., None], w * y[dest].astype(jnp.float32), 0.0)  # [T, k, D]
     return jnp.sum(yk, axis=1).astype(dtype)
-
-
-ROUTINGS = ("tables", "mosaic", "xla")
 
 
 def moe_layer(

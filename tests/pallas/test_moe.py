@@ -451,6 +451,10 @@ def test_supported_and_validation():
     with pytest.raises(MoEKernelError, match="block_tokens"):
         moe(x, routing._replace(experts=jnp.array([[0, 1]] * 4, jnp.int32)), ok,
             config=MoEKernelConfig(block_tokens=12))
+    with pytest.raises(MoEKernelError, match="routing must be one of"):
+        moe_layer(jnp.zeros((1, 128), jnp.bfloat16), jnp.zeros((128, E), jnp.bfloat16), jnp.zeros((E,), jnp.bfloat16),
+                  make_experts(np.random.default_rng(0), False), top_k=2,
+                  config=dataclasses.replace(default_config(1), routing="bogus"))  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------------------------
