@@ -4,34 +4,41 @@ Same signature as `prefill_attention_ref` (plus keyword-only options); pool layo
 [P, Hkv, S, D] as documented in `paged_attention.py`.
 
 Work decomposition: the flattened queries of each sequence are cut into blocks of
-64 * num_consumers rows (a block never spans two sequences; the rows after cu_q_lens[B] form
-one more pseudo-sequence whose blocks write zeros). Grid = (blocks upper bound, H); a CTA finds
-its (sequence, block) by an unrolled scan of cu_q_lens. num_consumers + 1 warpgroups per CTA
-(FlashAttention-3 shape; default 2 + 1):
+wg_rows * num_consumers rows (a block never spans two sequences; the rows after cu_q_lens[B]
+form one more pseudo-sequence whose blocks write zeros). Grid = (blocks upper bound, H); a CTA
+finds its (sequence, block) by an unrolled scan of cu_q_lens. num_consumers + 1 warpgroups per
+CTA (FlashAttention-3 shape; default 2 + 1):
   * the last WG (producer) TMA-gathers each 64-key tile of K and V from the sequence's pages
     into a raw staging ring (`n_stage` slots, one TMA box per page chunk), converts it to the
     MMA operand type in registers (FP8 -> f16 is exact; dequantisation happens in the softmax
     scale), zeroes V rows past kv_len (pool garbage such as NaN must not meet a zero
     probability inside the MMA: 0 * NaN = NaN), and fills the operand ring (`n_op` slots,
     128-byte swizzle);
-  * each consumer WG owns 64 query rows: S = Q K^T and O += P V with wgmma (f16 operands for
-    FP8 pools, bf16 for bf16 pools; f32 accumulators), online softmax in base 2 with
-    sm_scale * log2(e) * k_scale folded into one multiply, v_scale applied once at the end.
-    Key tiles that no row of the warpgroup masks run without the mask; the others apply
-    j < kv_len and (j <= pos or (pos < prefix and j < prefix)).
+  * each consumer WG owns `wg_rows` query rows (64 or 128: one or two wgmma M tiles; every
+    K/V tile brought into SMEM serves twice as many rows at 128): S = Q K^T and O += P V with
+    wgmma (f16 operands for FP8 pools, bf16 for bf16 pools; f32 accumulators), online softmax
+    in base 2 with sm_scale * log2(e) * k_scale folded into one multiply, v_scale applied once
+    at the end. P feeds the PV wgmma straight from registers and the PV product accumulates
+    into the running output registers (`p_in_registers`, `acc_in_place`: the GPU defaults; the
+    interpreter stages P in SMEM and adds a fresh accumulator). Key tiles that no row of the
+    warpgroup masks run without the mask; the others apply j < kv_len and
+    (j <= pos or (pos < prefix and j < prefix)).
+  * `pingpong` (two consumers): FA3's schedule barrier makes the warpgroups take turns, one
+    issuing its MMAs while the other runs its softmax.
 Q is TMA'd into a plain SMEM buffer and re-laid out through registers into the swizzled
 operand buffer (a TMA into a swizzled buffer needs 8-aligned rows; ragged rows are not).
 Output rows are staged in SMEM and stored with a ladder of power-of-two TMA boxes, so a block
 stores exactly its own rows. Blocks at the end of the array start at T - block rows (their
 first rows belong to the previous block and are recomputed but not stored).
-`registers=(consumer, producer)` rebalances registers between the warpgroups (setmaxnreg).
+`registers=(consumer, producer)` rebalances registers between the warpgroups (setmaxnreg);
+128-row warpgroups need it (default (216, 72)): their S, P and O tiles do not fit in the even
+share of 168. Prefills of at most 64 x num_consumers rows (a prompt appended to a cached image)
+default to 64-row warpgroups: a second M tile would be padding.
 
-Predicted H100 SXM times, FP8 pool, page 64, 2 consumers: ~1 M FMA per (128-row block, 64-key
-tile), f16 wgmma at ~50-60% of the ~2000 FMA/clk/SM dense rate without FA3's ping-pong
-scheduling, one CTA per SM (384 threads x ~168 registers), plus ~3-4 us launch and fill:
-  740 tokens, image prefix, 1 sequence : 192 CTAs (2 waves) x 12 tiles  -> ~13-17 us (4.4 GFLOP)
-  1024 tokens, image prefix            : 256 CTAs (2 waves) x 12..16    -> ~18-24 us (6.6 GFLOP)
-  16 x 740 tokens                      : 3072 CTAs x 12 tiles           -> ~150-200 us (70 GFLOP)
+Measured on an H100 (FP8 pool, page 64, kernel alone, BENCHMARKS.md): 740-token image prefill
+29.8 us with 64-row warpgroups -> 23.1 us with 128 (96 CTAs, one wave); 1024 tokens 33.7 ->
+30.9 us; 16 x 740 tokens 340 -> 268 us. Ping-pong and the in-place PV are within 1-3 % either
+way at 128 rows (kept on: best or tied in the throughput case).
 """
 
 from __future__ import annotations
@@ -47,8 +54,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kestrel_jax.pallas.paged_attention import KVLayoutError, check_pool, is_fp8
 from kestrel_jax.pallas.paged_attention_mgpu import _NEG_INIT, LOG2E, _interpret_params, _pad_page_table, own_buffer
 
-_WG_ROWS = 64  # query rows per consumer warpgroup (one wgmma M tile)
 DEFAULT_CONSUMERS = 2
+WIDE_WG_ROWS = 128  # query rows per consumer warpgroup, unless the whole prefill fits 64 x consumers
+_WIDE_REGISTERS = (216, 72)  # setmaxnreg split for 2 consumers x 128 rows (+ producer)
 BLOCK_K = 64  # keys per tile
 _HEAD_DIM = 64
 _SWIZZLE = 128  # bf16 rows of 64 are exactly 128 bytes
@@ -96,6 +104,9 @@ def prefill_attention_kernel(
     num_consumers: int = DEFAULT_CONSUMERS,
     registers: tuple[int, int] | None = None,
     p_in_registers: bool | None = None,
+    wg_rows: int | None = None,
+    pingpong: bool | None = None,
+    acc_in_place: bool | None = None,
     interpret: bool = False,
     detect_races: bool = False,
 ) -> jax.Array:  # [T, H, D] in q.dtype; padding rows are zero
@@ -112,13 +123,39 @@ def prefill_attention_kernel(
     if not 1 <= num_consumers <= 4:
         raise ValueError(f"num_consumers must be 1..4 warpgroups, got {num_consumers}")
     nc = num_consumers
-    block_q = nc * _WG_ROWS
+    if wg_rows is None:  # a short append (a prompt after a cached image) needs no second M tile
+        wg_rows = WIDE_WG_ROWS if q.shape[0] > 64 * nc else 64
+    if wg_rows not in (64, 128):
+        raise ValueError(f"wg_rows must be 64 or 128 (one or two wgmma M tiles), got {wg_rows}")
+    if registers is None and wg_rows == 128 and nc == 2 and not interpret:
+        registers = _WIDE_REGISTERS
+    if registers is not None:
+        # setmaxnreg moves registers within the CTA's launch allocation (65536 / threads, in
+        # multiples of 8, per thread): asking for more makes the consumers' increase wait forever.
+        cap = (65536 // (128 * (nc + 1))) // 8 * 8
+        r_con, r_pro = registers
+        if (r_con % 8 or r_pro % 8 or not 24 <= r_pro <= r_con <= 256
+                or nc * r_con + r_pro > (nc + 1) * cap):
+            raise ValueError(f"registers={registers} for {nc} consumers: multiples of 8 in 24..256 with "
+                             f"{nc} x consumer + producer <= {(nc + 1) * cap} (the launch allocation)")
+    R = wg_rows
+    block_q = nc * R
     # P feeds the PV wgmma from registers (FA3 style); the interpreter's wgmma reads A from SMEM
     # only, so interpreted runs stage P in SMEM (the GPU path differs by that one store).
     if p_in_registers is None:
         p_in_registers = not interpret
     if p_in_registers and interpret:
         raise ValueError("p_in_registers=True cannot be interpreted (the interpreter's wgmma reads A from SMEM)")
+    # O += P V accumulating into the running output registers (one accumulator per warpgroup);
+    # the interpreter has no register-initialised accumulator, so it adds a fresh one instead.
+    if acc_in_place is None:
+        acc_in_place = not interpret
+    if acc_in_place and interpret:
+        raise ValueError("acc_in_place=True cannot be interpreted (no register-initialised wgmma accumulator)")
+    if pingpong is None:
+        pingpong = nc == 2
+    if pingpong and nc != 2:
+        raise ValueError(f"pingpong scheduling needs exactly 2 consumer warpgroups, got {nc}")
     T0, H, D = q.shape
     P, Hkv, S, _ = k_pages.shape
     g = H // Hkv
@@ -138,7 +175,7 @@ def prefill_attention_kernel(
 
     def body(q_ref, k_ref, v_ref, cu_ref, lens_ref, pt_ref, pre_ref, ks_ref, vs_ref, o_ref,
              q_smem, o_smem, k_stage, v_stage, k_op, v_op, pt_smem,
-             q_bar, pt_bar, stage_bar, ready_bar, consumed_bar, *maybe_p_smem):
+             q_bar, pt_bar, stage_bar, ready_bar, consumed_bar, sched_bar, *maybe_p_smem):
         p_smem = maybe_p_smem[0] if maybe_p_smem else None
         blk = lax.axis_index("blk")
         hq = lax.axis_index("h")
@@ -215,13 +252,13 @@ def prefill_attention_kernel(
         def _consumer():
             if registers is not None:
                 plgpu.set_max_registers(registers[0], action="increase")
-            row0 = tile0 + wg * _WG_ROWS  # first global row of this warpgroup's 64 rows
-            own_lo = jnp.clip(r0 - row0, 0, _WG_ROWS)
-            own_hi = jnp.clip(r1 - row0, 0, _WG_ROWS)
+            row0 = tile0 + wg * R  # first global row of this warpgroup's R rows
+            own_lo = jnp.clip(r0 - row0, 0, R)
+            own_hi = jnp.clip(r1 - row0, 0, R)
             n_own = jnp.where(valid_blk, jnp.maximum(own_hi - own_lo, 0), 0)
             # TMA into a tiled (swizzled) buffer needs 8-aligned rows; ragged rows are not, so q
             # lands in the plain output staging buffer and is re-laid out through registers.
-            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, _WG_ROWS), hq], o_smem.at[wg], q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, R), hq], o_smem.at[wg], q_bar.at[wg])
             scale = sm_scale * LOG2E * (ks_ref[...] if fp8 else 1.0)
             # Key tiles below the first owned row's limit need no mask (rows are monotone).
             first_pos = base + (row0 + own_lo - qs)
@@ -229,7 +266,7 @@ def prefill_attention_kernel(
             n_full = jnp.minimum(n_full, n_tiles)
             # Mask operands as a row vector (2 registers per thread) and a column vector (16), so
             # nothing [64, 64]-sized stays live across the key loop.
-            pos = plgpu.broadcasted_iota(jnp.int32, (_WG_ROWS,), 0, layout=_ROW_VEC) + (row0 - qs + base)
+            pos = plgpu.broadcasted_iota(jnp.int32, (R,), 0, layout=_ROW_VEC) + (row0 - qs + base)
             row_sees_prefix = pos < pre
             plgpu.barrier_wait(q_bar.at[wg])
             q_in = plgpu.load(o_smem.at[wg], layout=plgpu.Layout.WGMMA, optimized=False)
@@ -238,6 +275,10 @@ def prefill_attention_kernel(
             q_smem[wg] = q_in.astype(op_dtype)
             plgpu.commit_smem()
 
+            def schedule() -> None:  # FA3 ping-pong: wait until the other warpgroup has arrived too
+                plgpu.barrier_arrive(sched_bar)
+                plgpu.barrier_wait(sched_bar)
+
             def kv_step(t, carry, masked: bool):
                 acc, m, den = carry
                 o = lax.rem(t, n_op)
@@ -245,11 +286,13 @@ def prefill_attention_kernel(
 
                 def qk(ref):
                     plgpu.wgmma(ref, q_smem.at[wg], k_op.at[o].transpose((1, 0)))
+                    if pingpong:  # let the other warpgroup issue its MMAs while this one waits for S
+                        schedule()
                     return ref[...]
 
-                s = pl.run_scoped(qk, plgpu.ACC((_WG_ROWS, BLOCK_K), jnp.float32)) * scale
+                s = pl.run_scoped(qk, plgpu.ACC((R, BLOCK_K), jnp.float32)) * scale
                 if masked:
-                    shape = (_WG_ROWS, BLOCK_K)
+                    shape = (R, BLOCK_K)
                     key = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K,), 0, layout=_COL_VEC) + t * BLOCK_K
                     key_ok = lax.broadcast_in_dim(key < kvl, shape, [1])
                     in_prefix = lax.broadcast_in_dim(row_sees_prefix, shape, [0]) & lax.broadcast_in_dim(
@@ -260,6 +303,8 @@ def prefill_attention_kernel(
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
                 den = den * alpha + p.sum(axis=1)
+                if acc_in_place:
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
                 if p_smem is None:
                     p_op = p.astype(op_dtype)  # A operand straight from registers
@@ -268,28 +313,48 @@ def prefill_attention_kernel(
                     plgpu.commit_smem()
                     p_op = p_smem.at[wg]
 
+                if pingpong:
+                    # Finish the softmax before signalling it done, then wait for the tensor cores.
+                    if p_smem is None:
+                        acc, m_new, den, p_op = lax.optimization_barrier((acc, m_new, den, p_op))
+                    else:
+                        acc, m_new, den = lax.optimization_barrier((acc, m_new, den))
+                    schedule()
+
+                if acc_in_place:
+                    def pv_acc(ref):
+                        plgpu.wgmma(ref, p_op, v_op.at[o])
+
+                    acc = pl.run_state(pv_acc)(plgpu.ACC.init(acc))
+                    plgpu.barrier_arrive(consumed_bar.at[o])
+                    return acc, m_new, den
+
                 def pv(ref):
                     plgpu.wgmma(ref, p_op, v_op.at[o])
                     return ref[...]
 
-                pv_t = pl.run_scoped(pv, plgpu.ACC((_WG_ROWS, D), jnp.float32))
+                pv_t = pl.run_scoped(pv, plgpu.ACC((R, D), jnp.float32))
                 plgpu.barrier_arrive(consumed_bar.at[o])
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_t
                 return acc, m_new, den
 
             init = (
-                plgpu.layout_cast(jnp.full((_WG_ROWS, D), 0.0, jnp.float32), plgpu.Layout.WGMMA),
-                plgpu.layout_cast(jnp.full((_WG_ROWS,), _NEG_INIT, jnp.float32), _ROW_VEC),
-                plgpu.layout_cast(jnp.full((_WG_ROWS,), 0.0, jnp.float32), _ROW_VEC),
+                plgpu.layout_cast(jnp.full((R, D), 0.0, jnp.float32), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(jnp.full((R,), _NEG_INIT, jnp.float32), _ROW_VEC),
+                plgpu.layout_cast(jnp.full((R,), 0.0, jnp.float32), _ROW_VEC),
             )
+            if pingpong:  # warpgroup 1 starts one phase behind, so the two alternate on the tensor cores
+                pl.when(wg == 1)(schedule)
             carry = lax.fori_loop(0, n_full, lambda t, c: kv_step(t, c, False), init)
             acc, _, den = lax.fori_loop(n_full, n_tiles, lambda t, c: kv_step(t, c, True), carry)
+            if pingpong:  # ... and warpgroup 0 ends one phase later: both arrive 2 * n_tiles + 1 times
+                pl.when(wg == 0)(schedule)
             inv = jnp.where(den > 0, (vs_ref[...] if fp8 else 1.0) / den, 0.0)
             o_smem[wg] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(o_smem.dtype)
             plgpu.commit_smem()
             # Store rows [own_lo, own_lo + n_own) with power-of-two boxes (TMA sizes are static).
             start = own_lo
-            size = _WG_ROWS
+            size = R
             while size >= 1:
                 here = n_own & size
                 src = o_smem.at[wg, pl.ds(start, size)]
@@ -308,8 +373,8 @@ def prefill_attention_kernel(
         num_threads=nc + 1,
         thread_name="wg",
         scratch_types=[
-            plgpu.SMEM((nc, _WG_ROWS, D), op_dtype, transforms=_OP_TRANSFORMS),  # q
-            plgpu.SMEM((nc, _WG_ROWS, D), q.dtype),  # output staging (row-sliced by the stores)
+            plgpu.SMEM((nc, R, D), op_dtype, transforms=_OP_TRANSFORMS),  # q
+            plgpu.SMEM((nc, R, D), q.dtype),  # output staging (row-sliced by the stores)
             plgpu.SMEM((n_stage, BLOCK_K, D), kv_dtype),
             plgpu.SMEM((n_stage, BLOCK_K, D), kv_dtype),
             plgpu.SMEM((n_op, BLOCK_K, D), op_dtype, transforms=_OP_TRANSFORMS),
@@ -320,7 +385,8 @@ def prefill_attention_kernel(
             plgpu.Barrier(num_arrivals=2 * copies, num_barriers=n_stage),
             plgpu.Barrier(num_barriers=n_op),
             plgpu.Barrier(num_arrivals=nc, num_barriers=n_op),
-            *([] if p_in_registers else [plgpu.SMEM((nc, _WG_ROWS, BLOCK_K), op_dtype, transforms=_OP_TRANSFORMS)]),
+            plgpu.Barrier(num_arrivals=2),  # ping-pong schedule between the two consumers
+            *([] if p_in_registers else [plgpu.SMEM((nc, R, BLOCK_K), op_dtype, transforms=_OP_TRANSFORMS)]),
         ],
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_params(interpret, detect_races),

@@ -210,15 +210,16 @@ _TEXT_ONLY = (9, 0, 0)
 
 
 @pytest.mark.parametrize(
-    "dtype,page,group,segs,pad,consumers,races",
-    [
-        (FP8, 16, 1, [_FULL_IMAGE, _CACHE_HIT, _PREFIX_GT], 5, 2, True),
-        (BF16, 64, 2, [_PREFIX_EQ, _TEXT_ONLY, _CACHE_HIT], 0, 1, False),
-        (FP8, 128, 1, [_TEXT_ONLY, (20, 150, 160)], 3, 3, True),
+    "dtype,page,group,segs,pad,consumers,races,kw",
+    [  # the default picks 128-row warpgroups for the first two (T > 64 x consumers), 64 for the third
+        (FP8, 16, 1, [_FULL_IMAGE, _CACHE_HIT, _PREFIX_GT], 5, 2, True, {}),
+        (BF16, 64, 2, [_PREFIX_EQ, _TEXT_ONLY, _CACHE_HIT], 0, 1, False, {}),
+        (FP8, 128, 1, [_TEXT_ONLY, (20, 150, 160)], 3, 3, True, {}),
+        (FP8, 32, 1, [_CACHE_HIT, _FULL_IMAGE], 0, 2, True, {"wg_rows": 64, "pingpong": False}),
     ],
-    ids=["fp8-p16-2wg-races", "bf16-p64-gqa2-1wg", "fp8-p128-short-3wg-races"],
+    ids=["fp8-p16-2wg-races", "bf16-p64-gqa2-1wg", "fp8-p128-short-3wg-races", "fp8-p32-64rows-nopingpong"],
 )
-def test_prefill_kernel_interpreted(dtype, page, group, segs, pad, consumers, races):
+def test_prefill_kernel_interpreted(dtype, page, group, segs, pad, consumers, races, kw):
     rng = _rng()
     n_kv = 1
     kvl = np.array([n + c for n, c, _ in segs], np.int32)
@@ -230,7 +231,7 @@ def test_prefill_kernel_interpreted(dtype, page, group, segs, pad, consumers, ra
     args = (q, k_pages, v_pages, jnp.asarray(cu), jnp.asarray(kvl), table,
             jnp.asarray([p for _, _, p in segs], jnp.int32), ks, vs)
     f = jax.jit(functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE, interpret=True,
-                                  detect_races=races, num_consumers=consumers))
+                                  detect_races=races, num_consumers=consumers, **kw))
     out = f(*args)
     if races:
         assert not pm.interpret_races_found(), "race detected between warpgroups"
@@ -312,6 +313,32 @@ def test_kernels_lower_at_other_page_sizes_and_configs():
     pre = functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE)
     _lower_for_h100(pre, _SDS((740, 32, 64), BF16), pool, pool, _SDS((2,), jnp.int32),
                     _SDS((1,), jnp.int32), _SDS((1, 128), jnp.int32), _SDS((1,), jnp.int32), _F32, _F32)
+    # 64-row warpgroups with and without ping-pong / in-place PV, and a short append (64 rows by default)
+    pool = _SDS((1024, 32, 64, 64), FP8)
+    for kw, T in [({"wg_rows": 64}, 740), ({"wg_rows": 64, "pingpong": False, "acc_in_place": False}, 740),
+                  ({"wg_rows": 128, "pingpong": False, "registers": (232, 40)}, 740), ({}, 10)]:
+        pre = functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE, **kw)
+        _lower_for_h100(pre, _SDS((T, 32, 64), BF16), pool, pool, _SDS((2,), jnp.int32),
+                        _SDS((1,), jnp.int32), _SDS((1, 16), jnp.int32), _SDS((1,), jnp.int32), _F32, _F32)
+
+
+def test_prefill_kernel_refuses_settings_that_would_hang_or_cannot_run():
+    """setmaxnreg beyond the launch allocation would make the consumers wait forever; the
+    interpreter has no register-fed wgmma; ping-pong pairs exactly two consumers."""
+    pool = _SDS((64, 1, 16, 64), FP8)
+    args = (_SDS((200, 1, 64), BF16), pool, pool, _SDS((2,), jnp.int32), _SDS((1,), jnp.int32),
+            _SDS((1, 16), jnp.int32), _SDS((1,), jnp.int32), _F32, _F32)
+    bad = [{"registers": (216, 80)},  # 2 x 216 + 80 = 512 > 3 x 168
+           {"registers": (212, 72)},  # not a multiple of 8
+           {"num_consumers": 3, "registers": (152, 80)},  # 3 x 152 + 80 = 536 > 4 x 128
+           {"wg_rows": 96},
+           {"num_consumers": 3, "pingpong": True},
+           {"interpret": True, "acc_in_place": True},
+           {"interpret": True, "p_in_registers": True}]
+    for kw in bad:
+        with pytest.raises(ValueError):
+            jax.eval_shape(functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE, **kw), *args)
+    jax.eval_shape(functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE, registers=(208, 88)), *args)
 
 
 def test_split_merge_matches_the_two_pass_formula():
