@@ -97,7 +97,10 @@ def time_calls(f: Callable, args: tuple, r: int, iters: int, cpu: bool, name_fil
     return statistics.median(ts) * 1e6 / r, "host"
 
 
-BREAKDOWN: list[dict[str, float]] = [{}]  # the last CUPTI measurement's kernels, us per call
+BREAKDOWN: list[dict[str, float]] = [{}]
+# --tune: loop over the rotated inputs inside one program (one kernel instance, compiled once) and
+# time the Pallas kernel alone (the loop's slicing copies are not the kernel's cost).
+LOOP_ROTATIONS = [False]  # the last CUPTI measurement's kernels, us per call
 
 
 def rotations(set_bytes: int, cap: int = 16) -> int:
@@ -276,15 +279,22 @@ def bench_prefill(rng, label, q_lens, cached, prefix, page, dtype, impls, iters,
         try:
             f = ref_fn if name == "xla_ref" else functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE,
                                                                    **kernel_kw, **kw)
-            prog = jax.jit(lambda kp, vp, t, q, f=f: tuple(f(q[i], kp, vp, cu, lens, t[i], pre, ks, vs)
-                                                           for i in range(r)))
+            if LOOP_ROTATIONS[0]:  # one kernel instance in a loop: compiled once, timed alone
+                prog = jax.jit(lambda kp, vp, t, q, f=f: jax.lax.map(
+                    lambda x: f(x[1], kp, vp, cu, lens, x[0], pre, ks, vs), (t, q)))
+            else:
+                prog = jax.jit(lambda kp, vp, t, q, f=f: tuple(f(q[i], kp, vp, cu, lens, t[i], pre, ks, vs)
+                                                               for i in range(r)))
             t0 = time.time()
+            print(f"  {label} {name}: compiling", file=sys.stderr, flush=True)
             outs = jax.block_until_ready(prog(k_pages, v_pages, tables_j, qs))
             res: dict[str, Any] = {"compile_s": round(time.time() - t0, 2)}
+            print(f"  {label} {name}: ran once after {res['compile_s']}s", file=sys.stderr, flush=True)
             if name != "xla_ref":
                 res.update(check(outs[0], ref_out))
             BREAKDOWN[0] = {}
-            us, how = time_calls(prog, (k_pages, v_pages, tables_j, qs), r, iters, cpu)
+            us, how = time_calls(prog, (k_pages, v_pages, tables_j, qs), r, iters, cpu,
+                                 name_filter="kestrel" if LOOP_ROTATIONS[0] and name != "xla_ref" else None)
             res.update({"us": us, "method": how, "TFLOPs": flops / us / 1e6, "kernels": BREAKDOWN[0]})
             case["impls"][name] = res
         except Exception as e:  # noqa: BLE001
@@ -448,6 +458,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The stock Triton kernel compiles slowly: run it where KERNELS.md has reference points.
     stock_at = {(1, 740), (4, 740), (8, 512), (32, 128), (32, 1024), (64, 2048), (128, 1024)}
 
+    if args.tune:  # kernels only: the prefill kernel's scheduling variants at the target cases
+        LOOP_ROTATIONS[0] = True
+        pre_variants: dict[str, dict[str, Any]] = {
+            "kernel": {},  # defaults
+            "old": {"pingpong": False, "acc_in_place": False},  # the third session's schedule
+            "inplace": {"pingpong": False},
+            "R128": {"wg_rows": 128, "registers": (232, 40)},
+            "R128,nopp": {"wg_rows": 128, "registers": (232, 40), "pingpong": False},
+            "2wg,r208/88": {"registers": (208, 88)},
+            "R128,r216/72": {"wg_rows": 128, "registers": (216, 72)},
+        }
+        for label, ql, cached, prefix in pre_cases[:3]:
+            emit(functools.partial(bench_prefill, rng, label, ql, cached, prefix, page, fp8, pre_variants, iters,
+                                   cpu, kernel_kw, ks, vs), f"prefill tune {label}", optional=True)
+        print_summary(cases, ceil)
+        info.update(cases=cases, ceilings=ceil, skipped_over_budget=skipped, wall_s=round(time.time() - t_start, 1))
+        return info
+
     if args.page_sweep:  # kernels only, at each page size
         for p in (16, 32, 64, 128):
             for b, kv in [(1, 740), (8, 512), (32, 128), (64, 2048)]:
@@ -485,7 +513,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         emit(functools.partial(bench_decode, rng, b, kv, page, fp8, variants, iters, cpu, kernel_kw, ks, vs),
              f"decode splits {b}x{kv}", optional=True)
     if full or args.targets:
-        pre_variants = {"1wg": {"num_consumers": 1}, "2wg,regs": {"registers": (216, 80)},
+        pre_variants = {"1wg": {"num_consumers": 1}, "2wg,regs": {"registers": (208, 88)},
                         "3wg,regs": {"num_consumers": 3, "registers": (144, 80)},
                         "4wg,regs": {"num_consumers": 4, "registers": (104, 80)},
                         "2wg,3stage,3op": {"n_stage": 3, "n_op": 3}}
@@ -519,6 +547,8 @@ def main() -> None:
     p.add_argument("--page-sweep", action="store_true", help="only: the kernels at page sizes 16, 32, 64, 128")
     p.add_argument("--targets", action="store_true",
                    help="the issue's target cases, every prefill case and the tuning sweeps (not the full decode grid)")
+    p.add_argument("--tune", action="store_true",
+                   help="only: the prefill kernel's scheduling variants (ping-pong, in-place PV, 128-row warpgroups)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpreted kernels, on the CPU")
     p.add_argument("--page", type=int, default=pa.DEFAULT_PAGE_SIZE, help="page size of the main grid")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per program")
