@@ -199,14 +199,20 @@ def bench_decode(rng, b, kv, page, dtype, impls, iters, cpu, kernel_kw, ks, vs) 
                 continue
             f = ref_fn if name == "xla_ref" else functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE,
                                                                    **kernel_kw, **kw)
-            prog = jax.jit(lambda kp, vp, t, q, n, f=f: tuple(f(q[i], kp, vp, n, t[i], ks, vs) for i in range(r)))
+            if LOOP_ROTATIONS[0]:
+                prog = jax.jit(lambda kp, vp, t, q, n, f=f: jax.lax.map(
+                    lambda x: f(x[1], kp, vp, n, x[0], ks, vs), (t, q)))
+            else:
+                prog = jax.jit(lambda kp, vp, t, q, n, f=f: tuple(f(q[i], kp, vp, n, t[i], ks, vs)
+                                                                  for i in range(r)))
             t0 = time.time()
             outs = jax.block_until_ready(prog(k_pages, v_pages, tables, qs, lens))
             res = {"compile_s": round(time.time() - t0, 2)}
             if name != "xla_ref":
                 res.update(check(outs[0], ref_out))
             BREAKDOWN[0] = {}
-            us, how = time_calls(prog, (k_pages, v_pages, tables, qs, lens), r, iters, cpu)
+            us, how = time_calls(prog, (k_pages, v_pages, tables, qs, lens), r, iters, cpu,
+                                 name_filter="kestrel" if LOOP_ROTATIONS[0] and name != "xla_ref" else None)
             res.update({"us": us, "method": how, "GBps": kv_bytes / us / 1e3, "kernels": BREAKDOWN[0]})
             case["impls"][name] = res
         except Exception as e:  # noqa: BLE001 - record and continue
@@ -458,8 +464,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The stock Triton kernel compiles slowly: run it where KERNELS.md has reference points.
     stock_at = {(1, 740), (4, 740), (8, 512), (32, 128), (32, 1024), (64, 2048), (128, 1024)}
 
-    if args.tune:  # kernels only: the prefill kernel's scheduling variants at the target cases
+    if args.tune:  # kernels only: decode and (--tune-prefill) prefill variants at the target cases
         LOOP_ROTATIONS[0] = True
+        # (Two warpgroups per CTA splitting a CTA's tiles, and several KV heads per CTA, were
+        # tried here on 2026-11-24: neither was faster; BENCHMARKS.md has the figures.)
+        dec_variants: dict[str, dict[str, Any]] = {"kernel": {}, "splits=1": {"num_splits": 1},
+                                                   "splits=2": {"num_splits": 2}}
+        for b, kv in [(8, 512), (32, 128), (8, 64), (1, 740), (4, 740), (64, 2048), (128, 1024)]:
+            emit(functools.partial(bench_decode, rng, b, kv, page, fp8, dec_variants, iters, cpu, kernel_kw, ks, vs),
+                 f"decode tune {b}x{kv}", optional=True)
         pre_variants: dict[str, dict[str, Any]] = {
             "kernel": {},  # defaults
             "old": {"pingpong": False, "acc_in_place": False},  # the third session's schedule
@@ -469,7 +482,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "2wg,r208/88": {"registers": (208, 88)},
             "R128,r216/72": {"wg_rows": 128, "registers": (216, 72)},
         }
-        for label, ql, cached, prefix in pre_cases[:3]:
+        for label, ql, cached, prefix in pre_cases[:3] if args.tune_prefill else []:
             emit(functools.partial(bench_prefill, rng, label, ql, cached, prefix, page, fp8, pre_variants, iters,
                                    cpu, kernel_kw, ks, vs), f"prefill tune {label}", optional=True)
         print_summary(cases, ceil)
@@ -548,7 +561,10 @@ def main() -> None:
     p.add_argument("--targets", action="store_true",
                    help="the issue's target cases, every prefill case and the tuning sweeps (not the full decode grid)")
     p.add_argument("--tune", action="store_true",
-                   help="only: the prefill kernel's scheduling variants (ping-pong, in-place PV, 128-row warpgroups)")
+                   help="only: the decode kernel at the target cases with 1 and 2 splits (kernel time alone)")
+    p.add_argument("--tune-prefill", action="store_true",
+                   help="with --tune: the prefill kernel's scheduling variants (ping-pong, in-place PV, 128-row "
+                        "warpgroups) too")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpreted kernels, on the CPU")
     p.add_argument("--page", type=int, default=pa.DEFAULT_PAGE_SIZE, help="page size of the main grid")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per program")
