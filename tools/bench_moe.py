@@ -271,6 +271,8 @@ def run(args) -> dict[str, Any]:
                 phases[1] += [(T, prec, dataclasses.replace(cfg, routing=r)) for r in ("mosaic", "xla")]
             if cfg.dense and not cfg.w8a8 and T in (1, 4, 16):  # one upcast staging tile instead of two
                 phases[1].append((T, prec, dataclasses.replace(cfg, staging_buffers=1)))
+            if cfg.dense and T <= 32:  # W8A16 upcasting to bf16 (through f32) instead of f16
+                phases[1].append((T, prec, dataclasses.replace(cfg, w8a8=False, f16_operands=False)))
             if T >= 740 and not args.quick:
                 phases[1].append((T, prec, dataclasses.replace(cfg, block_tokens=64)))  # registers vs re-reads
     results: list[dict[str, Any]] = []
@@ -300,6 +302,7 @@ def bench_case(T, prec, cfg: MoEKernelConfig, dims, xs, rw, rb, exs, hit, flops,
                use_cupti, interpret) -> dict[str, Any]:
     mode = "bf16" if prec == "bf16" else ("fp8-w8a8" if cfg.w8a8 else "fp8-w8a16")
     variant = ("dense/" + cfg.routing if cfg.dense else "sorted") + ("/stage1" if cfg.staging_buffers == 1 else "") \
+        + ("/bf16ops" if not cfg.f16_operands and not cfg.w8a8 else "") \
         + (f"/w{cfg.route_warps}" if cfg.route_warps else "") \
         + (f"/down{cfg.down_row_tiles}" if cfg.down_row_tiles != 2 else "") \
         + (f"/ctas{cfg.num_ctas}x{cfg.max_stages}" if cfg.num_ctas > default_config(T).num_ctas else "")

@@ -305,15 +305,31 @@ def test_moe_ref_matches_oracle(rng, fp8):
         assert rel_err(out, oracle(x, routing, ex, w8a8=True)) <= TOL_W8A8_EMULATED
 
 
-@pytest.mark.parametrize("T,w8a8", [(100, False)], ids=["sorted-W8A16"])
-def test_kernel_fp8_modes_in_both_regimes(rng, T, w8a8):
-    """The non-default FP8 mode of the sorted regime (dense W8A8 is the default at T=64, dense
-    W8A16 at T < 4, sorted W8A8 at T=300: all in test_kernel_matches_oracle)."""
+@pytest.mark.parametrize("T,w8a8,f16", [(100, False, True), (100, False, False), (2, False, False)],
+                         ids=["sorted-W8A16", "sorted-W8A16-bf16-operands", "dense-W8A16-bf16-operands"])
+def test_kernel_fp8_modes_in_both_regimes(rng, T, w8a8, f16):
+    """The non-default FP8 modes: W8A16 in the sorted regime, and W8A16 with bf16 instead of f16
+    operands (dense W8A8 is the default at T=64, dense W8A16 with f16 operands at T < 4, sorted
+    W8A8 at T=300: all in test_kernel_matches_oracle)."""
     ex = make_experts(rng, fp8=True)
     x = jnp.asarray(rng.standard_normal((T, D_FP8)), jnp.bfloat16)
     routing = random_routing(rng, T, 2)
-    out = run_kernel(x, routing, ex, small_config(T, w8a8=w8a8))
+    out = run_kernel(x, routing, ex, small_config(T, w8a8=w8a8, f16_operands=f16))
     assert rel_err(out, oracle(x, routing, ex, w8a8=w8a8)) <= (TOL_W8A8_EMULATED if w8a8 else TOL_BF16)
+
+
+def test_kernel_f16_operands_saturate_instead_of_overflowing(rng):
+    """W8A16 with f16 operands: a token beyond the f16 range is saturated (finite output, its row
+    only); the other token's output is unchanged."""
+    T = 2
+    ex = make_experts(rng, fp8=True)
+    xn = rng.standard_normal((T, D_FP8))
+    xn[0, 3] = 3.0e5  # > 65504: inf in f16
+    x = jnp.asarray(xn, jnp.bfloat16)
+    routing = random_routing(rng, T, 2)
+    out = np.asarray(run_kernel(x, routing, ex, small_config(T, w8a8=False)), np.float64)
+    assert np.isfinite(out).all()
+    assert rel_err(out[1:], oracle(x, routing, ex)[1:]) <= TOL_BF16
 
 
 def test_kernel_single_expert_spanning_several_blocks(rng):
