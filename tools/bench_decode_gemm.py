@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Decode-size GEMMs of the text decoder under XLA compile options (GPU).
+
+    python3 tools/bench_decode_gemm.py --out $OUT/decode_gemm.json
+
+At batch 1-8 every decoder GEMM streams its weight matrix once; XLA's Triton GEMM autotuner
+picks the tiling, timing candidates on the same buffers again and again, i.e. with the weights
+L2-resident whenever they fit in the 50 MB L2 (a [2048, 6144] bf16 QKV weight is 25 MB). In a
+decode step they come from HBM. This script times each MD3 decode GEMM shape on `--layers`
+distinct weight matrices per call (one program, cold weights: > 2x L2 in all), compiled with
+each set of per-compilation XLA options (`jax.jit(..., compiler_options=...)`), and prints us
+per GEMM, GB/s of weight streamed and the fraction of the measured copy bandwidth.
+
+Kernel time is CUPTI's (jax.experimental.mosaic.gpu.profiler.measure: sum of kernel durations
+of the program per call, launch gaps excluded), divided by the number of GEMMs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# name -> (K, N): MD3 decoder GEMMs at D = 2048 (MOONDREAM.md §3-4)
+SHAPES = {
+    "qkv": (2048, 6144),
+    "proj": (2048, 2048),
+    "router": (2048, 64),
+    "dense_qkv_fc1": (2048, 14336),  # dense layers: QKV and fc1 read the same LayerNorm output
+    "dense_fc2": (8192, 2048),
+    "lm_head": (2048, 51200),
+}
+
+# label -> per-compilation XLA options. The override keys are AutotuneResult.TritonGemmKey text.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "autotune0": {"xla_gpu_autotune_level": 0},
+    "cublas": {"xla_gpu_enable_triton_gemm": False},
+    "bm16_bn64_bk256_sk4": {"xla_gpu_override_gemm_autotuner":
+                            "block_m: 16 block_n: 64 block_k: 256 split_k: 4 num_stages: 4 num_warps: 4 num_ctas: 1"},
+    "bm16_bn32_bk256_sk2": {"xla_gpu_override_gemm_autotuner":
+                            "block_m: 16 block_n: 32 block_k: 256 split_k: 2 num_stages: 4 num_warps: 4 num_ctas: 1"},
+    "bm16_bn64_bk128_sk1": {"xla_gpu_override_gemm_autotuner":
+                            "block_m: 16 block_n: 64 block_k: 128 split_k: 1 num_stages: 4 num_warps: 4 num_ctas: 1"},
+    "bm16_bn32_bk128_sk1": {"xla_gpu_override_gemm_autotuner":
+                            "block_m: 16 block_n: 32 block_k: 128 split_k: 1 num_stages: 4 num_warps: 4 num_ctas: 1"},
+}
+
+
+def measure(f, args, iters: int) -> tuple[float, dict[str, float], int]:
+    """Median us per call (CUPTI sum of kernel durations), the per-kernel breakdown and the
+    number of kernels per call."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, per_iter = profiler.measure(f, aggregate=False, iterations=max(iters, 2))(*args)
+    if not per_iter:
+        raise RuntimeError("CUPTI returned no kernel timings")
+    totals = [sum(t for _, t in ks) for ks in per_iter]
+    names: dict[str, list[float]] = {}
+    for ks in per_iter:
+        for n, t in ks:
+            names.setdefault(n[:60], []).append(t)
+    breakdown = {n: round(sum(v) / len(per_iter) * 1e3, 2) for n, v in names.items()}
+    return statistics.median(totals) * 1e3, breakdown, len(per_iter[0])
+
+
+def copy_gbps() -> float:
+    x = jax.random.bits(jax.random.key(1), (2**28,), jnp.uint32)  # 1 GiB
+    us, _, _ = measure(jax.jit(lambda a: a + jnp.uint32(1)), (x,), 10)
+    return 2 * 2**30 / us / 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="activation rows (decode batch)")
+    p.add_argument("--layers", type=int, default=24, help="distinct weight matrices per timed call")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {','.join(SHAPES)}")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {','.join(VARIANTS)}")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--budget-s", type=float, default=400.0, help="stop starting new cases after this")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    if jax.default_backend() != "gpu":
+        sys.exit("bench_decode_gemm.py needs a GPU (it measures XLA's GPU GEMM tilings)")
+    t0 = time.time()
+    info = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "layers": args.layers,
+            "rows": args.rows, "copy_GBps": round(copy_gbps(), 1)}
+    print(json.dumps(info), flush=True)
+    results: list[dict[str, Any]] = []
+    for name in args.shapes.split(","):
+        K, N = SHAPES[name]
+        n_layers = min(args.layers, max(2, int(6e9 // (K * N * 2))))  # <= ~6 GB of weights
+        ws = jax.random.normal(jax.random.key(2), (n_layers, K, N), jnp.bfloat16) * 0.02
+        for m in args.rows:
+            x = jax.random.normal(jax.random.key(3), (m, K), jnp.bfloat16)
+            for label in args.variants.split(","):
+                if time.time() - t0 > args.budget_s:
+                    print(f"budget reached: skipping {name} M={m} {label}", flush=True)
+                    continue
+                row: dict[str, Any] = {"gemm": name, "M": m, "K": K, "N": N, "variant": label, "layers": n_layers}
+                try:
+                    f = jax.jit(lambda x, w: [x @ w[i] for i in range(w.shape[0])],
+                                compiler_options=VARIANTS[label] or None)
+                    ref = (x.astype(jnp.float32) @ ws[0].astype(jnp.float32))
+                    out0 = f(x, ws)[0]
+                    row["max_rel_err"] = float(jnp.abs(out0.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
+                    us, kernels, launches = measure(f, (x, ws), args.iters)
+                    per = us / n_layers
+                    row.update(us=round(per, 2), GBps=round(K * N * 2 / per / 1e3, 1),
+                               of_copy=round(K * N * 2 / per / 1e3 / info["copy_GBps"], 3),
+                               kernels_per_gemm=round(launches / n_layers, 2),
+                               kernels={k: v for k, v in list(kernels.items())[:4]})
+                except Exception as e:  # noqa: BLE001 - record and continue
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                    traceback.print_exc(limit=1)
+                results.append(row)
+                print(f"{name:10s} M={m:<3d} {label:22s} " + (
+                    f"{row['us']:8.2f} us  {row['GBps']:7.1f} GB/s ({row['of_copy']:.0%})  err {row['max_rel_err']:.1e}"
+                    f"  kernels/GEMM {row['kernels_per_gemm']}" if "us" in row else row.get("error", "")),
+                    flush=True)
+        del ws
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"info": info, "results": results, "wall_s": round(time.time() - t0, 1)}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
