@@ -96,6 +96,24 @@ def prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cu_q
 
 
 # --------------------------------------------------------------------------------------------
+# Decode-size projections
+
+
+def small_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_rows: int) -> jax.Array | None:
+    """`x @ w + b` through the decode GEMM kernel (`gemv_mgpu`) when the kernel path is on, x has
+    at most `max_rows` rows and the kernel supports the shapes; None otherwise (the caller runs
+    its own jnp product)."""
+    if not _want_kernel() or x.shape[0] > max_rows:
+        return None
+    from kestrel_jax.pallas import gemv_mgpu as kern
+
+    w = w.astype(x.dtype)
+    if not kern.gemv_supported(x, w):
+        return None
+    return _jitted(kern.gemv)(x, w, b)
+
+
+# --------------------------------------------------------------------------------------------
 # MoE
 
 

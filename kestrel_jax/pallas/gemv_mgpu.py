@@ -1,0 +1,151 @@
+"""Mosaic GPU (Hopper) GEMM for decode-size activations: y = x @ w with few rows of x.
+
+At decode a projection reads its whole weight for a handful of rows, so its time is the weight
+stream. XLA tiles a [1..8, 2048] x [2048, 2048] product into a few dozen CTAs and streams the
+8 MB at 0.5-0.8 TB/s (BENCHMARKS.md, fifth session); this kernel splits both the output columns
+and the reduction so that every SM streams.
+
+Layout: w [K, N] as the model stores it (`Linear.kernel`, N contiguous), x [M, K]. Swap-AB: each
+CTA computes a [64, Mp] block of y^T = w^T x^T with wgmma, A = a [BK, 64] weight tile read
+transposed (bf16 wgmma takes an MN-major A from SMEM), B = the [Mp, BK] x tile (K-major),
+Mp = M rounded up to 8 (the wgmma N). Grid (N / 64 column blocks, `splits` K ranges); each CTA
+runs a TMA ring of `stages` slots over its K range in steps of 64 rows and writes its f32
+partial [64, Mp] block of y^T to out[split]. The caller sums the splits and transposes (a few
+elementwise adds that XLA fuses into the consumer of the product, with the bias add and the
+cast).
+
+Used by the attention projections of MoE layers at decode (`models/text.py`). H100, fifth
+session, 24 cold weights, us per GEMM with the split-sum as its own kernel: proj [2048, 2048]
+6.0 (1 row) / 6.2 (8 rows) vs XLA 15.8 / 10.2; QKV [2048, 6144] 11.4 / 11.8 vs 12.1 / 10.6; the
+bigger dense-layer and LM-head products stream at 73-92% of copy bandwidth, below XLA's 79-100%.
+MD3 batch-1 decode 539 -> 557 tok/s with it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kestrel_jax.pallas.paged_attention_mgpu import _interpret_params
+
+BLOCK_N = 64  # output columns per CTA: the wgmma M of one warpgroup
+BLOCK_K = 64  # weight rows per pipeline step: one 128-byte swizzle row of bf16
+MAX_ROWS = 64  # largest M handled (the wgmma N of the swap-AB product is Mp <= 64 here)
+_NUM_SMS = 132
+_SWIZZLE = 128
+# mypy sees these transforms' abstract base; they are concrete at runtime.
+_TRANSFORMS = (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))  # type: ignore[abstract]
+
+
+def gemv_supported(x: jax.Array, w: jax.Array) -> bool:
+    """Shapes/dtypes the kernel handles (callers fall back to jnp.dot)."""
+    if x.ndim != 2 or w.ndim != 2:
+        return False
+    M, K = x.shape
+    K2, N = w.shape
+    return (K == K2 and 1 <= M <= MAX_ROWS and K % BLOCK_K == 0 and N % BLOCK_N == 0
+            and jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16) and jnp.dtype(w.dtype) == jnp.dtype(jnp.bfloat16))
+
+
+def default_splits(K: int, N: int, num_sms: int = _NUM_SMS) -> int:
+    """K ranges per column block: enough CTAs for ~2 per SM, at least 4 steps (256 rows) each."""
+    steps = K // BLOCK_K
+    blocks = N // BLOCK_N
+    s = 1
+    while blocks * s < 2 * num_sms and steps % (2 * s) == 0 and steps // (2 * s) >= 4:
+        s *= 2
+    return s
+
+
+def gemv_partials(
+    x: jax.Array,  # [M, K] bf16, M <= 64
+    w: jax.Array,  # [K, N] bf16
+    *,
+    splits: int | None = None,
+    stages: int = 4,
+    interpret: bool = False,
+    detect_races: bool = False,
+) -> jax.Array:  # [splits, N, Mp] f32 partial products of y^T (columns >= M are zero)
+    if not gemv_supported(x, w):
+        raise ValueError(f"gemv kernel does not support x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
+    M, K = x.shape
+    N = w.shape[1]
+    mp = -(-M // 8) * 8
+    if mp != M:
+        x = jnp.pad(x, ((0, mp - M), (0, 0)))
+    s_count = splits or default_splits(K, N)
+    steps_total = K // BLOCK_K
+    if s_count < 1 or steps_total % s_count:
+        raise ValueError(f"splits must divide the {steps_total} K steps of {BLOCK_K}, got {s_count}")
+    steps = steps_total // s_count
+    n_stages = max(1, min(stages, steps))
+
+    def body(x_ref, w_ref, o_ref, w_buf, x_buf, o_smem, bars):
+        nb = lax.axis_index("n")
+        s = lax.axis_index("s")
+        k0 = s * (steps * BLOCK_K)
+        n0 = pl.multiple_of(nb * BLOCK_N, BLOCK_N)
+
+        def fetch(i, slot):
+            k = pl.multiple_of(k0 + i * BLOCK_K, BLOCK_K)
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k, BLOCK_K), pl.ds(n0, BLOCK_N)], w_buf.at[slot], bars.at[slot])
+            plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k, BLOCK_K)], x_buf.at[slot], bars.at[slot])
+
+        for i in range(n_stages):
+            fetch(jnp.int32(i), jnp.int32(i))
+
+        def scope(acc_ref):
+            @pl.loop(0, steps)
+            def _step(i):
+                slot = lax.rem(i, n_stages)
+                plgpu.barrier_wait(bars.at[slot])
+                # y^T block [64, Mp] += (w tile [BK, 64])^T @ (x tile [Mp, BK])^T
+                plgpu.wgmma(acc_ref, w_buf.at[slot].T, x_buf.at[slot].T)
+                plgpu.wgmma_wait(1)  # step i-1's MMA is done: its slot may be refilled
+
+                @pl.when((i >= 1) & (i - 1 + n_stages < steps))
+                def _refill():
+                    prev = lax.rem(i - 1, n_stages)
+                    fetch(i - 1 + n_stages, prev)
+
+            plgpu.wgmma_wait(0)
+            o_smem[...] = acc_ref[...]
+
+        pl.run_scoped(scope, plgpu.ACC((BLOCK_N, mp), jnp.float32))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[s, pl.ds(n0, BLOCK_N)])
+        plgpu.wait_smem_to_gmem(0)
+
+    kern = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((s_count, N, mp), jnp.float32),
+        grid=(N // BLOCK_N, s_count),
+        grid_names=("n", "s"),
+        kernel_name="kestrel_gemv",
+        scratch_types=[
+            plgpu.SMEM((n_stages, BLOCK_K, BLOCK_N), w.dtype, transforms=_TRANSFORMS),
+            plgpu.SMEM((n_stages, mp, BLOCK_K), x.dtype, transforms=_TRANSFORMS),
+            plgpu.SMEM((BLOCK_N, mp), jnp.float32),
+            plgpu.Barrier(num_arrivals=2, num_barriers=n_stages),
+        ],
+        interpret=_interpret_params(interpret, detect_races),
+    )
+    return kern(x, w)
+
+
+def gemv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, splits: int | None = None,
+         interpret: bool = False) -> jax.Array:
+    """x [M, K] @ w [K, N] (+ bias) in x.dtype, f32 accumulation: the split partials are summed
+    by an unrolled elementwise expression that XLA fuses with the bias add, the cast and whatever
+    consumes the result."""
+    parts = gemv_partials(x, w, splits=splits, interpret=interpret)
+    y = functools.reduce(jnp.add, [parts[i] for i in range(parts.shape[0])]).T[: x.shape[0]]
+    if bias is not None:
+        y = y.astype(x.dtype) + bias.astype(x.dtype)  # bf16 add, as the jnp path rounds it
+        return y
+    return y.astype(x.dtype)

@@ -1,0 +1,99 @@
+"""The decode GEMM kernel (`gemv_mgpu`): interpreted on the CPU against float64 and the jnp path
+the model runs otherwise, cross-lowered for an H100 at the decoder's shapes, and the dispatch in
+`ops.small_linear`."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+from kestrel_jax.pallas import gemv_mgpu as g
+from kestrel_jax.pallas import ops
+
+BF16 = jnp.bfloat16
+_SDS = jax.ShapeDtypeStruct
+
+
+def _rng() -> np.random.Generator:
+    seed = int(time.time_ns() % 2**32)
+    print(f"seed {seed}")
+    return np.random.default_rng(seed)
+
+
+@pytest.mark.parametrize("M,K,N,splits", [(1, 512, 192, None), (3, 256, 128, 2), (8, 384, 64, 6), (13, 128, 256, 1)])
+def test_gemv_interpreted_matches_float64_and_the_jnp_path(M, K, N, splits):
+    rng = _rng()
+    x = jnp.asarray(rng.standard_normal((M, K)), BF16)
+    w = jnp.asarray(rng.standard_normal((K, N)) * 0.05, BF16)
+    b = jnp.asarray(rng.standard_normal((N,)), BF16)
+    y = jax.jit(functools.partial(g.gemv, splits=splits, interpret=True))(x, w, b)
+    assert y.shape == (M, N) and y.dtype == BF16
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(b, np.float64)
+    jnp_path = np.asarray((jnp.dot(x, w) + b).astype(jnp.float32), np.float64)  # Linear's product
+    err = np.abs(np.asarray(y.astype(jnp.float32), np.float64) - exact).max()
+    # two bf16 roundings (product, bias add) of values up to |exact|: the jnp path's own bound
+    bound = 2 * 2.0**-8 * np.abs(exact).max()
+    assert err <= bound, (err, bound)
+    assert np.abs(jnp_path - exact).max() <= bound
+    # without a bias: the f32 sum of the partials rounded once
+    y0 = np.asarray(jax.jit(functools.partial(g.gemv, splits=splits, interpret=True))(x, w).astype(jnp.float32))
+    assert np.abs(y0 - (exact - np.asarray(b, np.float64))).max() <= 2.0**-8 * np.abs(exact).max() + 1e-6
+
+
+def test_gemv_partials_sum_to_the_product_and_pad_rows_are_zero():
+    rng = _rng()
+    x = jnp.asarray(rng.standard_normal((5, 256)), BF16)
+    w = jnp.asarray(rng.standard_normal((256, 128)), BF16)
+    parts = np.asarray(jax.jit(functools.partial(g.gemv_partials, splits=4, interpret=True))(x, w))
+    assert parts.shape == (4, 128, 8)  # [splits, N, M rounded up to 8]
+    assert not np.any(parts[:, :, 5:]), "columns of padding rows must be zero"
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    np.testing.assert_allclose(parts.sum(0).T[:5], exact, rtol=0, atol=1e-3 * np.abs(exact).max())
+
+
+def test_gemv_refuses_what_it_cannot_do():
+    x, w = _SDS((4, 256), BF16), _SDS((256, 128), BF16)
+    assert g.gemv_supported(x, w)
+    assert not g.gemv_supported(_SDS((65, 256), BF16), w)  # more rows than one wgmma N
+    assert not g.gemv_supported(_SDS((4, 200), BF16), _SDS((200, 128), BF16))  # K not a multiple of 64
+    assert not g.gemv_supported(x, _SDS((256, 96), BF16))  # N not a multiple of 64
+    assert not g.gemv_supported(x.update(dtype=jnp.float32), w)
+    assert not g.gemv_supported(x, _SDS((128, 128), BF16))
+    with pytest.raises(ValueError):
+        jax.eval_shape(functools.partial(g.gemv, splits=3), x, w)  # 3 does not divide 4 K steps
+    with pytest.raises(ValueError):
+        jax.eval_shape(g.gemv, _SDS((4, 200), BF16), _SDS((200, 128), BF16))
+
+
+def test_default_splits_fill_the_gpu_with_at_least_four_steps_each():
+    # (K, N) -> splits: double while under 2 CTAs per SM (132 SMs) and each keeps >= 4 steps of 64 rows
+    expected = {(2048, 2048): 8, (2048, 6144): 4, (2048, 64): 8, (8192, 2048): 16, (2048, 51200): 1}
+    for (K, N), s in expected.items():
+        assert g.default_splits(K, N) == s, (K, N)
+
+
+def test_small_linear_dispatch():
+    x, w, b = jnp.ones((2, 128), BF16), jnp.ones((128, 64), BF16), jnp.zeros((64,), BF16)
+    with ops.use_backend("reference"):
+        assert ops.small_linear(x, w, b, max_rows=8) is None
+    with ops.use_backend("kernel"):
+        assert ops.small_linear(x, w, b, max_rows=1) is None  # more rows than asked for
+        assert ops.small_linear(x, jnp.ones((128, 96), BF16), None, max_rows=8) is None  # unsupported N
+
+
+def test_gemv_lowers_at_decoder_shapes():
+    """Pallas -> Mosaic GPU lowering for an H100 (layout inference, SMEM, TMA/tiling legality), as
+    tests/pallas/test_paged_attention.py does it; LLVM/ptxas run only on the GPU."""
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    for M, K, N in [(1, 2048, 6144), (1, 2048, 2048), (8, 2048, 2048), (64, 2048, 2048), (3, 2048, 64)]:
+        specs = (_SDS((M, K), BF16), _SDS((K, N), BF16), _SDS((N,), BF16))
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(g.gemv).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
