@@ -23,10 +23,15 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout, installed or not
+
+from kestrel_jax.pallas import gemv_mgpu  # noqa: E402
 
 # name -> (K, N): MD3 decoder GEMMs at D = 2048 (MOONDREAM.md §3-4)
 SHAPES = {
@@ -52,6 +57,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bm16_bn32_bk128_sk1": {"xla_gpu_override_gemm_autotuner":
                             "block_m: 16 block_n: 32 block_k: 128 split_k: 1 num_stages: 4 num_warps: 4 num_ctas: 1"},
 }
+# label -> relative K split of the Pallas kernel (kestrel_jax/pallas/gemv_mgpu.py): 1 = its default
+GEMV_VARIANTS = {"gemv": 1.0, "gemv_splits/2": 0.5, "gemv_splits*2": 2.0}
 
 
 def measure(f, args, iters: int) -> tuple[float, dict[str, float], int]:
@@ -82,7 +89,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="activation rows (decode batch)")
     p.add_argument("--layers", type=int, default=24, help="distinct weight matrices per timed call")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {','.join(SHAPES)}")
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {','.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join([*VARIANTS, *GEMV_VARIANTS]),
+                   help=f"comma list of {','.join([*VARIANTS, *GEMV_VARIANTS])}")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=400.0, help="stop starting new cases after this")
     p.add_argument("--out", default=None)
@@ -106,8 +114,15 @@ def main() -> None:
                     continue
                 row: dict[str, Any] = {"gemm": name, "M": m, "K": K, "N": N, "variant": label, "layers": n_layers}
                 try:
-                    f = jax.jit(lambda x, w: [x @ w[i] for i in range(w.shape[0])],
-                                compiler_options=VARIANTS[label] or None)
+                    if label in GEMV_VARIANTS:
+                        sp = max(1, int(gemv_mgpu.default_splits(K, N) * GEMV_VARIANTS[label]))
+                        sp = min(sp, K // gemv_mgpu.BLOCK_K)
+                        row["splits"] = sp
+                        f = jax.jit(lambda x, w, sp=sp: [gemv_mgpu.gemv(x, w[i], splits=sp)
+                                                         for i in range(w.shape[0])])
+                    else:
+                        f = jax.jit(lambda x, w: [x @ w[i] for i in range(w.shape[0])],
+                                    compiler_options=VARIANTS[label] or None)
                     ref = (x.astype(jnp.float32) @ ws[0].astype(jnp.float32))
                     out0 = f(x, ws)[0]
                     row["max_rel_err"] = float(jnp.abs(out0.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
