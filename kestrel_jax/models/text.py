@@ -109,12 +109,16 @@ class Attention(nnx.Module):
         k_scale: jax.Array,
         v_scale: jax.Array,
         aux: dict[str, jax.Array] | None,
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        router: Linear | None = None,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+        """-> (output, k_pages, v_pages, router logits or None). With `router` (the MoE layer's,
+        which reads the same normalised input), decode on a GPU computes its logits in the QKV
+        product's launch."""
         cfg = self.cfg
         t = x.shape[0]
         hd, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         decode = batch.cu_q_lens is None and self.decode_gemm_kernel
-        u = self._qkv(x, decode)
+        u, logits = self._qkv(x, decode, router)
         q = u[:, : h * hd].reshape(t, h, hd)
         k = u[:, h * hd : (h + hkv) * hd].reshape(t, hkv, hd)
         v = u[:, (h + hkv) * hd :].reshape(t, hkv, hd)
@@ -139,7 +143,7 @@ class Attention(nnx.Module):
             o = ops.prefill_attention(q, k_pages, v_pages, batch.cu_q_lens, batch.kv_lens,
                                       batch.page_table, batch.prefix_lens, k_scale, v_scale,
                                       sm_scale=scale)
-        return self._project(o.reshape(t, h * hd), decode), k_pages, v_pages
+        return self._project(o.reshape(t, h * hd), decode), k_pages, v_pages, logits
 
     @staticmethod
     def _linear(layer: Linear, x: jax.Array, kernel_rows: int) -> jax.Array | None:
@@ -147,9 +151,15 @@ class Attention(nnx.Module):
         bias = layer.bias[...] if layer.bias is not None else None
         return ops.small_linear(x, layer.kernel[...], bias, max_rows=kernel_rows)
 
-    def _qkv(self, x: jax.Array, decode: bool) -> jax.Array:
+    def _qkv(self, x: jax.Array, decode: bool, router: Linear | None) -> tuple[jax.Array, jax.Array | None]:
+        if decode and router is not None:
+            pair = ops.small_linear_pair(
+                x, self.qkv.kernel[...], self.qkv.bias[...] if self.qkv.bias is not None else None,
+                router.kernel[...], router.bias[...] if router.bias is not None else None, max_rows=QKV_KERNEL_ROWS)
+            if pair is not None:
+                return pair
         y = self._linear(self.qkv, x, QKV_KERNEL_ROWS) if decode else None
-        return self.qkv(x) if y is None else y
+        return (self.qkv(x) if y is None else y), None
 
     def _project(self, o: jax.Array, decode: bool) -> jax.Array:
         """Output projection. At decode on a GPU, the decode GEMM kernel. Otherwise, with a single
@@ -189,13 +199,14 @@ class MoE(nnx.Module):
         )
 
     def __call__(self, x: jax.Array, aux: dict[str, jax.Array] | None,
-                 num_valid: jax.Array | None = None) -> jax.Array:
+                 num_valid: jax.Array | None = None, logits: jax.Array | None = None) -> jax.Array:
         router_w = self.router.kernel[...]
         router_b = self.router.bias[...] if self.router.bias is not None else jnp.zeros(router_w.shape[1])
         if aux is not None:
             routing = ops.route(x, router_w, router_b, self.top_k)
             aux.update(router_logits=routing.logits, topk_idx=routing.experts, topk_weight=routing.weights)
-        return ops.moe_layer(x, router_w, router_b, self.experts(), top_k=self.top_k, num_valid_tokens=num_valid)
+        return ops.moe_layer(x, router_w, router_b, self.experts(), top_k=self.top_k, num_valid_tokens=num_valid,
+                             logits=logits)
 
 
 class Block(nnx.Module):
@@ -247,8 +258,10 @@ class TextModel(nnx.Module):
             if aux is not None:
                 aux["block_inputs"] = x
             n = block.ln(x)
-            a, ks[i], vs[i] = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux)
-            m = block.mlp(n, aux, batch.num_valid) if isinstance(block.mlp, MoE) else block.mlp(n)
+            router = block.mlp.router if isinstance(block.mlp, MoE) else None
+            a, ks[i], vs[i], logits = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux,
+                                                 router=router)
+            m = block.mlp(n, aux, batch.num_valid, logits) if isinstance(block.mlp, MoE) else block.mlp(n)
             x = (x + a) + m
             if aux is not None:
                 captured.append(aux)

@@ -18,7 +18,8 @@ Used by the attention projections of MoE layers at decode (`models/text.py`). H1
 session, 24 cold weights, us per GEMM with the split-sum as its own kernel: proj [2048, 2048]
 6.0 (1 row) / 6.2 (8 rows) vs XLA 15.8 / 10.2; QKV [2048, 6144] 11.4 / 11.8 vs 12.1 / 10.6; the
 bigger dense-layer and LM-head products stream at 73-92% of copy bandwidth, below XLA's 79-100%.
-MD3 batch-1 decode 539 -> 557 tok/s with it.
+MD3 batch-1 decode 539 -> 557 tok/s with it, 572 with the router product riding in the QKV
+launch (`gemv_pair`).
 """
 
 from __future__ import annotations
@@ -65,16 +66,19 @@ def default_splits(K: int, N: int, num_sms: int = _NUM_SMS) -> int:
 def gemv_partials(
     x: jax.Array,  # [M, K] bf16, M <= 64
     w: jax.Array,  # [K, N] bf16
+    w2: jax.Array | None = None,  # [K, N2] bf16: a second product of the same x, same launch
     *,
     splits: int | None = None,
     stages: int = 4,
     interpret: bool = False,
     detect_races: bool = False,
-) -> jax.Array:  # [splits, N, Mp] f32 partial products of y^T (columns >= M are zero)
-    if not gemv_supported(x, w):
-        raise ValueError(f"gemv kernel does not support x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
+) -> jax.Array:  # [splits, N (+ N2), Mp] f32 partials of y^T (columns >= M are zero)
+    for ww in (w,) if w2 is None else (w, w2):
+        if not gemv_supported(x, ww):
+            raise ValueError(f"gemv kernel does not support x {x.shape} {x.dtype}, w {ww.shape} {ww.dtype}")
     M, K = x.shape
-    N = w.shape[1]
+    N1 = w.shape[1]
+    N = N1 + (0 if w2 is None else w2.shape[1])
     mp = -(-M // 8) * 8
     if mp != M:
         x = jnp.pad(x, ((0, mp - M), (0, 0)))
@@ -85,7 +89,9 @@ def gemv_partials(
     steps = steps_total // s_count
     n_stages = max(1, min(stages, steps))
 
-    def body(x_ref, w_ref, o_ref, w_buf, x_buf, o_smem, bars):
+    def body(x_ref, w_ref, *rest):
+        w2_ref = rest[0] if w2 is not None else None
+        o_ref, w_buf, x_buf, o_smem, bars = rest[1:] if w2 is not None else rest
         nb = lax.axis_index("n")
         s = lax.axis_index("s")
         k0 = s * (steps * BLOCK_K)
@@ -93,8 +99,15 @@ def gemv_partials(
 
         def fetch(i, slot):
             k = pl.multiple_of(k0 + i * BLOCK_K, BLOCK_K)
-            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k, BLOCK_K), pl.ds(n0, BLOCK_N)], w_buf.at[slot], bars.at[slot])
-            plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(k, BLOCK_K)], x_buf.at[slot], bars.at[slot])
+            rows = pl.ds(k, BLOCK_K)
+            if w2_ref is None:
+                plgpu.copy_gmem_to_smem(w_ref.at[rows, pl.ds(n0, BLOCK_N)], w_buf.at[slot], bars.at[slot])
+            else:  # column blocks past the first matrix read the second (same bytes either way)
+                pl.when(n0 < N1)(lambda: plgpu.copy_gmem_to_smem(
+                    w_ref.at[rows, pl.ds(jnp.minimum(n0, N1 - BLOCK_N), BLOCK_N)], w_buf.at[slot], bars.at[slot]))
+                pl.when(n0 >= N1)(lambda: plgpu.copy_gmem_to_smem(
+                    w2_ref.at[rows, pl.ds(jnp.maximum(n0 - N1, 0), BLOCK_N)], w_buf.at[slot], bars.at[slot]))
+            plgpu.copy_gmem_to_smem(x_ref.at[:, rows], x_buf.at[slot], bars.at[slot])
 
         for i in range(n_stages):
             fetch(jnp.int32(i), jnp.int32(i))
@@ -135,7 +148,22 @@ def gemv_partials(
         ],
         interpret=_interpret_params(interpret, detect_races),
     )
-    return kern(x, w)
+    return kern(x, w) if w2 is None else kern(x, w, w2)
+
+
+def _finish(y: jax.Array, bias: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
+    y = y.astype(dtype)
+    return y if bias is None else y + bias.astype(dtype)  # bf16 add, as the jnp path rounds it
+
+
+def gemv_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None, *,
+              splits: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(x @ w1 + b1, x @ w2 + b2) from one launch: two products of the same rows (an MoE layer's
+    QKV and router, which read the same LayerNorm output)."""
+    parts = gemv_partials(x, w1, w2, splits=splits, interpret=interpret)
+    y = functools.reduce(jnp.add, [parts[i] for i in range(parts.shape[0])]).T[: x.shape[0]]
+    n1 = w1.shape[1]
+    return _finish(y[:, :n1], b1, x.dtype), _finish(y[:, n1:], b2, x.dtype)
 
 
 def gemv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, splits: int | None = None,
@@ -145,7 +173,4 @@ def gemv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, splits: i
     consumes the result."""
     parts = gemv_partials(x, w, splits=splits, interpret=interpret)
     y = functools.reduce(jnp.add, [parts[i] for i in range(parts.shape[0])]).T[: x.shape[0]]
-    if bias is not None:
-        y = y.astype(x.dtype) + bias.astype(x.dtype)  # bf16 add, as the jnp path rounds it
-        return y
-    return y.astype(x.dtype)
+    return _finish(y, bias, x.dtype)

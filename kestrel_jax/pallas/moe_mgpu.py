@@ -464,6 +464,7 @@ def moe_layer(
     num_valid_tokens: jax.Array | int | None = None,
     config: MoEKernelConfig | None = None,
     interpret: object = None,
+    logits: jax.Array | None = None,  # [T, E] router_logits(x, ..., widen=False), if already computed
 ) -> jax.Array:  # [T, D]
     """Routing + grouped up/down GEMMs + weighted sum; regime picked by the static T.
 
@@ -487,8 +488,12 @@ def moe_layer(
     x_rows = jnp.pad(x.astype(jnp.bfloat16), ((0, nt - T), (0, 0)))  # [Nt, D]
     n_valid = jnp.asarray(T if num_valid_tokens is None else num_valid_tokens, jnp.int32).reshape(1)
     if use_tables:
-        r = route_tables(router_logits(x_rows, router_w, router_b, widen=False), n_valid, top_k=top_k, block_tokens=nt,
-                         num_warps=cfg.route_warps or None, interpret=bool(interpret))
+        if logits is None:
+            lg = router_logits(x_rows, router_w, router_b, widen=False)
+        else:  # rows past T are padding: the tables ignore them (n_valid)
+            lg = jnp.pad(logits.astype(x_rows.dtype), ((0, nt - T), (0, 0)))
+        r = route_tables(lg, n_valid, top_k=top_k, block_tokens=nt, num_warps=cfg.route_warps or None,
+                         interpret=bool(interpret))
     else:
         r = route_dense(x_rows, router_w, own_buffer(router_b, router_b.dtype), n_valid, top_k=top_k,
                         interpret=interpret)

@@ -113,6 +113,20 @@ def small_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_rows: i
     return _jitted(kern.gemv)(x, w, b)
 
 
+def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None, *,
+                      max_rows: int) -> tuple[jax.Array, jax.Array] | None:
+    """(`x @ w1 + b1`, `x @ w2 + b2`) from one decode GEMM launch, under the same conditions as
+    `small_linear`; None otherwise."""
+    if not _want_kernel() or x.shape[0] > max_rows:
+        return None
+    from kestrel_jax.pallas import gemv_mgpu as kern
+
+    w1, w2 = w1.astype(x.dtype), w2.astype(x.dtype)
+    if not (kern.gemv_supported(x, w1) and kern.gemv_supported(x, w2)):
+        return None
+    return _jitted(kern.gemv_pair)(x, w1, b1, w2, b2)
+
+
 # --------------------------------------------------------------------------------------------
 # MoE
 
@@ -122,13 +136,16 @@ def route(x: jax.Array, router_w: jax.Array, router_b: jax.Array, top_k: int) ->
 
 
 def moe_layer(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: ExpertWeights, *,
-              top_k: int, num_valid_tokens: jax.Array | int | None = None) -> jax.Array:
-    """Rows at or past `num_valid_tokens` are padding: they select no expert (output 0)."""
+              top_k: int, num_valid_tokens: jax.Array | int | None = None,
+              logits: jax.Array | None = None) -> jax.Array:
+    """Rows at or past `num_valid_tokens` are padding: they select no expert (output 0).
+    `logits`: the router product `x @ router_w + router_b` in x.dtype when the caller already has it
+    (the kernel path may use it instead of computing it; the reference recomputes)."""
     if _want_kernel():
         from kestrel_jax.pallas import moe_mgpu as kern
 
         if kern.moe_kernel_supported(x, experts, top_k):
             return _jitted(kern.moe_layer, ("top_k",))(x, router_w, router_b, experts, top_k=top_k,
-                                                       num_valid_tokens=num_valid_tokens)
+                                                       num_valid_tokens=num_valid_tokens, logits=logits)
     return moe_ref_mod.moe_layer_ref(x, router_w, router_b, experts, top_k=top_k,
                                      num_valid_tokens=num_valid_tokens)

@@ -46,6 +46,21 @@ def test_gemv_interpreted_matches_float64_and_the_jnp_path(M, K, N, splits):
     assert np.abs(y0 - (exact - np.asarray(b, np.float64))).max() <= 2.0**-8 * np.abs(exact).max() + 1e-6
 
 
+def test_gemv_pair_equals_the_two_products():
+    """Two products of the same rows in one launch (QKV and router): column blocks past the first
+    matrix read the second."""
+    rng = _rng()
+    x = jnp.asarray(rng.standard_normal((1, 256)), BF16)
+    w1, w2 = (jnp.asarray(rng.standard_normal((256, n)) * 0.05, BF16) for n in (192, 64))
+    b1, b2 = (jnp.asarray(rng.standard_normal((n,)), BF16) for n in (192, 64))
+    y1, y2 = jax.jit(functools.partial(g.gemv_pair, splits=2, interpret=True))(x, w1, b1, w2, b2)
+    one = jax.jit(functools.partial(g.gemv, splits=2, interpret=True))
+    np.testing.assert_array_equal(np.asarray(y1.astype(jnp.float32)), np.asarray(one(x, w1, b1).astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(y2.astype(jnp.float32)), np.asarray(one(x, w2, b2).astype(jnp.float32)))
+    with pytest.raises(ValueError):
+        jax.eval_shape(g.gemv_pair, x, w1, b1, jnp.zeros((256, 96), BF16), None)  # N2 not a multiple of 64
+
+
 def test_gemv_partials_sum_to_the_product_and_pad_rows_are_zero():
     rng = _rng()
     x = jnp.asarray(rng.standard_normal((5, 256)), BF16)
@@ -97,3 +112,8 @@ def test_gemv_lowers_at_decoder_shapes():
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(g.gemv).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
+    # an MoE layer's QKV and router in one launch
+    specs = (_SDS((1, 2048), BF16), _SDS((2048, 6144), BF16), _SDS((6144,), BF16), _SDS((2048, 64), BF16),
+             _SDS((64,), BF16))
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert "mosaic_gpu" in jax.jit(g.gemv_pair).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()

@@ -452,6 +452,26 @@ def test_moe_layer_matches_reference_layer(rng, routing):
     assert rel_err(o, r) <= 2 * TOL_BF16  # the reference rounds its intermediates to bf16 too
 
 
+def test_moe_layer_uses_precomputed_router_logits(rng):
+    """Logits handed in (the decode path computes them in the QKV product's launch) give the same
+    layer as computing them inside; different logits change the routing (they are really used)."""
+    T, k, n_experts, n_valid = 6, 4, 16, 5
+    ex = make_experts(rng, False, n_experts=n_experts)
+    x, rw, rb = exact_router_inputs(rng, T, dim(False), n_experts)
+    cfg = small_config(T)
+    assert cfg.dense and cfg.routing == "tables"
+
+    def run(lg):
+        return np.asarray(jax.jit(lambda x, lg: moe_layer(x, rw, rb, ex, top_k=k, num_valid_tokens=n_valid, config=cfg,
+                                                          interpret=INTERPRET, logits=lg))(x, lg).astype(jnp.float32))
+
+    inside = np.asarray(jax.jit(lambda x: moe_layer(x, rw, rb, ex, top_k=k, num_valid_tokens=n_valid, config=cfg,
+                                                    interpret=INTERPRET))(x).astype(jnp.float32))
+    logits = router_logits(x, rw, rb, widen=False)
+    np.testing.assert_array_equal(run(logits), inside)
+    assert not np.array_equal(run(-logits), inside)
+
+
 def test_supported_and_validation():
     x = jnp.zeros((4, 2048), jnp.bfloat16)
     ok = ExpertWeights(jnp.zeros((64, 2048, 2048), FP8), jnp.zeros((64, 2048, 1024), FP8),
