@@ -14,10 +14,11 @@ from kestrel_jax.checkpoint.spec import CheckpointError
 from kestrel_jax.checkpoint.synthetic import write_synthetic_checkpoint
 from kestrel_jax.models.config import tiny_config
 from kestrel_jax.models.loader import convert_checkpoint, load_model
+from kestrel_jax.models.text import MoE
 from kestrel_jax.pallas.moe import dequantize_experts
 
 
-def _flat(model) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
+def _flat(model) -> dict[str, np.ndarray]:
     return {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model))}
 
 
@@ -35,7 +36,9 @@ def test_hf_checkpoint_loads_with_transposes_and_kv_scales(md3_dir: Path) -> Non
     qkv = ckpt.read("text.blocks.1.attn.qkv.weight").astype(np.float32)
     np.testing.assert_array_equal(np.asarray(model.text.blocks[1].attn.qkv.kernel[...]), qkv.T)
     up = ckpt.read("text.blocks.3.mlp.fc1.weight").astype(np.float32)
-    np.testing.assert_array_equal(np.asarray(model.text.blocks[3].mlp.fc1[...]), up)  # [E, 2I, D] as stored
+    moe = model.text.blocks[3].mlp
+    assert isinstance(moe, MoE)
+    np.testing.assert_array_equal(np.asarray(moe.fc1[...]), up)  # [E, 2I, D] as stored
     ks = float(ckpt.read("text.blocks.2.attn.k_scale"))
     assert float(model.text.kv_scales[...][2, 0]) == ks
 
@@ -43,10 +46,11 @@ def test_hf_checkpoint_loads_with_transposes_and_kv_scales(md3_dir: Path) -> Non
 def test_fp8_experts_quantised_on_load(md3_dir: Path) -> None:
     ref = load_model(md3_dir, dtype=jnp.float32, progress=False)
     q = load_model(md3_dir, dtype=jnp.float32, fp8_experts=True, progress=False)
-    w = q.text.blocks[2].mlp
+    w, r = q.text.blocks[2].mlp, ref.text.blocks[2].mlp
+    assert isinstance(w, MoE) and isinstance(r, MoE)
     assert w.fc1[...].dtype == jnp.float8_e4m3fn and w.fc1_scale is not None
     deq = np.asarray(dequantize_experts(w.fc1[...], w.fc1_scale[...]))
-    exact = np.asarray(ref.text.blocks[2].mlp.fc1[...])
+    exact = np.asarray(r.fc1[...])
     # e4m3 has 3 mantissa bits: relative error per element <= 2^-4 of the row's scale range.
     rel = np.abs(deq - exact).max(axis=-1) / np.abs(exact).max(axis=-1)
     assert rel.max() < 0.07
@@ -98,7 +102,9 @@ def test_convert_tool_script(md3_dir: Path, tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr[-2000:]
     assert "converted" in p.stdout
     model = load_model(tmp_path / "out", progress=False)
-    assert model.fp8_experts and model.text.blocks[3].mlp.fc1[...].dtype == jnp.float8_e4m3fn
+    moe = model.text.blocks[3].mlp
+    assert isinstance(moe, MoE)
+    assert model.fp8_experts and moe.fc1[...].dtype == jnp.float8_e4m3fn
     bad = subprocess.run([sys.executable, str(repo / "tools" / "convert_checkpoint.py"), str(tmp_path / "nope"),
                           str(tmp_path / "x")], capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "no such checkpoint" in bad.stderr

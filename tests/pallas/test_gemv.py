@@ -73,13 +73,14 @@ def test_gemv_partials_sum_to_the_product_and_pad_rows_are_zero():
 
 
 def test_gemv_refuses_what_it_cannot_do():
-    x, w = _SDS((4, 256), BF16), _SDS((256, 128), BF16)
+    z = jnp.zeros
+    x, w = z((4, 256), BF16), z((256, 128), BF16)
     assert g.gemv_supported(x, w)
-    assert not g.gemv_supported(_SDS((65, 256), BF16), w)  # more rows than one wgmma N
-    assert not g.gemv_supported(_SDS((4, 200), BF16), _SDS((200, 128), BF16))  # K not a multiple of 64
-    assert not g.gemv_supported(x, _SDS((256, 96), BF16))  # N not a multiple of 64
-    assert not g.gemv_supported(x.update(dtype=jnp.float32), w)
-    assert not g.gemv_supported(x, _SDS((128, 128), BF16))
+    assert not g.gemv_supported(z((65, 256), BF16), w)  # more rows than one wgmma N
+    assert not g.gemv_supported(z((4, 200), BF16), z((200, 128), BF16))  # K not a multiple of 64
+    assert not g.gemv_supported(x, z((256, 96), BF16))  # N not a multiple of 64
+    assert not g.gemv_supported(x.astype(jnp.float32), w)
+    assert not g.gemv_supported(x, z((128, 128), BF16))
     with pytest.raises(ValueError):
         jax.eval_shape(functools.partial(g.gemv, splits=3), x, w)  # 3 does not divide 4 K steps
     with pytest.raises(ValueError):
@@ -113,7 +114,7 @@ def test_gemv_lowers_at_decoder_shapes():
             text = jax.jit(g.gemv).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
     # an MoE layer's QKV and router in one launch
-    specs = (_SDS((1, 2048), BF16), _SDS((2048, 6144), BF16), _SDS((6144,), BF16), _SDS((2048, 64), BF16),
-             _SDS((64,), BF16))
+    pair = (_SDS((1, 2048), BF16), _SDS((2048, 6144), BF16), _SDS((6144,), BF16), _SDS((2048, 64), BF16),
+            _SDS((64,), BF16))
     with jax.sharding.use_abstract_mesh(mesh):
-        assert "mosaic_gpu" in jax.jit(g.gemv_pair).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in jax.jit(g.gemv_pair).trace(*pair).lower(lowering_platforms=("cuda",)).as_text()

@@ -231,7 +231,7 @@ def test_cancel_mid_stream(engine: InferenceEngine, images: list[Path]) -> None:
         async for _ in stream:  # type: ignore[union-attr]
             n += 1
             if n == 2:
-                engine.cancel(stream.request_id)  # type: ignore[union-attr]
+                engine.cancel(stream.request_id)
         return await stream.result()  # type: ignore[union-attr]
 
     res = asyncio.run(run())

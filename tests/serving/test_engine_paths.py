@@ -24,6 +24,7 @@ from kestrel_jax.tokenizer import Tokenizer, build_synthetic_tokenizer
 def _biased(token: int, bias: float) -> MoondreamModel:
     model = random_model(tiny_config("md2"), dtype=jnp.float32, seed=3)
     b = model.text.lm_head.bias
+    assert b is not None
     b.set_value(b[...].at[token].set(bias))
     return model
 
@@ -71,7 +72,7 @@ def test_cancel_during_prefill_frees_everything(setup: tuple[InferenceEngine, Re
                                    stream=True)
         other = asyncio.ensure_future(eng.caption(img, settings={"temperature": 0.0, "max_tokens": 3}))
         await asyncio.sleep(0.2)  # the image prefill takes seconds on a CPU
-        eng.cancel(stream.request_id)  # type: ignore[union-attr]
+        eng.cancel(stream.request_id)
         async for _ in stream:  # type: ignore[union-attr]
             pass
         return await stream.result(), await other  # type: ignore[union-attr,return-value]
