@@ -4,6 +4,7 @@
     PYTHONPATH=. python3 tools/bench_attention.py --out $OUT/attention.json   # GPU, full (< 8 min)
     PYTHONPATH=. python3 tools/bench_attention.py --quick                     # GPU, a few cases
     PYTHONPATH=. python3 tools/bench_attention.py --cpu-smoke                 # CPU, interpreted, tiny
+    PYTHONPATH=. python3 tools/bench_attention.py --tune [--tune-prefill]     # GPU, kernel variants only
 
 Prints the device, jax version and settings, measures two ceilings once (device-to-device copy
 bandwidth, bytes read + written; bf16 and fp8 8192^3 matmul), then for every case compiles the
@@ -14,7 +15,9 @@ implementation is recorded and the run continues.
 
 Inputs never repeat within a timed program: each program calls the implementation on R input
 sets (unrolled in one jit; each set has its own q and its own pages of one large pool, random
-non-zero values), with R * bytes >= ~2x the 50 MB L2 where R <= 16 allows. Kernel time comes from
+non-zero values), with R * bytes >= ~2x the 50 MB L2 where R <= 16 allows. `--tune` loops one
+kernel instance over the R sets instead (`lax.map`: compiled once) and counts only the Pallas
+kernel's time (the loop's slicing copies are not the kernel's cost). Kernel time comes from
 CUPTI (jax.experimental.mosaic.gpu.profiler.measure: per call, the sum of the durations of the
 kernels it launches, launch gaps excluded; for the KV write only kernels named like ours are
 summed, which drops XLA's copy of the non-donated pool); if CUPTI fails, the median of
