@@ -151,6 +151,12 @@ def gemv_partials(
     return kern(x, w) if w2 is None else kern(x, w, w2)
 
 
+def _summed(parts: jax.Array, rows: int) -> jax.Array:
+    """[splits, N, Mp] partials -> [rows, N] f32: an unrolled elementwise sum (XLA fuses it, the
+    transpose, the bias add and the cast into whatever consumes the product)."""
+    return functools.reduce(jnp.add, [parts[i] for i in range(parts.shape[0])]).T[:rows]
+
+
 def _finish(y: jax.Array, bias: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
     y = y.astype(dtype)
     return y if bias is None else y + bias.astype(dtype)  # bf16 add, as the jnp path rounds it
@@ -160,17 +166,12 @@ def gemv_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, 
               splits: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """(x @ w1 + b1, x @ w2 + b2) from one launch: two products of the same rows (an MoE layer's
     QKV and router, which read the same LayerNorm output)."""
-    parts = gemv_partials(x, w1, w2, splits=splits, interpret=interpret)
-    y = functools.reduce(jnp.add, [parts[i] for i in range(parts.shape[0])]).T[: x.shape[0]]
+    y = _summed(gemv_partials(x, w1, w2, splits=splits, interpret=interpret), x.shape[0])
     n1 = w1.shape[1]
     return _finish(y[:, :n1], b1, x.dtype), _finish(y[:, n1:], b2, x.dtype)
 
 
 def gemv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, splits: int | None = None,
          interpret: bool = False) -> jax.Array:
-    """x [M, K] @ w [K, N] (+ bias) in x.dtype, f32 accumulation: the split partials are summed
-    by an unrolled elementwise expression that XLA fuses with the bias add, the cast and whatever
-    consumes the result."""
-    parts = gemv_partials(x, w, splits=splits, interpret=interpret)
-    y = functools.reduce(jnp.add, [parts[i] for i in range(parts.shape[0])]).T[: x.shape[0]]
-    return _finish(y, bias, x.dtype)
+    """x [M, K] @ w [K, N] (+ bias) in x.dtype, f32 accumulation."""
+    return _finish(_summed(gemv_partials(x, w, splits=splits, interpret=interpret), x.shape[0]), bias, x.dtype)

@@ -290,7 +290,7 @@ def _grouped_gemm(
                     plgpu.barrier_wait(bar.at[slot])
                     b_tile = b_buf.at[slot].T  # [tk, Nt] view of the K-major token rows
                     if convert:
-                        # Upcast the e4m3 tile into a bf16 staging tile, then fence it for wgmma.
+                        # Upcast the e4m3 tile into a 16-bit staging tile, then fence it for wgmma.
                         stage = a16[0].at[lax.rem(s, n_stage)]
                         for p in range(nparts):
                             wt = a_buf.at[slot, p][...]

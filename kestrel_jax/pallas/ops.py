@@ -99,32 +99,34 @@ def prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cu_q
 # Decode-size projections
 
 
+def _gemv_usable(x: jax.Array, max_rows: int, *ws: jax.Array) -> bool:
+    if not _want_kernel() or x.shape[0] > max_rows:
+        return False
+    from kestrel_jax.pallas import gemv_mgpu as kern
+
+    return all(kern.gemv_supported(x, w.astype(x.dtype)) for w in ws)
+
+
 def small_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_rows: int) -> jax.Array | None:
     """`x @ w + b` through the decode GEMM kernel (`gemv_mgpu`) when the kernel path is on, x has
     at most `max_rows` rows and the kernel supports the shapes; None otherwise (the caller runs
     its own jnp product)."""
-    if not _want_kernel() or x.shape[0] > max_rows:
+    if not _gemv_usable(x, max_rows, w):
         return None
     from kestrel_jax.pallas import gemv_mgpu as kern
 
-    w = w.astype(x.dtype)
-    if not kern.gemv_supported(x, w):
-        return None
-    return _jitted(kern.gemv)(x, w, b)
+    return _jitted(kern.gemv)(x, w.astype(x.dtype), b)
 
 
 def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None, *,
                       max_rows: int) -> tuple[jax.Array, jax.Array] | None:
     """(`x @ w1 + b1`, `x @ w2 + b2`) from one decode GEMM launch, under the same conditions as
     `small_linear`; None otherwise."""
-    if not _want_kernel() or x.shape[0] > max_rows:
+    if not _gemv_usable(x, max_rows, w1, w2):
         return None
     from kestrel_jax.pallas import gemv_mgpu as kern
 
-    w1, w2 = w1.astype(x.dtype), w2.astype(x.dtype)
-    if not (kern.gemv_supported(x, w1) and kern.gemv_supported(x, w2)):
-        return None
-    return _jitted(kern.gemv_pair)(x, w1, b1, w2, b2)
+    return _jitted(kern.gemv_pair)(x, w1.astype(x.dtype), b1, w2.astype(x.dtype), b2)
 
 
 # --------------------------------------------------------------------------------------------
