@@ -15,12 +15,17 @@ MD3 with FP8 experts and KV scales (Kestrel's defaults: FP8 MoE, FP8 KV cache), 
 Workloads (--workloads; --quick shrinks every count for a CPU smoke run):
   startup  InferenceEngine.create time (cold or warm persistent compilation cache)
   w1       batch-1 decode of 512 tokens: tokens/s, ms/token, achieved GB/s vs measured copy GB/s;
-           with --trace-dir, a profile of 0.5 s of pure batch-1 decode (kernels per decode step)
+           with --trace-dir, a profile of 0.5 s of pure batch-1 decode (kernels per decode step, and
+           every kernel family per decode iteration, also printed to the log)
   w2       C closed-loop clients (8, 32, 64), 378 px, 128 tokens: req/s, output tok/s, TTFT P50/P90;
            with --trace-dir, a jax.profiler trace of a steady window at the highest C
   w3       256 short answers (8 tokens) at concurrency 1 and 64: req/s, latency P50/P99
   w4       TTFT for 378 px, 756 px and 768x1024 (13 crops) images, cold and prefix-cache warm
 Each workload records its own failure and the rest go on; the JSON is rewritten after each one.
+Profiling on the GPU can leave the CUDA context broken once the trace stops (the next device sync
+reports CUDA_ERROR_LAUNCH_FAILED; seen on the H100 here with and without our kernels, and upstream
+as jax-ml/jax#40260): traces are taken after a workload's measurements, and the window's summary
+is kept when the request it interrupted fails.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import json
 import math
 import os
 import platform
+import re
 import shutil
 import sys
 import tempfile
@@ -357,6 +363,9 @@ class Bench:
         log(f"trace {name}: {out.get('kernels_per_decode_step')} kernels/decode step, "
             f"{out.get('device_us_per_decode_step')} us device time/decode step, device busy "
             f"{out.get('device_busy_fraction')}, steps {steps} in {window:.2f} s")
+        for f in out.get("kernel_families", []):
+            log(f"  {f.get('us_per_iteration', f['time_us'])!s:>9} us {f.get('per_iteration', f['count'])!s:>7} x  "
+                f"{f['name']}")
         return out
 
     async def _traced_decode(self, settings: dict[str, Any]) -> dict[str, Any]:
@@ -364,9 +373,12 @@ class Bench:
         chunks = st.__aiter__()
         await chunks.__anext__()  # first answer text: the prefill is over, decode steps follow
         out = await self._trace_window("w1", min(0.5, self.a.trace_seconds))
-        async for _ in chunks:
-            pass
-        await st.result()
+        try:
+            async for _ in chunks:
+                pass
+            await st.result()
+        except Exception as e:  # keep the window's summary; say what broke after it
+            out["error_after_window"] = repr(e)
         return out
 
     async def _closed_loop(self, c: int, images: list[np.ndarray], settings: dict[str, Any]
@@ -536,6 +548,21 @@ def summarize_trace(trace_dir: str, steps: dict[str, int]) -> dict[str, Any]:
                       for k, v in sorted(mods.items(), key=lambda kv: -kv[1]["time_us"])[:10]}
     out["top_kernels"] = [{"name": k, "count": int(v[0]), "time_us": rnd(v[1], 1)}
                           for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]]
+    # Families: names with XLA's numeric suffix dropped (gemm_fusion_dot_133 -> gemm_fusion_dot),
+    # per decode iteration where the window is pure decode, so the whole step reads as one table.
+    fam: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for kname, (kcount, ktime) in by_name.items():
+        tot = fam[re.sub(r"[._]\d+$", "", kname)]
+        tot[0] += kcount
+        tot[1] += ktime
+    iters = steps.get("decode_iterations") or steps.get("decode", 0)
+    per = iters if iters and not steps.get("prefill") else 0
+    out["kernels"] = [{"name": k, "count": int(v[0]), "time_us": rnd(v[1], 1)}
+                      for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:400]]
+    out["kernel_families"] = [
+        {"name": k, "count": int(v[0]), "time_us": rnd(v[1], 1),
+         **({"per_iteration": rnd(v[0] / per, 2), "us_per_iteration": rnd(v[1] / per, 2)} if per else {})}
+        for k, v in sorted(fam.items(), key=lambda kv: -kv[1][1])[:60]]
     return out
 
 

@@ -15,17 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kestrel_jax.models.config import TextConfig
-from kestrel_jax.models.layers import (
-    MLP,
-    LayerNorm,
-    Linear,
-    apply_rope,
-    gelu_erf,
-    rope_cos_sin,
-    tau_position_term,
-)
+from kestrel_jax.models.layers import MLP, LayerNorm, Linear
 from kestrel_jax.pallas import ops
 from kestrel_jax.pallas.moe import ExpertWeights
+from kestrel_jax.pallas.qkv_epilogue import TauWeights, qkv_heads_ref
 
 # Decode rows up to which the attention projections of MoE layers use the decode GEMM kernel
 # (`kestrel_jax.pallas.gemv_mgpu`) instead of XLA's GEMM. H100, fifth session, 24 cold weights:
@@ -72,7 +65,8 @@ class AttentionBatch(NamedTuple):
 
 
 class TauScaling(nnx.Module):
-    """MD3 per-head learned temperature on Q and V (MOONDREAM.md §3.3.2)."""
+    """MD3 per-head learned temperature on Q and V (MOONDREAM.md §3.3.2; the math is
+    `qkv_epilogue.qkv_heads_ref` and the decode kernel beside it)."""
 
     def __init__(self, cfg: TextConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs):
         init = nnx.initializers.normal(0.02)
@@ -80,13 +74,8 @@ class TauScaling(nnx.Module):
         self.wv = nnx.Param(init(rngs.params(), (cfg.n_heads, cfg.qkv_dim), dtype))
         self.alpha = nnx.Param(jnp.zeros((cfg.n_heads,), dtype))
 
-    def __call__(self, u: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """u [T, qkv] (full fused QKV output) -> tau_q, tau_v, tau_pos [T, H] float32."""
-        g = gelu_erf(u)
-        tok_q = jnp.tanh(jnp.dot(g, self.wq[...].astype(u.dtype).T).astype(jnp.float32))
-        tok_v = jnp.tanh(jnp.dot(g, self.wv[...].astype(u.dtype).T).astype(jnp.float32))
-        pos = tau_position_term(positions, self.alpha[...])
-        return tok_q + pos, tok_v + pos, pos
+    def weights(self) -> TauWeights:
+        return TauWeights(self.wq[...], self.wv[...], self.alpha[...])
 
 
 class Attention(nnx.Module):
@@ -119,21 +108,19 @@ class Attention(nnx.Module):
         hd, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         decode = batch.cu_q_lens is None and self.decode_gemm_kernel
         u, logits = self._qkv(x, decode, router)
-        q = u[:, : h * hd].reshape(t, h, hd)
-        k = u[:, h * hd : (h + hkv) * hd].reshape(t, hkv, hd)
-        v = u[:, (h + hkv) * hd :].reshape(t, hkv, hd)
-        if self.tau is not None:
-            tau_q, tau_v, tau_pos = self.tau(u, batch.positions)
-            q = (q * tau_q[:, :, None].astype(q.dtype))
-            v = (v * tau_v[:, :, None].astype(v.dtype))
+        tau = self.tau.weights() if self.tau is not None else None
+        rot, theta = cfg.rotary_dim, cfg.rope_theta
+        # Decode on a GPU: tau, rotary and the KV write in one kernel (captures need the jnp path).
+        fused = ops.decode_qkv(u, batch.positions, batch.slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=h,
+                               rotary_dim=rot, theta=theta) if batch.cu_q_lens is None and aux is None else None
+        if fused is not None:
+            q, k_pages, v_pages = fused
+        else:
+            q, k, v = qkv_heads_ref(u, batch.positions, tau, n_heads=h, n_kv_heads=hkv, rotary_dim=rot, theta=theta,
+                                    aux=aux)
             if aux is not None:
-                aux.update(tau_q=tau_q, tau_v=tau_v, tau_pos=tau_pos)
-        cos, sin = rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta)
-        q = apply_rope(q, cos, sin, cfg.rotary_dim)
-        k = apply_rope(k, cos, sin, cfg.rotary_dim)
-        if aux is not None:
-            aux.update(k=k, v=v)
-        k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, batch.slots, k_scale, v_scale)
+                aux.update(k=k, v=v)
+            k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, batch.slots, k_scale, v_scale)
         scale = hd**-0.5
         if batch.cu_q_lens is None:
             o = ops.decode_attention(q, k_pages, v_pages, batch.kv_lens, batch.page_table,

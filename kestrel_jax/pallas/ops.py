@@ -151,3 +151,26 @@ def moe_layer(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: E
                                                        num_valid_tokens=num_valid_tokens, logits=logits)
     return moe_ref_mod.moe_layer_ref(x, router_w, router_b, experts, top_k=top_k,
                                      num_valid_tokens=num_valid_tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# Decode QKV epilogue (tau, rotary, KV write)
+
+
+def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+               k_scale: jax.Array, v_scale: jax.Array, tau: Any, *, n_heads: int, rotary_dim: int,
+               theta: float) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """(q, k_pages, v_pages) from the fused QKV rows of a decode step in one kernel launch (tau,
+    rotary and the KV write: `qkv_epilogue.decode_qkv_kernel`) when the kernel path is on and
+    supports the shapes (with tau at most `MAX_TAU_ROWS` rows); None otherwise (the caller runs
+    `qkv_heads_ref` and `write_kv`)."""
+    if not _want_kernel():
+        return None
+    from kestrel_jax.pallas import qkv_epilogue as kern
+
+    if tau is not None and u.shape[0] > kern.MAX_TAU_ROWS:
+        return None
+    if kern.decode_qkv_problem(u, k_pages, tau, n_heads=n_heads, rotary_dim=rotary_dim) is not None:
+        return None
+    return kern.decode_qkv_kernel(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
+                                  rotary_dim=rotary_dim, theta=theta)

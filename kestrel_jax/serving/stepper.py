@@ -55,7 +55,8 @@ class Stepper:
         self.image_tokens = image_tokens
         model = runner.model
         self._zero_image = jnp.zeros((prefix_len - 1, model.cfg.text.dim), model.dtype)
-        self.steps = {"prefill": 0, "decode": 0, "decode_multi": 0}
+        # decode_iterations: decode launches times the iterations each ran (multi-step launches run K)
+        self.steps = {"prefill": 0, "decode": 0, "decode_multi": 0, "decode_iterations": 0}
         self.wait_s = 0.0  # time spent blocked on step outputs (device not done yet)
 
     # ------------------------------------------------------------------------------ launch
@@ -65,6 +66,7 @@ class Stepper:
         if isinstance(plan, DecodePlan):
             self.steps["decode"] += 1
             self.steps["decode_multi"] += plan.steps > 1
+            self.steps["decode_iterations"] += plan.steps
             return self._decode(plan, pending)
         self.steps["prefill"] += 1
         return self._prefill(plan)

@@ -1,0 +1,261 @@
+"""From the fused QKV product to attention's inputs: tau scaling, partial rotary, the KV write.
+
+Per layer the decoder turns u = LN(x) @ W_qkv + b ([T, (H + 2 Hkv) * Dh]) into
+  * MD3 only, tau (MOONDREAM.md §3.3.2): g = GELU_erf(u); tau_q = tanh(g . wq[h]) + p(pos),
+    tau_v = tanh(g . wv[h]) + p(pos), p = 0.5 + sigmoid(alpha[h] ln(pos + 1)); q *= tau_q, v *= tau_v
+  * rotary on the first `rotary_dim` channels of q and k (half-split pairs, float32 math)
+  * the new K and V rows written to their KV-pool slots (FP8 pools: v / scale, clamped to +-448)
+
+`qkv_heads_ref` is that math in jnp (the model's path everywhere but decode on a GPU, and the
+reference of the kernel); `decode_qkv_kernel` is all of it, KV write included, as one Pallas Triton
+launch for decode-size batches. Why: at batch 1 XLA runs it as six kernels per layer (GELU, the two
+tau dots, v * tau, rotary of q, rotary of k) plus the KV write kernel, each 1.3-2.4 us of mostly
+launch and tail on an H100 (sixth session trace, ~10 us per layer, 24 layers per token).
+
+Kernel: grid (rows M, query heads H); program (m, h) computes its head of q, and for h < Hkv its
+head of k and v and writes both rows to the pool. With tau, each program reads the whole row u[m]
+and its heads' tau weights (wq[h], wv[h]) to form the two dot products itself: M * H programs
+each read ~3 * N * 2 bytes from L2, fine for decode rows (the model uses it up to
+`MAX_TAU_ROWS`), wasteful for prefill. Numerics follow the jnp path's roundings: GELU output,
+tau dot, tau and the tau products in bf16, rotary in float32 rounded to bf16, FP8 quantisation by
+an IEEE divide then a clamp. GELU uses erf from Abramowitz-Stegun 7.1.26 (|error| <= 1.5e-7,
+below bf16 resolution), since Pallas Triton has no erf.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from kestrel_jax.models.layers import apply_rope, gelu_erf, rope_cos_sin, rope_inv_freq, tau_position_term
+from kestrel_jax.pallas.paged_attention import FP8_MAX, check_pool, is_fp8, write_kv_ref
+
+MAX_TAU_ROWS = 8  # decode rows up to which the model runs the kernel when tau is on
+# Warps per program. H100, sixth session (tools/bench_qkv_epilogue.py, 24 cold layers, us per
+# layer at 1 / 8 rows): with tau 4 warps 8.25 / 8.75, 8 warps 6.29 / 7.02, 16 warps 4.60 / 6.12
+# (the jnp path: 7.77 / 11.05); without tau 4 warps 1.77 / 1.91, 16 warps 1.87 / 2.25 (jnp 2.74 /
+# 5.17). Each tau program forms GELU(u) over the whole row and two dot products with it.
+TAU_WARPS, PLAIN_WARPS = 16, 4
+
+
+class TauWeights(NamedTuple):
+    """MD3 tau scaling: per-head weights over the whole QKV row and the position slope."""
+
+    wq: jax.Array  # [H, N]
+    wv: jax.Array  # [H, N]
+    alpha: jax.Array  # [H]
+
+
+def split_heads(u: jax.Array, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    t = u.shape[0]
+    hq, hk = n_heads * head_dim, n_kv_heads * head_dim
+    return (u[:, :hq].reshape(t, n_heads, head_dim), u[:, hq:hq + hk].reshape(t, n_kv_heads, head_dim),
+            u[:, hq + hk:].reshape(t, n_kv_heads, head_dim))
+
+
+def qkv_heads_ref(
+    u: jax.Array,  # [T, (H + 2 Hkv) * Dh] fused QKV product (bias included)
+    positions: jax.Array,  # [T] int32
+    tau: TauWeights | None,
+    *,
+    n_heads: int,
+    n_kv_heads: int,
+    rotary_dim: int,
+    theta: float,
+    aux: dict[str, jax.Array] | None = None,  # filled with tau_q, tau_v, tau_pos (f32 [T, H]) when tau
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """-> q [T, H, Dh], k [T, Hkv, Dh] (post-rotary), v [T, Hkv, Dh] (post-tau), all u.dtype."""
+    head_dim = u.shape[1] // (n_heads + 2 * n_kv_heads)
+    q, k, v = split_heads(u, n_heads, n_kv_heads, head_dim)
+    if tau is not None:
+        g = gelu_erf(u)
+        tok_q = jnp.tanh(jnp.dot(g, tau.wq.astype(u.dtype).T).astype(jnp.float32))
+        tok_v = jnp.tanh(jnp.dot(g, tau.wv.astype(u.dtype).T).astype(jnp.float32))
+        pos = tau_position_term(positions, tau.alpha)
+        tau_q, tau_v = tok_q + pos, tok_v + pos
+        q = q * tau_q[:, :, None].astype(q.dtype)
+        v = v * tau_v[:, :, None].astype(v.dtype)
+        if aux is not None:
+            aux.update(tau_q=tau_q, tau_v=tau_v, tau_pos=pos)
+    cos, sin = rope_cos_sin(positions, rotary_dim, theta)
+    return apply_rope(q, cos, sin, rotary_dim), apply_rope(k, cos, sin, rotary_dim), v
+
+
+def decode_qkv_ref(
+    u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+    k_scale: jax.Array, v_scale: jax.Array, tau: TauWeights | None, *, n_heads: int, rotary_dim: int, theta: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Reference of `decode_qkv_kernel` (same arguments): -> (q, k_pages, v_pages)."""
+    q, k, v = qkv_heads_ref(u, positions, tau, n_heads=n_heads, n_kv_heads=k_pages.shape[1],
+                            rotary_dim=rotary_dim, theta=theta)
+    kp, vp = write_kv_ref(k_pages, v_pages, k, v, slots, k_scale, v_scale)
+    return q, kp, vp
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _chunk(n: int) -> int:
+    """Largest power of two <= 2048 dividing n (the tau dots' tile)."""
+    c = 2048
+    while c > 1 and n % c:
+        c //= 2
+    return c
+
+
+def decode_qkv_problem(u: jax.Array, k_pages: jax.Array, tau: TauWeights | None, *, n_heads: int,
+                       rotary_dim: int) -> str | None:
+    """Why `decode_qkv_kernel` cannot take these shapes (None: it can)."""
+    if u.ndim != 2 or k_pages.ndim != 4:
+        return f"u must be [M, N] and the pool [P, Hkv, S, Dh], got {u.shape} and {k_pages.shape}"
+    P, hkv, S, dh = k_pages.shape
+    if u.shape[1] != (n_heads + 2 * hkv) * dh or n_heads % hkv:
+        return f"u width {u.shape[1]} is not (H {n_heads} + 2 Hkv {hkv}) x Dh {dh}"
+    half, rest = rotary_dim // 2, dh - rotary_dim
+    if rotary_dim % 2 or not _pow2(half) or not (rest == 0 or _pow2(rest)):
+        return f"rotary_dim {rotary_dim} / 2 and head_dim - rotary_dim {rest} must be powers of two (or 0)"
+    if jnp.dtype(u.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        return f"u must be bf16 or f32, got {u.dtype}"
+    if not (is_fp8(k_pages.dtype) or jnp.dtype(k_pages.dtype) == jnp.dtype(jnp.bfloat16)):
+        return f"pool dtype must be float8_e4m3fn or bf16, got {k_pages.dtype}"
+    if k_pages.size >= 2**31:
+        return f"pool of {k_pages.size} elements: the kernel's offsets are int32"
+    if tau is not None and (tau.wq.shape != (n_heads, u.shape[1]) or tau.wv.shape != tau.wq.shape
+                            or tau.alpha.shape != (n_heads,) or _chunk(u.shape[1]) < 16):
+        return f"tau weights {tau.wq.shape} / {tau.wv.shape} / {tau.alpha.shape} do not fit u {u.shape}"
+    if tau is not None and hkv != n_heads:  # v's tau is per query head (MD3 has no GQA)
+        return f"tau needs as many KV heads as query heads, got {hkv} and {n_heads}"
+    return None
+
+
+def _gelu_erf(x: jax.Array) -> jax.Array:
+    """GELU_erf(x) = (x + |x| erf(|x| / sqrt 2)) / 2, erf(a) = 1 - poly(t) exp(-a^2)."""
+    a = jnp.abs(x)
+    t = 1.0 / (1.0 + (0.3275911 * 0.7071067811865476) * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return 0.5 * (x + a * (1.0 - poly * jnp.exp(-0.5 * x * x)))
+
+
+def _bf16(x: jax.Array) -> jax.Array:
+    """Round float32 to bf16 and back (the jnp path's bf16 intermediates)."""
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def _kernel(u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: int, n_kv: int, dh: int, rot: int,
+            has_tau: bool, chunk: int, fp8: bool, low: bool):
+    if has_tau:
+        wq_ref, wv_ref, alpha_ref, _kp_in, _vp_in, q_ref, kp_ref, vp_ref = refs
+    else:
+        _kp_in, _vp_in, q_ref, kp_ref, vp_ref = refs
+    f32 = jnp.float32
+    m, h = pl.program_id(0), pl.program_id(1)
+    n = u_ref.shape[1]
+    P, _, S, _ = kp_ref.shape
+    half, rest_w = rot // 2, dh - rot
+    pos = pos_ref[m]
+    slot = slot_ref[m]
+    ang = pos.astype(f32) * inv_ref[...]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    rnd = _bf16 if low else (lambda x: x)  # bf16 u: round where the jnp path holds bf16
+
+    def head(col):  # (first rotary half, second rotary half, pass-through channels) of one head
+        a = u_ref[m, pl.ds(col, half)].astype(f32)
+        b = u_ref[m, pl.ds(col + half, half)].astype(f32)
+        c = u_ref[m, pl.ds(col + rot, rest_w)].astype(f32) if rest_w else None
+        return a, b, c
+
+    def scaled(parts, t):  # x * tau in u.dtype
+        return tuple(None if p is None else rnd(p * t) for p in parts)
+
+    def rotated(parts):
+        a, b, c = parts
+        return rnd(a * cos - b * sin), rnd(a * sin + b * cos), c
+
+    # Every load is issued before any arithmetic waits on one (straight-line code: the tau tiles
+    # and the three heads are in flight together), and the K/V loads do not wait for the branch:
+    # programs with h >= Hkv read head Hkv - 1 and discard it.
+    hk = jnp.minimum(h, n_kv - 1)
+    qh, kh, vh = head(h * dh), head((n_heads + hk) * dh), head((n_heads + n_kv + hk) * dh)
+    if has_tau:
+        tiles = [(u_ref[m, pl.ds(c0, chunk)], wq_ref[h, pl.ds(c0, chunk)], wv_ref[h, pl.ds(c0, chunk)])
+                 for c0 in range(0, n, chunk)]
+        alpha = alpha_ref[h].astype(f32)
+        acc_q = jnp.zeros((chunk,), f32)
+        acc_v = jnp.zeros((chunk,), f32)
+        for ut, wqt, wvt in tiles:
+            g = rnd(_gelu_erf(ut.astype(f32)))
+            acc_q += g * wqt.astype(f32)
+            acc_v += g * wvt.astype(f32)
+        p = 0.5 + 1.0 / (1.0 + jnp.exp(-(alpha * jnp.log(pos.astype(f32) + 1.0))))
+        tau_q = rnd(jnp.tanh(rnd(jnp.sum(acc_q))) + p)
+        tau_v = rnd(jnp.tanh(rnd(jnp.sum(acc_v))) + p)
+        qh, vh = scaled(qh, tau_q), scaled(vh, tau_v)
+
+    for off, width, x in zip((0, half, rot), (half, half, rest_w), rotated(qh), strict=True):
+        if width:
+            q_ref[m, h, pl.ds(off, width)] = x.astype(q_ref.dtype)
+    k_new = rotated(kh)
+
+    @pl.when((h < n_kv) & (slot >= 0))
+    def _write():
+        page = jnp.minimum(slot // S, P - 1)
+        row = slot % S
+        for ref, parts, sc_ref in ((kp_ref, k_new, ks_ref), (vp_ref, vh, vs_ref)):
+            for off, width, x in zip((0, half, rot), (half, half, rest_w), parts, strict=True):
+                if not width:
+                    continue
+                if fp8:  # IEEE divide then clamp, as quantize_kv
+                    x = jnp.minimum(jnp.maximum(rnd(x) / sc_ref[0], -FP8_MAX), FP8_MAX)
+                ref[page, h, row, pl.ds(off, width)] = x.astype(ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("n_heads", "rotary_dim", "theta", "interpret", "num_warps"))
+def decode_qkv_kernel(
+    u: jax.Array,  # [M, (H + 2 Hkv) * Dh] bf16 / f32 fused QKV product (bias included)
+    positions: jax.Array,  # [M] int32
+    slots: jax.Array,  # [M] int32 flat KV slot; < 0 = padding row (q computed, nothing written)
+    k_pages: jax.Array,  # [P, Hkv, S, Dh] float8_e4m3fn / bf16
+    v_pages: jax.Array,
+    k_scale: jax.Array,  # [] f32
+    v_scale: jax.Array,
+    tau: TauWeights | None = None,
+    *,
+    n_heads: int,
+    rotary_dim: int,
+    theta: float,
+    interpret: bool = False,
+    num_warps: int | None = None,  # None: TAU_WARPS with tau, else PLAIN_WARPS
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """-> (q [M, H, Dh] in u.dtype, k_pages, v_pages with the M new rows written)."""
+    check_pool(k_pages, v_pages)
+    problem = decode_qkv_problem(u, k_pages, tau, n_heads=n_heads, rotary_dim=rotary_dim)
+    if problem is not None:
+        raise ValueError(f"decode_qkv_kernel: {problem}")
+    M, N = u.shape
+    _, n_kv, _, dh = k_pages.shape
+    inv = jnp.asarray(rope_inv_freq(rotary_dim, theta))
+    scales = [jnp.asarray(s, jnp.float32).reshape(1) for s in (k_scale, v_scale)]
+    tau_args = [tau.wq, tau.wv, tau.alpha] if tau is not None else []
+    ins = [u, positions.astype(jnp.int32), slots.astype(jnp.int32), *scales, inv, *tau_args, k_pages, v_pages]
+    kern = functools.partial(
+        _kernel, n_heads=n_heads, n_kv=n_kv, dh=dh, rot=rotary_dim, has_tau=tau is not None, chunk=_chunk(N),
+        fp8=is_fp8(k_pages.dtype), low=jnp.dtype(u.dtype) == jnp.dtype(jnp.bfloat16))
+    q, kp, vp = pl.pallas_call(
+        kern,
+        out_shape=(jax.ShapeDtypeStruct((M, n_heads, dh), u.dtype),
+                   jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+        grid=(M, n_heads),
+        input_output_aliases={len(ins) - 2: 1, len(ins) - 1: 2},
+        compiler_params=pltriton.CompilerParams(
+            num_warps=num_warps or (TAU_WARPS if tau is not None else PLAIN_WARPS), num_stages=1),
+        interpret=interpret,
+        name="kestrel_decode_qkv",
+    )(*ins)
+    return q, kp, vp

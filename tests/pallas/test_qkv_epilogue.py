@@ -1,0 +1,161 @@
+"""The decode QKV epilogue kernel (tau, rotary, KV write in one Pallas Triton launch): interpreted on
+the CPU against `decode_qkv_ref` (the model's jnp path), cross-lowered for an H100 at MD2 / MD3
+shapes, and the model's dispatch.
+
+Bounds: q and the new K/V rows are bf16 values computed with the jnp path's roundings; the kernel
+sums the tau dot products in another order and uses a polynomial erf (1.5e-7), so a tau factor may
+land one bf16 step away, which moves q or v by at most ~2 bf16 steps (RTOL 2^-6 of the row's
+largest value). FP8 rows may then differ by one e4m3 code (2^-3 relative) where such a value sits
+on a rounding boundary. Everything else in the pools must be bit-identical (never read, never
+written), and padding rows (slot -1) write nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+from kestrel_jax.pallas import ops
+from kestrel_jax.pallas import qkv_epilogue as qe
+
+FP8 = jnp.float8_e4m3fn
+BF16 = jnp.bfloat16
+_SDS = jax.ShapeDtypeStruct
+
+
+def _rng() -> np.random.Generator:
+    seed = int(time.time_ns() % 2**32)
+    print(f"test seed = {seed}")
+    return np.random.default_rng(seed)
+
+
+def _f32(x: jax.Array) -> np.ndarray:
+    return np.asarray(jnp.asarray(x).astype(jnp.float32))
+
+
+def _case(rng, M, H, Hkv, dh, rot, pool_dtype, tau, P=16, S=8):
+    N = (H + 2 * Hkv) * dh
+    u = jnp.asarray(rng.standard_normal((M, N)) * 2.0, BF16)
+    positions = jnp.asarray(rng.integers(0, 5000, M), jnp.int32).at[0].set(0)
+    slots = rng.permutation(P * S)[:M].astype(np.int32)
+    if M > 2:
+        slots[M // 2] = -1  # a padding row
+    pool_shape = (P, Hkv, S, dh)
+    if pool_dtype == FP8:  # random codes, NaN codes included: never read
+        pools = [jnp.asarray(rng.integers(0, 256, pool_shape, dtype=np.uint8)).view(FP8) for _ in range(2)]
+    else:
+        pools = [jnp.asarray(np.where(rng.random(pool_shape) < 0.1, np.nan, rng.standard_normal(pool_shape)), BF16)
+                 for _ in range(2)]
+    scales = [jnp.float32(rng.uniform(0.01, 0.05)) for _ in range(2)]
+    tw = None
+    if tau:
+        tw = qe.TauWeights(jnp.asarray(rng.standard_normal((H, N)) * 0.05, BF16),
+                           jnp.asarray(rng.standard_normal((H, N)) * 0.05, BF16),
+                           jnp.asarray(rng.standard_normal(H), BF16))
+    return u, positions, jnp.asarray(slots), pools, scales, tw
+
+
+def _bits(x: jax.Array) -> np.ndarray:
+    return np.asarray(x.view(jnp.uint8) if x.dtype == FP8 else x.view(jnp.uint16))
+
+
+@pytest.mark.parametrize("M,H,Hkv,dh,rot,pool_dtype,tau", [
+    (1, 4, 4, 16, 8, FP8, True),  # MD3-like: tau, FP8 pool, MHA
+    (3, 4, 2, 16, 8, FP8, False),  # GQA, a padding row
+    (8, 4, 4, 32, 32, BF16, False),  # MD2-like: bf16 pool, no tau; rotary over the whole head
+    (5, 2, 2, 32, 16, BF16, True),
+])
+def test_kernel_matches_the_reference(M, H, Hkv, dh, rot, pool_dtype, tau):
+    rng = _rng()
+    u, positions, slots, (kp, vp), (ks, vs), tw = _case(rng, M, H, Hkv, dh, rot, pool_dtype, tau)
+    kw = dict(n_heads=H, rotary_dim=rot, theta=10000.0)
+    q, kp2, vp2 = qe.decode_qkv_kernel(u, positions, slots, kp, vp, ks, vs, tw, interpret=True, **kw)
+    q_r, kp_r, vp_r = jax.jit(functools.partial(qe.decode_qkv_ref, **kw))(u, positions, slots, kp, vp, ks, vs, tw)
+    assert q.shape == (M, H, dh) and q.dtype == BF16
+    qa, qb = _f32(q), _f32(q_r)
+    np.testing.assert_allclose(qa, qb, rtol=0, atol=2.0**-6 * np.abs(qb).max())
+    written = np.zeros(kp.shape[0] * kp.shape[2], bool)
+    written[np.asarray(slots)[np.asarray(slots) >= 0]] = True
+    written = written.reshape(kp.shape[0], kp.shape[2])  # [P, S]
+    for new, ref, old in ((kp2, kp_r, kp), (vp2, vp_r, vp)):
+        assert new.shape == old.shape and new.dtype == old.dtype
+        nb, ob = _bits(new), _bits(old)
+        untouched = ~written[:, None, :, None] & np.ones(nb.shape, bool)
+        np.testing.assert_array_equal(nb[untouched], ob[untouched])  # bit-identical elsewhere
+        a = _f32(new).transpose(0, 2, 1, 3)[written]  # [rows, Hkv, Dh]
+        b = _f32(ref).transpose(0, 2, 1, 3)[written]
+        assert np.isfinite(a).all()
+        tol = (2.0**-3 * np.abs(b) + 2.0**-6 * np.abs(b).max()) if pool_dtype == FP8 else 2.0**-6 * np.abs(b).max()
+        assert (np.abs(a - b) <= tol).all(), np.abs(a - b).max()
+        if pool_dtype == FP8:  # most codes agree exactly
+            assert np.mean(a == b) > 0.9
+
+
+def test_padding_rows_write_nothing_and_q_is_still_computed():
+    rng = _rng()
+    u, positions, _, (kp, vp), (ks, vs), tw = _case(rng, 2, 4, 4, 16, 8, FP8, True)
+    slots = jnp.asarray([-1, -1], jnp.int32)
+    q, kp2, vp2 = qe.decode_qkv_kernel(u, positions, slots, kp, vp, ks, vs, tw, n_heads=4, rotary_dim=8,
+                                       theta=10000.0, interpret=True)
+    np.testing.assert_array_equal(_bits(kp2), _bits(kp))
+    np.testing.assert_array_equal(_bits(vp2), _bits(vp))
+    q_r = qe.qkv_heads_ref(u, positions, tw, n_heads=4, n_kv_heads=4, rotary_dim=8, theta=10000.0)[0]
+    np.testing.assert_allclose(_f32(q), _f32(q_r), rtol=0, atol=2.0**-6 * np.abs(_f32(q_r)).max())
+
+
+def _problem(u, kp, tau, rot=8) -> str:
+    return qe.decode_qkv_problem(u, kp, tau, n_heads=4, rotary_dim=rot) or ""
+
+
+def test_problems_are_named():
+    kp = jnp.zeros((4, 4, 8, 16), FP8)
+    u = jnp.zeros((1, 12 * 16), BF16)  # (H 4 + 2 Hkv 4) x Dh 16
+    assert qe.decode_qkv_problem(u, kp, None, n_heads=4, rotary_dim=8) is None
+    assert "width" in _problem(jnp.zeros((1, 100), BF16), kp, None)
+    assert "rotary_dim" in _problem(u, kp, None, rot=12)
+    assert "pool dtype" in _problem(u, kp.astype(jnp.float32), None)
+    bad_tau = qe.TauWeights(jnp.zeros((4, 64), BF16), jnp.zeros((4, 64), BF16), jnp.zeros((4,), BF16))
+    assert "tau" in _problem(u, kp, bad_tau)
+    tw = qe.TauWeights(jnp.zeros((4, 128), BF16), jnp.zeros((4, 128), BF16), jnp.zeros((4,), BF16))
+    assert "KV heads" in _problem(jnp.zeros((1, 8 * 16), BF16), jnp.zeros((4, 2, 8, 16), FP8), tw)
+    with pytest.raises(ValueError, match="decode_qkv_kernel"):
+        qe.decode_qkv_kernel(u, jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32), kp, kp, jnp.float32(1),
+                             jnp.float32(1), n_heads=4, rotary_dim=12, theta=1e4, interpret=True)
+
+
+def test_dispatch_only_for_decode_rows_on_the_kernel_backend():
+    kp = jnp.zeros((4, 4, 8, 16), FP8)
+    u = jnp.zeros((1, 12 * 16), BF16)
+    i1, s1 = jnp.zeros((1,), jnp.int32), jnp.float32(1)
+    with ops.use_backend("reference"):
+        assert ops.decode_qkv(u, i1, i1, kp, kp, s1, s1, None, n_heads=4, rotary_dim=8, theta=1e4) is None
+    tw = qe.TauWeights(jnp.zeros((4, 192), BF16), jnp.zeros((4, 192), BF16), jnp.zeros((4,), BF16))
+    with ops.use_backend("kernel"):
+        big = jnp.zeros((qe.MAX_TAU_ROWS + 1, 192), BF16)
+        rows = jnp.zeros((qe.MAX_TAU_ROWS + 1,), jnp.int32)
+        assert ops.decode_qkv(big, rows, rows, kp, kp, s1, s1, tw, n_heads=4, rotary_dim=8, theta=1e4) is None
+        assert ops.decode_qkv(u, i1, i1, kp, kp, s1, s1, None, n_heads=4, rotary_dim=12, theta=1e4) is None
+
+
+def test_lowers_at_md2_and_md3_decode_shapes():
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    i32, f32 = jnp.int32, jnp.float32
+    for M, pool_dtype, tau in [(1, FP8, True), (8, FP8, True), (1, BF16, False), (64, BF16, False)]:
+        pool = _SDS((4824, 32, 64, 64), pool_dtype)
+        tw = (_SDS((32, 6144), BF16), _SDS((32, 6144), BF16), _SDS((32,), BF16)) if tau else None
+
+        def f(u, pos, slots, kp, vp, ks, vs, tw):
+            tau_w = qe.TauWeights(*tw) if tw is not None else None
+            return qe.decode_qkv_kernel(u, pos, slots, kp, vp, ks, vs, tau_w, n_heads=32, rotary_dim=32,
+                                        theta=1500000.0)
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(f).trace(_SDS((M, 6144), BF16), _SDS((M,), i32), _SDS((M,), i32), pool, pool,
+                                    _SDS((), f32), _SDS((), f32), tw).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text and "output_operand_alias" in text
