@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any, Literal
@@ -164,7 +165,7 @@ def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: ja
     rotary and the KV write: `qkv_epilogue.decode_qkv_kernel`) when the kernel path is on and
     supports the shapes (with tau at most `MAX_TAU_ROWS` rows); None otherwise (the caller runs
     `qkv_heads_ref` and `write_kv`)."""
-    if not _want_kernel():
+    if not _want_kernel() or os.environ.get("KESTREL_JAX_DECODE_QKV_KERNEL", "1") == "0":  # "0": A/B runs
         return None
     from kestrel_jax.pallas import qkv_epilogue as kern
 

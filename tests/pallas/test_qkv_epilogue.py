@@ -129,7 +129,7 @@ def test_problems_are_named():
                              jnp.float32(1), n_heads=4, rotary_dim=12, theta=1e4, interpret=True)
 
 
-def test_dispatch_only_for_decode_rows_on_the_kernel_backend():
+def test_dispatch_only_for_decode_rows_on_the_kernel_backend(monkeypatch: pytest.MonkeyPatch):
     kp = jnp.zeros((4, 4, 8, 16), FP8)
     u = jnp.zeros((1, 12 * 16), BF16)
     i1, s1 = jnp.zeros((1,), jnp.int32), jnp.float32(1)
@@ -141,6 +141,14 @@ def test_dispatch_only_for_decode_rows_on_the_kernel_backend():
         rows = jnp.zeros((qe.MAX_TAU_ROWS + 1,), jnp.int32)
         assert ops.decode_qkv(big, rows, rows, kp, kp, s1, s1, tw, n_heads=4, rotary_dim=8, theta=1e4) is None
         assert ops.decode_qkv(u, i1, i1, kp, kp, s1, s1, None, n_heads=4, rotary_dim=12, theta=1e4) is None
+
+        def shapes():  # traced only: the kernel cannot run un-interpreted on the CPU
+            return jax.eval_shape(lambda: ops.decode_qkv(u, i1, i1, kp, kp, s1, s1, None, n_heads=4, rotary_dim=8,
+                                                         theta=1e4))
+
+        assert shapes() is not None
+        monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_KERNEL", "0")  # the benchmarks' A/B switch
+        assert shapes() is None
 
 
 def test_lowers_at_md2_and_md3_decode_shapes():
