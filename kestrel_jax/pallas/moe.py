@@ -41,6 +41,21 @@ class Routing(NamedTuple):
     logits: jax.Array  # [T, E] f32 router logits
 
 
+def gelu_erf_poly(h: jax.Array) -> jax.Array:
+    """Exact-erf GELU with erf from Abramowitz-Stegun 7.1.26 (|error| <= 1.5e-7).
+
+    Written without a select: gelu(h) = (h + |h| * erf(|h| / sqrt 2)) / 2 and
+    erf(a) = 1 - poly(t) exp(-a^2), t = 1 / (1 + p a). Only exp and a division are needed: every
+    Mosaic GPU layout supports both, and Pallas Triton has no erf. The kernels use it (the MoE up
+    projection's epilogue, the tau of the decode QKV epilogue); the jnp references use jax.nn.gelu.
+    """
+    a = jnp.abs(h)
+    t = 1.0 / (1.0 + (0.3275911 * 0.7071067811865476) * a)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    q = poly * jnp.exp(-0.5 * h * h)
+    return 0.5 * (h + a * (1.0 - q))
+
+
 def router_logits(x: jax.Array, router_w: jax.Array, router_b: jax.Array, *, widen: bool = True) -> jax.Array:
     """x [T, D], router_w [D, E], router_b [E] -> [T, E]: the GEMM and the bias add in x.dtype (a
     bf16 model rounds the product and the sum to bf16), then widened to float32 unless `widen`

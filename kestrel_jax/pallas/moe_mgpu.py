@@ -61,7 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kestrel_jax.pallas.moe import ExpertWeights, Routing, quantize_rows, route_ref, router_logits
+from kestrel_jax.pallas.moe import ExpertWeights, Routing, gelu_erf_poly, quantize_rows, route_ref, router_logits
 from kestrel_jax.pallas.moe_grouping import ROW_ALIGN, group_by_expert, group_dense, grouping_sizes
 from kestrel_jax.pallas.moe_route_mgpu import route_dense, route_dense_supported
 from kestrel_jax.pallas.moe_route_triton import route_tables, route_tables_supported
@@ -157,20 +157,6 @@ def _tile_transforms(cols: int, dtype: jnp.dtype) -> tuple:
     swizzle = plgpu.find_swizzle(cols * bits)
     # mypy sees these transforms' abstract base; they are concrete at runtime.
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))  # type: ignore[abstract]
-
-
-def _gelu_erf(h: jax.Array) -> jax.Array:
-    """Exact-erf GELU with erf from Abramowitz-Stegun 7.1.26 (|error| <= 1.5e-7).
-
-    Written without a select: gelu(h) = (h + |h| * erf(|h| / sqrt 2)) / 2 and
-    erf(a) = 1 - poly(t) exp(-a^2), t = 1 / (1 + p a). Only exp and a division are needed,
-    which every Mosaic GPU layout supports.
-    """
-    a = jnp.abs(h)
-    t = 1.0 / (1.0 + (0.3275911 * 0.7071067811865476) * a)
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-    q = poly * jnp.exp(-0.5 * h * h)
-    return 0.5 * (h + a * (1.0 - q))
 
 
 def _grouped_gemm(
@@ -316,7 +302,7 @@ def _grouped_gemm(
                     if col_scale is not None:
                         v = v * lax.broadcast_in_dim(col_scale, (ROWS, nt), [1])
                     vals.append(v)
-                res = [_gelu_erf(vals[0]) * (vals[1] + 1.0)] if glu else vals
+                res = [gelu_erf_poly(vals[0]) * (vals[1] + 1.0)] if glu else vals
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # previous unit's store read o_smem
                 for p, r in enumerate(res):
                     if f16_out:  # saturate: the next GEMM must not meet inf

@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kestrel_jax.models.layers import apply_rope, gelu_erf, rope_cos_sin, rope_inv_freq, tau_position_term
+from kestrel_jax.pallas.moe import gelu_erf_poly
 from kestrel_jax.pallas.paged_attention import FP8_MAX, check_pool, is_fp8, write_kv_ref
 
 MAX_TAU_ROWS = 8  # decode rows up to which the model runs the kernel when tau is on
@@ -134,14 +135,6 @@ def decode_qkv_problem(u: jax.Array, k_pages: jax.Array, tau: TauWeights | None,
     return None
 
 
-def _gelu_erf(x: jax.Array) -> jax.Array:
-    """GELU_erf(x) = (x + |x| erf(|x| / sqrt 2)) / 2, erf(a) = 1 - poly(t) exp(-a^2)."""
-    a = jnp.abs(x)
-    t = 1.0 / (1.0 + (0.3275911 * 0.7071067811865476) * a)
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-    return 0.5 * (x + a * (1.0 - poly * jnp.exp(-0.5 * x * x)))
-
-
 def _bf16(x: jax.Array) -> jax.Array:
     """Round float32 to bf16 and back (the jnp path's bf16 intermediates)."""
     return x.astype(jnp.bfloat16).astype(jnp.float32)
@@ -189,7 +182,7 @@ def _kernel(u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: i
         acc_q = jnp.zeros((chunk,), f32)
         acc_v = jnp.zeros((chunk,), f32)
         for ut, wqt, wvt in tiles:
-            g = rnd(_gelu_erf(ut.astype(f32)))
+            g = rnd(gelu_erf_poly(ut.astype(f32)))
             acc_q += g * wqt.astype(f32)
             acc_v += g * wvt.astype(f32)
         p = 0.5 + 1.0 / (1.0 + jnp.exp(-(alpha * jnp.log(pos.astype(f32) + 1.0))))
