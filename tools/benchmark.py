@@ -496,6 +496,7 @@ def summarize_trace(trace_dir: str, steps: dict[str, int]) -> dict[str, Any]:
     gpu = [p for p in data.planes if p.name.startswith("/device:GPU")]
     mods: dict[str, dict[str, Any]] = defaultdict(lambda: {"events": 0, "time_us": 0.0, "runs": set()})
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_module: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])  # (module, family)
     spans: list[tuple[int, int]] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # jaxlib's event_stats type, harmless
@@ -515,6 +516,9 @@ def summarize_trace(trace_dir: str, steps: dict[str, int]) -> dict[str, Any]:
                     k = by_name[ev.name[:100]]
                     k[0] += 1
                     k[1] += ev.duration_ns / 1e3
+                    km = by_module[(str(stats.get("hlo_module")), _family(ev.name[:100]))]
+                    km[0] += 1
+                    km[1] += ev.duration_ns / 1e3
                     spans.append((ev.start_ns, ev.end_ns))
     out: dict[str, Any] = {"file": str(files[-1]), "file_bytes": files[-1].stat().st_size, "events": len(spans),
                            "device_planes": [p.name for p in gpu]}
@@ -552,7 +556,7 @@ def summarize_trace(trace_dir: str, steps: dict[str, int]) -> dict[str, Any]:
     # per decode iteration where the window is pure decode, so the whole step reads as one table.
     fam: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for kname, (kcount, ktime) in by_name.items():
-        tot = fam[re.sub(r"[._]\d+$", "", kname)]
+        tot = fam[_family(kname)]
         tot[0] += kcount
         tot[1] += ktime
     iters = steps.get("decode_iterations") or steps.get("decode", 0)
@@ -563,7 +567,17 @@ def summarize_trace(trace_dir: str, steps: dict[str, int]) -> dict[str, Any]:
         {"name": k, "count": int(v[0]), "time_us": rnd(v[1], 1),
          **({"per_iteration": rnd(v[0] / per, 2), "us_per_iteration": rnd(v[1] / per, 2)} if per else {})}
         for k, v in sorted(fam.items(), key=lambda kv: -kv[1][1])[:60]]
+    # Mixed windows (prefill, vision and decode steps): the families of each module's kernels.
+    out["module_families"] = {
+        mod: [{"name": f, "count": int(v[0]), "time_us": rnd(v[1], 1)}
+              for (m2, f), v in sorted(by_module.items(), key=lambda kv: -kv[1][1]) if m2 == mod][:30]
+        for mod in out["modules"]}
     return out
+
+
+def _family(kernel: str) -> str:
+    """A kernel name without XLA's numeric suffix (gemm_fusion_dot_133 -> gemm_fusion_dot)."""
+    return re.sub(r"[._]\d+$", "", kernel)
 
 
 # ---------------------------------------------------------------------------------- comparison

@@ -64,6 +64,11 @@ def test_quick_run_reports_every_workload(quick_run: tuple[dict[str, Any], str, 
         assert tr["events"] > 0 and Path(tr["file"]).is_file() and str(tmp) in tr["file"]
     tr = res["w1"]["trace"]
     assert tr["engine_steps"]["decode"] == 0 or tr["kernels_per_decode_step"] > 0
+    mf = res["w2"]["trace"]["module_families"]  # per module: its kernel families, summing to its time
+    assert set(mf) == set(res["w2"]["trace"]["modules"])
+    for mod, fams in mf.items():
+        total = res["w2"]["trace"]["modules"][mod]["time_us"]
+        assert fams and sum(f["time_us"] for f in fams) <= total * 1.001 + 0.2
 
     w2 = res["w2"]["2"]["summary"]
     assert w2["n"] == 2 and w2["requests_per_s"] > 0 and w2["output_tok_s"] > 0
