@@ -155,6 +155,33 @@ def moe_layer(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: E
 
 
 # --------------------------------------------------------------------------------------------
+# Streams
+
+
+def side_stream() -> str | None:
+    """The XLA GPU stream (`KESTREL_JAX_SIDE_STREAM`, e.g. "1") on which decode MoE layers run
+    attention and the output projection, concurrently with the expert GEMMs; None (default, or on
+    the reference backend): one stream. Read at trace time."""
+    v = os.environ.get("KESTREL_JAX_SIDE_STREAM", "")
+    if not v or v == "0" or not _want_kernel():
+        return None
+    if not v.isdigit():
+        raise ValueError(f"KESTREL_JAX_SIDE_STREAM must be a stream number, got {v!r}")
+    return v
+
+
+def on_side_stream(fn: Any) -> Any:
+    """`fn` as a call that XLA schedules on `side_stream()` (asynchronously to the main stream)."""
+    from jax._src import core
+    from jax.experimental.compute_on import compute_on
+
+    stream = side_stream()
+    if stream is None:
+        return fn
+    return compute_on(fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=core.MemorySpace.Device)
+
+
+# --------------------------------------------------------------------------------------------
 # Decode QKV epilogue (tau, rotary, KV write)
 
 
