@@ -171,14 +171,50 @@ def side_stream() -> str | None:
 
 
 def on_side_stream(fn: Any) -> Any:
-    """`fn` as a call that XLA schedules on `side_stream()` (asynchronously to the main stream)."""
+    """`fn` as a call that XLA schedules on `side_stream()` (asynchronously to the main stream).
+    Nested jitted functions are inlined first: XLA assigns a stream to the annotated call only,
+    and a nested call inside it (which inherits the annotation) fails stream assignment."""
     from jax._src import core
     from jax.experimental.compute_on import compute_on
 
     stream = side_stream()
     if stream is None:
         return fn
-    return compute_on(fn, compute_type=f"gpu_stream:{stream}", out_memory_spaces=core.MemorySpace.Device)
+    return compute_on(_inlined(fn), compute_type=f"gpu_stream:{stream}", out_memory_spaces=core.MemorySpace.Device)
+
+
+def _inlined(fn: Any) -> Any:
+    """`fn` re-traced with every nested `jit` call expanded in place (one flat computation)."""
+
+    def run(*args: Any) -> Any:
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        outs = _eval_flat(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+    return run
+
+
+def _eval_flat(jaxpr: Any, consts: Any, *args: Any) -> list[Any]:
+    from jax._src import core
+
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, core.Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        vals = [read(v) for v in eqn.invars]
+        if eqn.primitive.name in ("pjit", "jit"):
+            inner = eqn.params["jaxpr"]
+            outs = _eval_flat(inner.jaxpr, inner.consts, *vals)
+        else:
+            with eqn.ctx.manager:
+                out = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
+            outs = out if eqn.primitive.multiple_results else [out]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
 
 
 # --------------------------------------------------------------------------------------------
