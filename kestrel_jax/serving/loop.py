@@ -161,8 +161,7 @@ class EngineWorker:
         return k
 
     def _no_images(self) -> jax.Array:
-        t = self.model.cfg.text
-        return jnp.zeros((self.stepper.max_images, t.prefix_attn - 1, t.dim), self.model.dtype)
+        return self.stepper.image_block([])  # committed, as every image block while serving
 
     # ------------------------------------------------------------------------------ main loop
     def _run(self) -> None:

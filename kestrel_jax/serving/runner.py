@@ -327,14 +327,17 @@ class Runner:
         # [L] arrays: each layer's scale is sliced inside the step (and handed to the kernels
         # through `own_buffer`, since Mosaic kernels require 256-byte aligned operands).
         scales = jnp.asarray(model.text.kv_scales[...], jnp.float32)
-        self.cache = KVCache(tuple(k for k, _ in pool), tuple(v for _, v in pool), scales[:, 0], scales[:, 1])
+        self.cache = _committed(KVCache(tuple(k for k, _ in pool), tuple(v for _, v in pool), scales[:, 0],
+                                        scales[:, 1]))
+        self.lm_params = _committed(self.lm_params)
+        self.vision_params = _committed(self.vision_params)
         backend = self.config.backend
         self._backend = backend
         self._decode: dict[int, Any] = {}  # iterations per launch -> jitted step
         self._prefill = jax.jit(functools.partial(_prefill_step, self._parts, backend=backend,
                                                   out_rows=out_rows), donate_argnums=(1,))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
-        self.no_outputs = jnp.zeros((out_rows, 6), jnp.float32)
+        self.no_outputs = _committed(jnp.zeros((out_rows, 6), jnp.float32))
         attn = _vision_attention(self.config.vision_attention, model.dtype)
         self._vision = jax.jit(functools.partial(_vision_step, vision_gd, vision_treedef, model.dtype, attn))
         self._frozen: dict[str, int] | None = None
@@ -410,8 +413,8 @@ class Runner:
             return False
         t = self.cfg.text
         pool = init_kv_pool(t.n_layers, self.num_pages, self.page_size, t.n_kv_heads, t.head_dim, self.kv_dtype)
-        self.cache = KVCache(tuple(k for k, _ in pool), tuple(v for _, v in pool), self.cache.k_scale,
-                             self.cache.v_scale)
+        self.cache = KVCache(_committed(tuple(k for k, _ in pool)), _committed(tuple(v for _, v in pool)),
+                             self.cache.k_scale, self.cache.v_scale)
         return True
 
     # ------------------------------------------------------------------------------- guard
@@ -436,6 +439,14 @@ class Runner:
                 raise RecompileError(f"the {name} step was compiled again while serving "
                                      f"(now {size} variants): an input escaped its bucket")
         return out
+
+
+def _committed(tree: Any) -> Any:
+    """Device arrays committed to the default device. A step's outputs are committed whenever
+    its computation pins an output's memory kind (a `compute_on` stream call does), and jit keys
+    its cache on committedness: feeding committed outputs back into a step that was compiled
+    with uncommitted inputs would compile it again while serving."""
+    return jax.device_put(tree, jax.devices()[0])
 
 
 def pages_needed(tokens: int, page_size: int) -> int:

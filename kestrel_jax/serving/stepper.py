@@ -54,7 +54,9 @@ class Stepper:
         self.max_images = max_images
         self.image_tokens = image_tokens
         model = runner.model
-        self._zero_image = jnp.zeros((prefix_len - 1, model.cfg.text.dim), model.dtype)
+        # committed like the vision step's outputs, so the image block is committed whatever it holds
+        self._zero_image = jax.device_put(jnp.zeros((prefix_len - 1, model.cfg.text.dim), model.dtype),
+                                          jax.devices()[0])
         # decode_iterations: decode launches times the iterations each ran (multi-step launches run K)
         self.steps = {"prefill": 0, "decode": 0, "decode_multi": 0, "decode_iterations": 0}
         self.wait_s = 0.0  # time spent blocked on step outputs (device not done yet)

@@ -43,6 +43,25 @@ def _leak_free(engine: InferenceEngine) -> None:
     assert engine.stats["live"] == 0
 
 
+def test_step_inputs_stay_committed(engine: InferenceEngine, images: list[Path]) -> None:
+    """Everything the device steps are fed is committed to the device, before and after serving:
+    a step whose outputs come back committed (a stream-annotated computation pins memory kinds)
+    and are fed to the next step must find the same committedness it was compiled with, or the
+    recompile guard fails the request."""
+    runner = engine._worker.runner
+
+    def committed() -> bool:
+        arrays = [*runner.cache.k, *runner.cache.v, runner.cache.k_scale, runner.no_outputs,
+                  *runner.lm_params, *runner.vision_params, engine._worker._no_images()]
+        return all(a._committed for a in arrays)
+
+    assert committed()
+    r = asyncio.run(engine.query(images[0], "What is this?", reasoning=False,
+                                 settings={"temperature": 0.0, "max_tokens": 3}))
+    assert isinstance(r, Result) and committed()
+    _leak_free(engine)
+
+
 def test_mixed_skills_batched_equal_reference(engine: InferenceEngine, ref: ReferenceMoondream,
                                               images: list[Path]) -> None:
     a, b = images
