@@ -132,7 +132,8 @@ class EngineWorker:
         for t in self.config.prefill_token_buckets:
             timed(f"prefill_t{t}", self.runner.prefill, *bt.empty_prefill(t, bsz, p), self._no_images())
         jax.block_until_ready(self.stepper.image_block([]))  # one shape whatever the image count
-        self.runner.copy_pages(np.full((self.scheduler.config.max_copies, 2), -1, np.int32))
+        for rows in self.runner.copy_buckets(self.scheduler.config.max_copies):
+            self.runner.copy_pages(np.full((rows, 2), -1, np.int32))
         vis = self.model.cfg.vision
         for n in self.runner.vision_buckets:
             crops = np.zeros((n, vis.crop_size, vis.crop_size, 3), np.uint8)

@@ -64,7 +64,7 @@ class Stepper:
     # ------------------------------------------------------------------------------ launch
     def dispatch(self, plan: PrefillPlan | DecodePlan, pending: Pending | None) -> Pending:
         if plan.num_copies:
-            self.runner.copy_pages(plan.copies)
+            self.runner.copy_pages(plan.copies, plan.num_copies)
         if isinstance(plan, DecodePlan):
             self.steps["decode"] += 1
             self.steps["decode_multi"] += plan.steps > 1

@@ -1,0 +1,64 @@
+"""Page copies run over the smallest compiled row bucket that holds the plan's real copies, and
+copy exactly those pages (every layer, K and V); padding rows (-1) copy nothing."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kestrel_jax.models.config import tiny_config
+from kestrel_jax.models.moondream import random_model
+from kestrel_jax.serving.runner import COPY_BUCKETS, Runner, RunnerConfig
+
+
+@pytest.fixture(scope="module")
+def runner() -> Runner:
+    model = random_model(tiny_config("md3"), dtype=jnp.float32)
+    return Runner(model, RunnerConfig(num_pages=24, kv_dtype="f32", max_seq_len=256, page_size=64,
+                                      vision_buckets=(2,)), out_rows=4)
+
+
+def _fill(runner: Runner, rng: np.random.Generator) -> list[np.ndarray]:
+    k = [jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in runner.cache.k]
+    v = [jnp.asarray(rng.standard_normal(a.shape), a.dtype) for a in runner.cache.v]
+    runner.cache = runner.cache._replace(k=tuple(k), v=tuple(v))
+    return [np.asarray(a) for a in (*k, *v)]
+
+
+@pytest.mark.parametrize("num", [1, 3, 5, 20])
+def test_copies_use_the_smallest_bucket_and_copy_exactly_the_real_rows(runner: Runner, num: int) -> None:
+    rng = np.random.default_rng(num)
+    max_copies = 20
+    plan = np.full((max_copies, 2), -1, np.int32)
+    pages = rng.permutation(runner.num_pages)
+    plan[:num, 0], plan[:num, 1] = pages[:num], pages[num: 2 * num] if 2 * num <= runner.num_pages else 0
+    if 2 * num > runner.num_pages:  # 20 copies: sources and destinations overlap-free by construction
+        plan[:num, 0], plan[:num, 1] = np.arange(num) % 2, np.arange(2, 2 + num)
+    before = _fill(runner, rng)
+    sizes: list[int] = []
+    orig = runner._guarded
+
+    def spy(name, fn, *args):  # the copies array the step was given
+        if name == "copy":
+            sizes.append(args[1].shape[0])
+        return orig(name, fn, *args)
+
+    runner._guarded = spy  # type: ignore[method-assign]
+    try:
+        runner.copy_pages(plan, num)
+    finally:
+        del runner._guarded
+    want_rows = next((b for b in COPY_BUCKETS if num <= b < max_copies), max_copies)
+    assert sizes == [want_rows] and want_rows in runner.copy_buckets(max_copies)
+    after = [np.asarray(a) for a in (*runner.cache.k, *runner.cache.v)]
+    for b, a in zip(before, after, strict=True):
+        want = b.copy()
+        want[plan[:num, 1]] = b[plan[:num, 0]]
+        np.testing.assert_array_equal(a, want)
+
+
+def test_copy_buckets_end_with_the_plan_size() -> None:
+    assert Runner.copy_buckets(72) == (*COPY_BUCKETS, 72)
+    assert Runner.copy_buckets(3) == (1, 3)
+    assert Runner.copy_buckets(1) == (1,)
