@@ -43,15 +43,19 @@ class LayerNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        # One pass (E[x], E[x^2]): XLA computes both sums in one reduction kernel instead of two
-        # dependent ones. In float32 over the model widths the cancellation error is far below
-        # the bf16 rounding of the output.
-        xf = x.astype(jnp.float32)
-        mean = jnp.mean(xf, axis=-1, keepdims=True)
-        var = jnp.maximum(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) - jnp.square(mean), 0.0)
-        y = (xf - mean) * jax.lax.rsqrt(var + self.eps)
-        y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
-        return y.astype(x.dtype)
+        return layer_norm(x, self.scale[...], self.bias[...], self.eps)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """LayerNorm over the last axis in float32, output in x.dtype. One pass (E[x], E[x^2]): XLA
+    computes both sums in one reduction kernel instead of two dependent ones; in float32 over the
+    model widths the cancellation error is far below the bf16 rounding of the output."""
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    var = jnp.maximum(jnp.mean(jnp.square(xf), axis=-1, keepdims=True) - jnp.square(mean), 0.0)
+    y = (xf - mean) * jax.lax.rsqrt(var + eps)
+    y = y * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
 
 
 class MLP(nnx.Module):

@@ -17,6 +17,7 @@ from flax import nnx
 from kestrel_jax.models.config import TextConfig
 from kestrel_jax.models.layers import MLP, LayerNorm, Linear
 from kestrel_jax.pallas import ops
+from kestrel_jax.pallas.decode_residual import ExpertRows, ProjParts, combine_rows, finish_proj
 from kestrel_jax.pallas.moe import ExpertWeights
 from kestrel_jax.pallas.qkv_epilogue import TauWeights, qkv_heads_ref
 
@@ -99,15 +100,19 @@ class Attention(nnx.Module):
         v_scale: jax.Array,
         aux: dict[str, jax.Array] | None,
         router: Linear | None = None,
-    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+        *,
+        want_parts: bool = False,
+    ) -> tuple[jax.Array | ProjParts, jax.Array, jax.Array, jax.Array | None]:
         """-> (output, k_pages, v_pages, router logits or None). With `router` (the MoE layer's,
         which reads the same normalised input), decode on a GPU computes its logits in the QKV
-        product's launch."""
+        product's launch. x may arrive padded past the batch's rows (the decode residual kernel's
+        normalised rows). With `want_parts`, decode on a GPU returns the output projection
+        unreduced (`ProjParts`, for `ops.decode_residual`)."""
         cfg = self.cfg
-        t = x.shape[0]
+        t = batch.positions.shape[0]
         hd, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         decode = batch.cu_q_lens is None and self.decode_gemm_kernel
-        u, logits = self._qkv(x, decode, router)
+        u, logits = self._qkv(x, t, decode, router)
         tau = self.tau.weights() if self.tau is not None else None
         rot, theta = cfg.rotary_dim, cfg.rope_theta
         # Decode on a GPU: tau, rotary and the KV write in one kernel (captures need the jnp path).
@@ -124,13 +129,15 @@ class Attention(nnx.Module):
         scale = hd**-0.5
         if batch.cu_q_lens is None:
             def tail(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
-                     page_table: jax.Array) -> jax.Array:
+                     page_table: jax.Array) -> jax.Array | ProjParts:
                 o = ops.decode_attention(q, k_pages, v_pages, kv_lens, page_table, k_scale, v_scale, sm_scale=scale)
-                return self._project(o.reshape(t, h * hd), decode)
+                return self._project(o.reshape(t, h * hd), decode, want_parts)
 
             if fused is not None and decode and ops.side_stream() is not None:
                 # The layer's MoE branch does not depend on attention: run attention and the output
-                # projection on a second stream so that they can overlap the expert GEMMs.
+                # projection on a second stream so that they can overlap the expert GEMMs (arrays
+                # out only: no unreduced projection).
+                want_parts = False
                 tail = ops.on_side_stream(tail)
             return tail(q, k_pages, v_pages, batch.kv_lens, batch.page_table), k_pages, v_pages, logits
         else:
@@ -141,27 +148,34 @@ class Attention(nnx.Module):
             return self._project(o.reshape(t, h * hd), decode), k_pages, v_pages, logits
 
     @staticmethod
-    def _linear(layer: Linear, x: jax.Array, kernel_rows: int) -> jax.Array | None:
+    def _linear(layer: Linear, x: jax.Array, kernel_rows: int, rows: int | None = None) -> jax.Array | None:
         """`layer(x)` through the decode GEMM kernel (at most `kernel_rows` rows, on a GPU), else None."""
         bias = layer.bias[...] if layer.bias is not None else None
-        return ops.small_linear(x, layer.kernel[...], bias, max_rows=kernel_rows)
+        return ops.small_linear(x, layer.kernel[...], bias, max_rows=kernel_rows, rows=rows)
 
-    def _qkv(self, x: jax.Array, decode: bool, router: Linear | None) -> tuple[jax.Array, jax.Array | None]:
+    def _qkv(self, x: jax.Array, t: int, decode: bool,
+             router: Linear | None) -> tuple[jax.Array, jax.Array | None]:
         if decode and router is not None:
             pair = ops.small_linear_pair(
                 x, self.qkv.kernel[...], self.qkv.bias[...] if self.qkv.bias is not None else None,
-                router.kernel[...], router.bias[...] if router.bias is not None else None, max_rows=QKV_KERNEL_ROWS)
+                router.kernel[...], router.bias[...] if router.bias is not None else None, max_rows=QKV_KERNEL_ROWS,
+                rows=t)
             if pair is not None:
                 return pair
-        y = self._linear(self.qkv, x, QKV_KERNEL_ROWS) if decode else None
-        return (self.qkv(x) if y is None else y), None
+        y = self._linear(self.qkv, x, QKV_KERNEL_ROWS, rows=t) if decode else None
+        return (self.qkv(x[:t]) if y is None else y), None
 
-    def _project(self, o: jax.Array, decode: bool) -> jax.Array:
-        """Output projection. At decode on a GPU, the decode GEMM kernel. Otherwise, with a single
-        row, XLA's GPU simplifier rewrites a [1, D] x [D, D] dot below its size threshold into
-        multiply + reduce, which materialises a [D, D] product (3x the weight bytes per decode
-        step). Two rows keep it a GEMM; the barrier stops the slice from being pushed back into
-        the dot."""
+    def _project(self, o: jax.Array, decode: bool, want_parts: bool = False) -> jax.Array | ProjParts:
+        """Output projection. At decode on a GPU, the decode GEMM kernel (unreduced with
+        `want_parts`). Otherwise, with a single row, XLA's GPU simplifier rewrites a [1, D] x [D, D]
+        dot below its size threshold into multiply + reduce, which materialises a [D, D] product
+        (3x the weight bytes per decode step). Two rows keep it a GEMM; the barrier stops the slice
+        from being pushed back into the dot."""
+        if decode and want_parts:
+            bias = self.proj.bias[...] if self.proj.bias is not None else None
+            parts = ops.small_linear_parts(o, self.proj.kernel[...], bias, max_rows=PROJ_KERNEL_ROWS)
+            if parts is not None:
+                return parts
         y = self._linear(self.proj, o, PROJ_KERNEL_ROWS) if decode else None
         if y is not None:
             return y
@@ -202,6 +216,15 @@ class MoE(nnx.Module):
             aux.update(router_logits=routing.logits, topk_idx=routing.experts, topk_weight=routing.weights)
         return ops.moe_layer(x, router_w, router_b, self.experts(), top_k=self.top_k, num_valid_tokens=num_valid,
                              logits=logits)
+
+    def rows(self, x: jax.Array, num_valid: jax.Array | None, logits: jax.Array | None,
+             tokens: int) -> ExpertRows | None:
+        """The layer's expert rows before the weighted sum (decode on a GPU; x may be padded past
+        `tokens` rows), or None where the kernel path does not produce them."""
+        router_w = self.router.kernel[...]
+        router_b = self.router.bias[...] if self.router.bias is not None else jnp.zeros(router_w.shape[1])
+        return ops.moe_layer_rows(x, router_w, router_b, self.experts(), top_k=self.top_k, num_valid_tokens=num_valid,
+                                  logits=logits, tokens=tokens)
 
 
 class Block(nnx.Module):
@@ -248,15 +271,36 @@ class TextModel(nnx.Module):
         """
         ks, vs = list(cache.k), list(cache.v)
         captured: list[dict[str, jax.Array]] = []
+        t = x.shape[0]
+        pad_rows = -(-t // 8) * 8  # the decode GEMM's and the MoE block's row tile
+        n_next: jax.Array | None = None  # this layer's LayerNorm output, from the previous layer's kernel
         for i, block in enumerate(self.blocks):
             aux: dict[str, jax.Array] | None = {} if capture else None
             if aux is not None:
                 aux["block_inputs"] = x
-            n = block.ln(x)
+            n = block.ln(x) if n_next is None else n_next  # [T or pad_rows, D]
+            n_next = None
+            moe = isinstance(block.mlp, MoE)
+            # Decode MoE layers on a GPU end in one kernel (`ops.decode_residual`): both residual
+            # adds from the unreduced projection and expert rows, and the next layer's LayerNorm.
+            fuse = (moe and aux is None and batch.cu_q_lens is None and t <= PROJ_KERNEL_ROWS
+                    and ops.decode_residual_wanted())
             router = block.mlp.router if isinstance(block.mlp, MoE) else None
             a, ks[i], vs[i], logits = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux,
-                                                 router=router)
-            m = block.mlp(n, aux, batch.num_valid, logits) if isinstance(block.mlp, MoE) else block.mlp(n)
+                                                 router=router, want_parts=fuse)
+            rows = block.mlp.rows(n, batch.num_valid, logits, t) if fuse and isinstance(block.mlp, MoE) else None
+            if isinstance(a, ProjParts) and rows is not None:
+                nxt = self.blocks[i + 1].ln if i + 1 < len(self.blocks) else None
+                ln = (nxt.scale[...], nxt.bias[...]) if nxt is not None else None
+                done = ops.decode_residual(x, a, rows, ln, eps=block.ln.eps, pad_rows=pad_rows)
+                if done is not None:
+                    x, n_next = done
+                    continue
+            a = finish_proj(a, x.dtype) if isinstance(a, ProjParts) else a
+            if rows is not None:
+                m = combine_rows(rows, x.dtype)
+            else:
+                m = block.mlp(n[:t], aux, batch.num_valid, logits) if isinstance(block.mlp, MoE) else block.mlp(n[:t])
             x = (x + a) + m
             if aux is not None:
                 captured.append(aux)

@@ -163,15 +163,18 @@ def _finish(y: jax.Array, bias: jax.Array | None, dtype: jnp.dtype) -> jax.Array
 
 
 def gemv_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None, *,
-              splits: int | None = None, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+              splits: int | None = None, interpret: bool = False,
+              rows: int | None = None) -> tuple[jax.Array, jax.Array]:
     """(x @ w1 + b1, x @ w2 + b2) from one launch: two products of the same rows (an MoE layer's
-    QKV and router, which read the same LayerNorm output)."""
-    y = _summed(gemv_partials(x, w1, w2, splits=splits, interpret=interpret), x.shape[0])
+    QKV and router, which read the same LayerNorm output). `rows`: the real rows of x when x
+    arrives padded (products of the first `rows` only)."""
+    y = _summed(gemv_partials(x, w1, w2, splits=splits, interpret=interpret), rows or x.shape[0])
     n1 = w1.shape[1]
     return _finish(y[:, :n1], b1, x.dtype), _finish(y[:, n1:], b2, x.dtype)
 
 
 def gemv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, splits: int | None = None,
-         interpret: bool = False) -> jax.Array:
-    """x [M, K] @ w [K, N] (+ bias) in x.dtype, f32 accumulation."""
-    return _finish(_summed(gemv_partials(x, w, splits=splits, interpret=interpret), x.shape[0]), bias, x.dtype)
+         interpret: bool = False, rows: int | None = None) -> jax.Array:
+    """x [M, K] @ w [K, N] (+ bias) in x.dtype, f32 accumulation; the first `rows` rows (default M)."""
+    return _finish(_summed(gemv_partials(x, w, splits=splits, interpret=interpret), rows or x.shape[0]), bias,
+                   x.dtype)

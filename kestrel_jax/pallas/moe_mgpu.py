@@ -62,6 +62,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kestrel_jax.pallas.decode_residual import ExpertRows, combine_rows
 from kestrel_jax.pallas.moe import ExpertWeights, Routing, gelu_erf_poly, quantize_rows, route_ref, router_logits
 from kestrel_jax.pallas.moe_grouping import ROW_ALIGN, group_by_expert, group_dense, grouping_sizes
 from kestrel_jax.pallas.moe_route_mgpu import route_dense, route_dense_supported
@@ -439,9 +440,7 @@ def _expert_gemms(
 def _combine(y: jax.Array, dest: jax.Array, weights: jax.Array, valid: jax.Array, dtype) -> jax.Array:
     """out[t] = sum_k weights[t, k] * y[dest[t, k]]: one gather-multiply-reduce fusion. `where`, not
     a zero weight: rows of padding tokens and rows no kernel wrote may hold NaN."""
-    w = weights.astype(jnp.float32)[..., None]
-    yk = jnp.where(valid[..., None], w * y[dest].astype(jnp.float32), 0.0)  # [T, k, D]
-    return jnp.sum(yk, axis=1).astype(dtype)
+    return combine_rows(ExpertRows(y, dest, weights, valid), dtype)
 
 
 def moe_layer(
@@ -462,7 +461,33 @@ def moe_layer(
     MoEKernelConfig); in the sorted regime, and where the routing kernels do not support the
     shapes, from the jnp reference.
     """
-    T, D = x.shape
+    rows = moe_layer_rows(x, router_w, router_b, experts, top_k=top_k, num_valid_tokens=num_valid_tokens,
+                          config=config, interpret=interpret, logits=logits)
+    if rows is not None:
+        return combine_rows(rows, x.dtype)
+    cfg = config or default_config(x.shape[0])
+    routing = route_ref(x, router_w, router_b, top_k)
+    return moe(x, routing, experts, num_valid_tokens=num_valid_tokens, config=cfg, interpret=interpret)
+
+
+def moe_layer_rows(
+    x: jax.Array,  # [T, D], or [Nt, D] already padded with `tokens` = T
+    router_w: jax.Array,
+    router_b: jax.Array,
+    experts: ExpertWeights,
+    *,
+    top_k: int,
+    num_valid_tokens: jax.Array | int | None = None,
+    config: MoEKernelConfig | None = None,
+    interpret: object = None,
+    logits: jax.Array | None = None,  # [T, E]
+    tokens: int | None = None,  # real rows of x (None: all)
+) -> ExpertRows | None:
+    """The dense regime's expert rows before the weighted sum (`decode_residual.ExpertRows`: the
+    down GEMM's output, each token's k rows and weights), or None where that regime with the
+    routing kernels does not apply (the caller runs `moe_layer`'s other paths)."""
+    T = x.shape[0] if tokens is None else tokens
+    D = x.shape[1]
     E = experts.up_w.shape[0]
     cfg = config or default_config(T)
     if cfg.routing not in ROUTINGS:
@@ -470,12 +495,12 @@ def moe_layer(
     nt = cfg.block_tokens
     use_tables = cfg.routing == "tables" and route_tables_supported(nt, E, top_k)
     use_mosaic = cfg.routing == "mosaic" and route_dense_supported(nt, D, E, top_k)
-    if not (cfg.dense and (use_tables or use_mosaic)):
-        routing = route_ref(x, router_w, router_b, top_k)
-        return moe(x, routing, experts, num_valid_tokens=num_valid_tokens, config=cfg, interpret=interpret)
-    if not moe_kernel_supported(x, experts, top_k) or nt < T:
+    if not (cfg.dense and (use_tables or use_mosaic)) or x.shape[0] not in (T, nt):
+        return None
+    if not moe_kernel_supported(x[:T], experts, top_k) or nt < T:
         raise MoEKernelError(f"unsupported MoE layer: x {x.shape}, up_w {experts.up_w.shape}, config {cfg}")
-    x_rows = jnp.pad(x.astype(jnp.bfloat16), ((0, nt - T), (0, 0)))  # [Nt, D]
+    xb = x.astype(jnp.bfloat16)
+    x_rows = xb if x.shape[0] == nt else jnp.pad(xb, ((0, nt - T), (0, 0)))  # [Nt, D]
     n_valid = jnp.asarray(T if num_valid_tokens is None else num_valid_tokens, jnp.int32).reshape(1)
     if use_tables:
         if logits is None:
@@ -489,4 +514,4 @@ def moe_layer(
                         interpret=interpret)
     y = _expert_gemms(x_rows, None, r.meta_up, r.meta_down, None, experts, cfg, min(E, T * top_k), interpret)
     valid = jnp.broadcast_to((jnp.arange(T) < n_valid[0])[:, None], (T, top_k))
-    return _combine(y, r.dest[:, :T].T, r.weights[:, :T].T, valid, x.dtype)
+    return ExpertRows(y, r.dest[:, :T].T, r.weights[:, :T].T, valid)

@@ -18,6 +18,7 @@ import jax
 
 from kestrel_jax.pallas import moe as moe_ref_mod
 from kestrel_jax.pallas import paged_attention as attn_ref_mod
+from kestrel_jax.pallas.decode_residual import ExpertRows, ProjParts
 from kestrel_jax.pallas.moe import ExpertWeights, Routing
 
 Backend = Literal["auto", "reference", "kernel"]
@@ -100,34 +101,64 @@ def prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cu_q
 # Decode-size projections
 
 
-def _gemv_usable(x: jax.Array, max_rows: int, *ws: jax.Array) -> bool:
-    if not _want_kernel() or x.shape[0] > max_rows:
+def _gemv_usable(x: jax.Array, max_rows: int, *ws: jax.Array, rows: int | None = None) -> bool:
+    if not _want_kernel() or (rows or x.shape[0]) > max_rows:
         return False
     from kestrel_jax.pallas import gemv_mgpu as kern
 
     return all(kern.gemv_supported(x, w.astype(x.dtype)) for w in ws)
 
 
-def small_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_rows: int) -> jax.Array | None:
+def small_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_rows: int,
+                 rows: int | None = None) -> jax.Array | None:
     """`x @ w + b` through the decode GEMM kernel (`gemv_mgpu`) when the kernel path is on, x has
     at most `max_rows` rows and the kernel supports the shapes; None otherwise (the caller runs
-    its own jnp product)."""
-    if not _gemv_usable(x, max_rows, w):
+    its own jnp product). `rows`: the real rows when x arrives padded (the result has `rows`)."""
+    if not _gemv_usable(x, max_rows, w, rows=rows):
         return None
     from kestrel_jax.pallas import gemv_mgpu as kern
 
-    return _jitted(kern.gemv)(x, w.astype(x.dtype), b)
+    return _jitted(kern.gemv, ("rows",))(x, w.astype(x.dtype), b, rows=rows)
 
 
 def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None, *,
-                      max_rows: int) -> tuple[jax.Array, jax.Array] | None:
+                      max_rows: int, rows: int | None = None) -> tuple[jax.Array, jax.Array] | None:
     """(`x @ w1 + b1`, `x @ w2 + b2`) from one decode GEMM launch, under the same conditions as
     `small_linear`; None otherwise."""
-    if not _gemv_usable(x, max_rows, w1, w2):
+    if not _gemv_usable(x, max_rows, w1, w2, rows=rows):
         return None
     from kestrel_jax.pallas import gemv_mgpu as kern
 
-    return _jitted(kern.gemv_pair)(x, w1.astype(x.dtype), b1, w2.astype(x.dtype), b2)
+    return _jitted(kern.gemv_pair, ("rows",))(x, w1.astype(x.dtype), b1, w2.astype(x.dtype), b2, rows=rows)
+
+
+def small_linear_parts(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_rows: int,
+                       rows: int | None = None) -> ProjParts | None:
+    """`x @ w + b` left unreduced (the decode GEMM's split partials, for `decode_residual` to sum),
+    under the same conditions as `small_linear`; None otherwise."""
+    if not _gemv_usable(x, max_rows, w, rows=rows):
+        return None
+    from kestrel_jax.pallas import gemv_mgpu as kern
+
+    return ProjParts(_jitted(kern.gemv_partials)(x, w.astype(x.dtype)), b, rows or x.shape[0])
+
+
+def decode_residual_wanted() -> bool:
+    """Whether decode MoE layers end in `decode_residual` (kernel path on; the A/B switch
+    `KESTREL_JAX_DECODE_RESIDUAL=0` turns it off). Read at trace time."""
+    return _want_kernel() and os.environ.get("KESTREL_JAX_DECODE_RESIDUAL", "1") != "0"
+
+
+def decode_residual(x: jax.Array, proj: ProjParts, moe: ExpertRows, ln: tuple[jax.Array, jax.Array] | None, *,
+                    eps: float, pad_rows: int) -> tuple[jax.Array, jax.Array | None] | None:
+    """(x + proj) + moe and the next layer's LayerNorm of it, padded to `pad_rows` rows, in one
+    kernel (`decode_residual.residual_ln_kernel`); None where the kernel path is off or the kernel
+    does not take the shapes (the caller finishes with `finish_proj` / `combine_rows`)."""
+    from kestrel_jax.pallas import decode_residual as kern
+
+    if not decode_residual_wanted() or kern.residual_ln_problem(x, proj, moe, pad_rows) is not None:
+        return None
+    return kern.residual_ln_kernel(x, proj, moe, ln, eps=eps, pad_rows=pad_rows)
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,6 +167,23 @@ def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax
 
 def route(x: jax.Array, router_w: jax.Array, router_b: jax.Array, top_k: int) -> Routing:
     return moe_ref_mod.route_ref(x, router_w, router_b, top_k)
+
+
+def moe_layer_rows(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: ExpertWeights, *,
+                   top_k: int, num_valid_tokens: jax.Array | int | None = None, logits: jax.Array | None = None,
+                   tokens: int | None = None) -> ExpertRows | None:
+    """The MoE layer's expert rows before the weighted sum (`moe_mgpu.moe_layer_rows`; x may be
+    padded to the block width with `tokens` real rows) on the kernel path; None otherwise."""
+    if not _want_kernel():
+        return None
+    from kestrel_jax.pallas import moe_mgpu as kern
+
+    t = x.shape[0] if tokens is None else tokens
+    if not kern.moe_kernel_supported(x[:t], experts, top_k):
+        return None
+    return _jitted(kern.moe_layer_rows, ("top_k", "tokens"))(x, router_w, router_b, experts, top_k=top_k,
+                                                            num_valid_tokens=num_valid_tokens, logits=logits,
+                                                            tokens=tokens)
 
 
 def moe_layer(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: ExpertWeights, *,

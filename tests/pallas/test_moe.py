@@ -36,6 +36,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
+from kestrel_jax.pallas.decode_residual import combine_rows
 from kestrel_jax.pallas.moe import (
     ExpertWeights,
     Routing,
@@ -56,6 +57,7 @@ from kestrel_jax.pallas.moe_mgpu import (
     moe,
     moe_kernel_supported,
     moe_layer,
+    moe_layer_rows,
 )
 from kestrel_jax.pallas.moe_route_mgpu import route_dense
 from kestrel_jax.pallas.moe_route_triton import route_tables
@@ -470,6 +472,30 @@ def test_moe_layer_uses_precomputed_router_logits(rng):
     logits = router_logits(x, rw, rb, widen=False)
     np.testing.assert_array_equal(run(logits), inside)
     assert not np.array_equal(run(-logits), inside)
+
+
+def test_expert_rows_of_padded_rows_combine_to_the_layer(rng):
+    """`moe_layer_rows` on rows already padded to the block width (the decode residual kernel hands
+    the next layer its normalised rows that way) gives rows that combine to `moe_layer`'s output;
+    the sorted regime has no such rows (None)."""
+    T, k, n_experts, n_valid = 3, 4, 16, 3
+    ex = make_experts(rng, False, n_experts=n_experts)
+    x, rw, rb = exact_router_inputs(rng, T, dim(False), n_experts)
+    cfg = small_config(T)
+    nt = cfg.block_tokens
+    layer = np.asarray(jax.jit(lambda x: moe_layer(x, rw, rb, ex, top_k=k, num_valid_tokens=n_valid, config=cfg,
+                                                   interpret=INTERPRET))(x).astype(jnp.float32))
+
+    def rows_of(xp):
+        r = moe_layer_rows(xp, rw, rb, ex, top_k=k, num_valid_tokens=n_valid, config=cfg, interpret=INTERPRET,
+                           tokens=T)
+        assert r is not None and r.dest.shape == (T, k)
+        return combine_rows(r, x.dtype)
+
+    xp = jnp.pad(x, ((0, nt - T), (0, 0)))
+    np.testing.assert_array_equal(np.asarray(jax.jit(rows_of)(xp).astype(jnp.float32)), layer)
+    sorted_cfg = dataclasses.replace(cfg, dense=False)
+    assert moe_layer_rows(x, rw, rb, ex, top_k=k, config=sorted_cfg, interpret=INTERPRET) is None
 
 
 def test_supported_and_validation():

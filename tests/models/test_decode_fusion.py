@@ -1,0 +1,108 @@
+"""The decode path that ends MoE layers in `ops.decode_residual` (the kernel path on a GPU) computes
+the same hidden states as the reference path. The GPU kernels it calls cannot run un-interpreted
+on the CPU, so each is replaced by a stand-in with the same contract: the decode GEMM's split
+partials from a jnp product split in two, per-(token, choice) expert rows from the reference MoE
+math, the QKV epilogue and attention references, and the residual kernel itself interpreted. What
+is tested is the model's plumbing: padded LayerNorm rows handed from layer to layer, real-row
+slicing, the unreduced projection and expert rows, the last layer without a LayerNorm.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kestrel_jax.models.config import tiny_config
+from kestrel_jax.models.layers import gelu_erf
+from kestrel_jax.models.moondream import random_model
+from kestrel_jax.models.text import AttentionBatch, KVCache
+from kestrel_jax.pallas import decode_residual as dr
+from kestrel_jax.pallas import gemv_mgpu, ops
+from kestrel_jax.pallas import paged_attention as pa
+from kestrel_jax.pallas.moe import ExpertWeights, _expert_matrix, route_ref
+from kestrel_jax.pallas.paged_attention import init_kv_pool
+
+PAGES, PAGE, MAXP = 8, 64, 4
+
+
+def _partials(x, w, w2=None, **_):  # [2, N, Mp] f32 partials of y^T, K split in two
+    ww = w if w2 is None else jnp.concatenate([w, w2], axis=1)
+    mp = -(-x.shape[0] // 8) * 8
+    xp = jnp.pad(x, ((0, mp - x.shape[0]), (0, 0))).astype(jnp.float32)
+    h = x.shape[1] // 2
+    return jnp.stack([(xp[:, :h] @ ww[:h].astype(jnp.float32)).T, (xp[:, h:] @ ww[h:].astype(jnp.float32)).T])
+
+
+def _rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tokens=None, logits=None, tokens=None):
+    t = x.shape[0] if tokens is None else tokens
+    xs = x[:t].astype(jnp.float32)
+    r = route_ref(x[:t], router_w, router_b, top_k)
+    up = _expert_matrix(experts.up_w, experts.up_scale, jnp.float32)[r.experts]  # [T, k, 2I, D]
+    down = _expert_matrix(experts.down_w, experts.down_scale, jnp.float32)[r.experts]  # [T, k, D, I]
+    hg = jnp.einsum("tkod,td->tko", up, xs)
+    i = hg.shape[-1] // 2
+    act = gelu_erf(hg[..., :i]) * (hg[..., i:] + 1.0)
+    y = jnp.einsum("tkdi,tki->tkd", down, act).reshape(t * top_k, -1).astype(x.dtype)
+    n = t if num_valid_tokens is None else num_valid_tokens
+    valid = jnp.broadcast_to((jnp.arange(t) < n)[:, None], (t, top_k))
+    return dr.ExpertRows(y, jnp.arange(t * top_k, dtype=jnp.int32).reshape(t, top_k), r.weights, valid)
+
+
+@pytest.fixture()
+def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+    monkeypatch.setattr(gemv_mgpu, "gemv_partials", _partials)
+    monkeypatch.setattr(gemv_mgpu, "gemv_supported", lambda x, w: x.shape[0] <= 64)
+    monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_KERNEL", "0")
+    monkeypatch.setattr(ops, "decode_attention", lambda q, kp, vp, lens, table, ks, vs, *, sm_scale:
+                        pa.decode_attention_ref(q, kp, vp, lens, table, ks, vs, sm_scale=sm_scale))
+    monkeypatch.setattr(ops, "moe_layer_rows", _rows)
+    real = dr.residual_ln_kernel
+
+    def residual(*args, **kw):
+        calls.append("residual" if args[3] is not None else "residual-last")
+        return real(*args, **kw, interpret=True)
+
+    monkeypatch.setattr(dr, "residual_ln_kernel", residual)
+    ops._jitted.cache_clear()
+    return calls
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_fused_decode_matches_the_reference_path(stand_ins: list[str], t: int) -> None:
+    model = random_model(tiny_config("md3"), dtype=jnp.float32, std=0.05).text
+    cfg = model.cfg
+    rng = np.random.default_rng(t)
+    for block in model.blocks:  # each layer its own LayerNorm: a handoff to the wrong layer shows
+        block.ln.scale.set_value(jnp.asarray(rng.uniform(0.5, 1.5, cfg.dim), jnp.float32))
+        block.ln.bias.set_value(jnp.asarray(rng.standard_normal(cfg.dim) * 0.1, jnp.float32))
+    pool = init_kv_pool(cfg.n_layers, PAGES, PAGE, cfg.n_kv_heads, cfg.head_dim, jnp.float32)
+    # a filled context: random cached K/V in every page
+    cache = KVCache(tuple(jnp.asarray(rng.standard_normal(k.shape), jnp.float32) for k, _ in pool),
+                    tuple(jnp.asarray(rng.standard_normal(v.shape), jnp.float32) for _, v in pool),
+                    jnp.ones(cfg.n_layers), jnp.ones(cfg.n_layers))
+    x = jnp.asarray(rng.standard_normal((t, cfg.dim)), jnp.float32)
+    positions = jnp.asarray(rng.integers(10, 150, t), jnp.int32)
+    table = jnp.asarray(np.stack([rng.permutation(PAGES)[:MAXP] for _ in range(t)]), jnp.int32)
+    slots = table[jnp.arange(t), positions // PAGE] * PAGE + positions % PAGE
+    batch = AttentionBatch(positions, slots, positions + 1, table)
+    with ops.use_backend("reference"):
+        want, _, _ = model(x, batch, cache)
+    with ops.use_backend("kernel"):
+        got, _, _ = model(x, batch, cache)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    assert stand_ins == ["residual"] * (moe_layers - 1) + ["residual-last"]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
+
+
+def test_switch_off_keeps_the_unfused_path(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KESTREL_JAX_DECODE_RESIDUAL", "0")
+    with ops.use_backend("kernel"):
+        assert not ops.decode_residual_wanted()
+    with ops.use_backend("reference"):
+        monkeypatch.delenv("KESTREL_JAX_DECODE_RESIDUAL")
+        assert not ops.decode_residual_wanted()
+    assert functools.reduce(lambda a, b: a + b, stand_ins, "") == ""
