@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""GPU check of a decode-path switch: one decode forward of a full-size random model (all layers,
+a filled KV context) with the switch on and off, compared. Prints the largest difference of the
+final hidden states relative to their largest magnitude, per batch size.
+
+  PYTHONPATH=. python3 tools/check_decode_fusion.py --switch KESTREL_JAX_DECODE_RESIDUAL --model md3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kestrel_jax.models.config import md2_config, md3_config  # noqa: E402
+from kestrel_jax.models.moondream import random_model  # noqa: E402
+from kestrel_jax.models.text import AttentionBatch, KVCache  # noqa: E402
+from kestrel_jax.pallas import ops  # noqa: E402
+from kestrel_jax.pallas.paged_attention import init_kv_pool  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--switch", default="KESTREL_JAX_DECODE_RESIDUAL")
+    ap.add_argument("--model", default="md3", choices=["md2", "md3"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--context", type=int, default=740)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    md3 = a.model == "md3"
+    cfg = md3_config() if md3 else md2_config()
+    model = random_model(cfg, fp8_experts=md3, kv_scale=0.05 if md3 else None).text
+    t = model.cfg
+    page, maxp = 64, -(-(a.context + 1) // 64)
+    pages = maxp * max(a.batches)
+    kv_dtype = jnp.float8_e4m3fn if md3 else jnp.bfloat16
+    rng = np.random.default_rng(0)
+    pool = init_kv_pool(t.n_layers, pages, page, t.n_kv_heads, t.head_dim, kv_dtype)
+    fill = [jnp.asarray(rng.standard_normal(pool[0][0].shape) * 8, jnp.float32).astype(kv_dtype) for _ in range(2)]
+    scales = jnp.full((t.n_layers,), 0.05, jnp.float32)
+    cache = KVCache(tuple(fill[0] for _ in pool), tuple(fill[1] for _ in pool), scales, scales)
+    graphdef, state = nnx.split(model)
+
+    def fwd(state, x, cache, positions, slots, kv_lens, table):
+        h, _, _ = nnx.merge(graphdef, state)(x, AttentionBatch(positions, slots, kv_lens, table), cache)
+        return h
+
+    res = {"device": jax.devices()[0].device_kind, "switch": a.switch, "model": a.model, "rel_diff": {}}
+    for b in a.batches:
+        x = jnp.asarray(rng.standard_normal((b, t.dim)), jnp.bfloat16)
+        positions = jnp.full((b,), a.context, jnp.int32)
+        table = jnp.arange(b * maxp, dtype=jnp.int32).reshape(b, maxp)
+        slots = table[:, a.context // page] * page + a.context % page
+        outs = {}
+        for val in ("1", "0"):
+            os.environ[a.switch] = val
+            ops._jitted.cache_clear()
+            f = jax.jit(lambda *args: fwd(*args))  # a fresh function: the switch is read at trace time
+            outs[val] = np.asarray(f(state, x, cache, positions, slots, positions + 1, table).astype(jnp.float32))
+        on, off = outs["1"], outs["0"]
+        rel = float(np.abs(on - off).max() / max(np.abs(off).max(), 1e-30))
+        res["rel_diff"][b] = {"max_rel": rel, "finite": bool(np.isfinite(on).all()),
+                              "max_abs_off": float(np.abs(off).max())}
+        print(json.dumps({"batch": b, **res["rel_diff"][b]}), flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
