@@ -15,7 +15,18 @@ in f32, rounded to the activation dtype, bias added there; the two residual adds
 each; the expert rows weighted and summed in f32 in choice order; LayerNorm in f32 from one pass
 (E[x], E[x^2]) as `layers.layer_norm`. `residual_ln_ref` is that math in jnp (the model's unfused
 expressions).
+
+Measured (H100, seventh session, MD3 batch-1 decode): correct (hidden states of one decode
+forward identical to the unfused path at 1 and 4 rows), but 33 us per call, so batch-1 decode
+fell from 609 to 447 tok/s; the model uses it only when `KESTREL_JAX_DECODE_RESIDUAL=1`. Why: one
+program per token row reads that row's share of the split partials, strided ([S, D, Mp] with
+Mp = 8: every f32 of a row is its own 32-byte sector, 8 splits x 2048 values ~ 0.5 MB for one
+row at batch 1) and the k expert rows, on one SM, where XLA's fusion spreads the same reads over
+many SMs. The route tables' [k, P] dest/weight arrays also reached the kernel through two slice
+kernels. A design that parallelises over D needs the LayerNorm statistics across programs: a
+second small launch (x' and partial sums, then normalise) or partials laid out [S, Mp, D].
 """
+
 
 from __future__ import annotations
 
