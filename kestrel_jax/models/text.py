@@ -298,7 +298,7 @@ class TextModel(nnx.Module):
                     continue
             a = finish_proj(a, x.dtype) if isinstance(a, ProjParts) else a
             if rows is not None:
-                m = combine_rows(rows, x.dtype)
+                m = combine_rows(rows, t, x.dtype)
             else:
                 m = block.mlp(n[:t], aux, batch.num_valid, logits) if isinstance(block.mlp, MoE) else block.mlp(n[:t])
             x = (x + a) + m

@@ -440,7 +440,9 @@ def _expert_gemms(
 def _combine(y: jax.Array, dest: jax.Array, weights: jax.Array, valid: jax.Array, dtype) -> jax.Array:
     """out[t] = sum_k weights[t, k] * y[dest[t, k]]: one gather-multiply-reduce fusion. `where`, not
     a zero weight: rows of padding tokens and rows no kernel wrote may hold NaN."""
-    return combine_rows(ExpertRows(y, dest, weights, valid), dtype)
+    w = weights.astype(jnp.float32)[..., None]
+    yk = jnp.where(valid[..., None], w * y[dest].astype(jnp.float32), 0.0)  # [T, k, D]
+    return jnp.sum(yk, axis=1).astype(dtype)
 
 
 def moe_layer(
@@ -464,7 +466,7 @@ def moe_layer(
     rows = moe_layer_rows(x, router_w, router_b, experts, top_k=top_k, num_valid_tokens=num_valid_tokens,
                           config=config, interpret=interpret, logits=logits)
     if rows is not None:
-        return combine_rows(rows, x.dtype)
+        return combine_rows(rows, x.shape[0], x.dtype)
     cfg = config or default_config(x.shape[0])
     routing = route_ref(x, router_w, router_b, top_k)
     return moe(x, routing, experts, num_valid_tokens=num_valid_tokens, config=cfg, interpret=interpret)
@@ -513,5 +515,4 @@ def moe_layer_rows(
         r = route_dense(x_rows, router_w, own_buffer(router_b, router_b.dtype), n_valid, top_k=top_k,
                         interpret=interpret)
     y = _expert_gemms(x_rows, None, r.meta_up, r.meta_down, None, experts, cfg, min(E, T * top_k), interpret)
-    valid = jnp.broadcast_to((jnp.arange(T) < n_valid[0])[:, None], (T, top_k))
-    return ExpertRows(y, r.dest[:, :T].T, r.weights[:, :T].T, valid)
+    return ExpertRows(y, r.dest, r.weights, n_valid)

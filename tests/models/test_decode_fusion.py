@@ -44,9 +44,8 @@ def _rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tok
     i = hg.shape[-1] // 2
     act = gelu_erf(hg[..., :i]) * (hg[..., i:] + 1.0)
     y = jnp.einsum("tkdi,tki->tkd", down, act).reshape(t * top_k, -1).astype(x.dtype)
-    n = t if num_valid_tokens is None else num_valid_tokens
-    valid = jnp.broadcast_to((jnp.arange(t) < n)[:, None], (t, top_k))
-    return dr.ExpertRows(y, jnp.arange(t * top_k, dtype=jnp.int32).reshape(t, top_k), r.weights, valid)
+    n = jnp.asarray(t if num_valid_tokens is None else num_valid_tokens, jnp.int32).reshape(1)
+    return dr.ExpertRows(y, jnp.arange(t * top_k, dtype=jnp.int32).reshape(t, top_k).T, r.weights.T, n)
 
 
 @pytest.fixture()

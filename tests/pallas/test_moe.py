@@ -489,8 +489,8 @@ def test_expert_rows_of_padded_rows_combine_to_the_layer(rng):
     def rows_of(xp):
         r = moe_layer_rows(xp, rw, rb, ex, top_k=k, num_valid_tokens=n_valid, config=cfg, interpret=INTERPRET,
                            tokens=T)
-        assert r is not None and r.dest.shape == (T, k)
-        return combine_rows(r, x.dtype)
+        assert r is not None and r.dest.shape[0] == k and r.dest.shape[1] >= T
+        return combine_rows(r, T, x.dtype)
 
     xp = jnp.pad(x, ((0, nt - T), (0, 0)))
     np.testing.assert_array_equal(np.asarray(jax.jit(rows_of)(xp).astype(jnp.float32)), layer)
