@@ -128,18 +128,9 @@ class Attention(nnx.Module):
             k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, batch.slots, k_scale, v_scale)
         scale = hd**-0.5
         if batch.cu_q_lens is None:
-            def tail(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
-                     page_table: jax.Array) -> jax.Array | ProjParts:
-                o = ops.decode_attention(q, k_pages, v_pages, kv_lens, page_table, k_scale, v_scale, sm_scale=scale)
-                return self._project(o.reshape(t, h * hd), decode, want_parts)
-
-            if fused is not None and decode and ops.side_stream() is not None:
-                # The layer's MoE branch does not depend on attention: run attention and the output
-                # projection on a second stream so that they can overlap the expert GEMMs (arrays
-                # out only: no unreduced projection).
-                want_parts = False
-                tail = ops.on_side_stream(tail)
-            return tail(q, k_pages, v_pages, batch.kv_lens, batch.page_table), k_pages, v_pages, logits
+            o = ops.decode_attention(q, k_pages, v_pages, batch.kv_lens, batch.page_table,
+                                     k_scale, v_scale, sm_scale=scale)
+            return self._project(o.reshape(t, h * hd), decode, want_parts), k_pages, v_pages, logits
         else:
             assert batch.prefix_lens is not None
             o = ops.prefill_attention(q, k_pages, v_pages, batch.cu_q_lens, batch.kv_lens,

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Literal, get_args
 
 import jax
@@ -125,9 +124,6 @@ def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelCon
 
 
 def _device_sms() -> int:
-    override = os.environ.get("KESTREL_JAX_MOE_CTAS", "")  # experiments: leave SMs to another stream
-    if override:
-        return int(override)
     try:
         dev = jax.devices()[0]
         if dev.platform == "gpu":

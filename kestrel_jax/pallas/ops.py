@@ -145,9 +145,9 @@ def small_linear_parts(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_r
 
 def decode_residual_wanted() -> bool:
     """Whether decode MoE layers end in `decode_residual`: kernel path on and opted in with
-    `KESTREL_JAX_DECODE_RESIDUAL=1`. Off by default: measured slower (H100, seventh session: the
-    kernel took 33 us per layer where the four XLA kernels it replaces took ~5; see
-    `decode_residual`). Read at trace time."""
+    `KESTREL_JAX_DECODE_RESIDUAL=1`. Off by default: measured slower (H100, seventh session: its two
+    launches take 5.2 us per layer against 5.0 for the XLA kernels they replace, plus a conversion
+    kernel; MD3 batch-1 596 vs 608 tok/s; see `decode_residual`). Read at trace time."""
     return _want_kernel() and os.environ.get("KESTREL_JAX_DECODE_RESIDUAL", "0") == "1"
 
 
@@ -202,72 +202,6 @@ def moe_layer(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: E
                                                        num_valid_tokens=num_valid_tokens, logits=logits)
     return moe_ref_mod.moe_layer_ref(x, router_w, router_b, experts, top_k=top_k,
                                      num_valid_tokens=num_valid_tokens)
-
-
-# --------------------------------------------------------------------------------------------
-# Streams
-
-
-def side_stream() -> str | None:
-    """The XLA GPU stream (`KESTREL_JAX_SIDE_STREAM`, e.g. "1") on which decode MoE layers run
-    attention and the output projection, concurrently with the expert GEMMs; None (default, or on
-    the reference backend): one stream. Read at trace time. Measured slower (H100, seventh
-    session, MD3 batch-1 decode 510 vs 609 tok/s: the MoE kernels hold every SM, so little
-    overlaps, and the split computation added ~145 copy and scalar kernels per token); kept off
-    by default for experiments."""
-    v = os.environ.get("KESTREL_JAX_SIDE_STREAM", "")
-    if not v or v == "0" or not _want_kernel():
-        return None
-    if not v.isdigit():
-        raise ValueError(f"KESTREL_JAX_SIDE_STREAM must be a stream number, got {v!r}")
-    return v
-
-
-def on_side_stream(fn: Any) -> Any:
-    """`fn` as a call that XLA schedules on `side_stream()` (asynchronously to the main stream).
-    Nested jitted functions are inlined first: XLA assigns a stream to the annotated call only,
-    and a nested call inside it (which inherits the annotation) fails stream assignment."""
-    from jax._src import core
-    from jax.experimental.compute_on import compute_on
-
-    stream = side_stream()
-    if stream is None:
-        return fn
-    return compute_on(_inlined(fn), compute_type=f"gpu_stream:{stream}", out_memory_spaces=core.MemorySpace.Device)
-
-
-def _inlined(fn: Any) -> Any:
-    """`fn` re-traced with every nested `jit` call expanded in place (one flat computation)."""
-
-    def run(*args: Any) -> Any:
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        outs = _eval_flat(closed.jaxpr, closed.consts, *jax.tree.leaves(args))
-        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
-
-    return run
-
-
-def _eval_flat(jaxpr: Any, consts: Any, *args: Any) -> list[Any]:
-    from jax._src import core
-
-    env: dict[Any, Any] = {}
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, core.Literal) else env[v]
-
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
-        vals = [read(v) for v in eqn.invars]
-        if eqn.primitive.name in ("pjit", "jit"):
-            inner = eqn.params["jaxpr"]
-            outs = _eval_flat(inner.jaxpr, inner.consts, *vals)
-        else:
-            with eqn.ctx.manager:
-                out = eqn.primitive.bind(*vals, **eqn.primitive.get_bind_params(eqn.params))
-            outs = out if eqn.primitive.multiple_results else [out]
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars]
 
 
 # --------------------------------------------------------------------------------------------

@@ -458,10 +458,10 @@ class Runner:
 
 
 def _committed(tree: Any) -> Any:
-    """Device arrays committed to the default device. A step's outputs are committed whenever
-    its computation pins an output's memory kind (a `compute_on` stream call does), and jit keys
-    its cache on committedness: feeding committed outputs back into a step that was compiled
-    with uncommitted inputs would compile it again while serving."""
+    """Device arrays committed to the default device. jit keys its cache on committedness, and a
+    step's outputs come back committed when any input was or when its computation pins an output's
+    memory kind (a stream-annotated call does; seventh session): feeding them back into a step
+    compiled with uncommitted inputs would compile it again while serving."""
     return jax.device_put(tree, jax.devices()[0])
 
 
