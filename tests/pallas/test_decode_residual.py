@@ -10,24 +10,17 @@ output are exactly zero, invalid choices (NaN rows) never leak.
 
 from __future__ import annotations
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+from kernel_helpers import as_f32, fresh_rng
 
 from kestrel_jax.pallas import decode_residual as dr
 
 BF16 = jnp.bfloat16
 _SDS = jax.ShapeDtypeStruct
-
-
-def _rng() -> np.random.Generator:
-    seed = int(time.time_ns() % 2**32)
-    print(f"test seed = {seed}")
-    return np.random.default_rng(seed)
 
 
 def _case(rng, T, D, S, Mp, K, R, bias=True, dtype=BF16):
@@ -50,12 +43,8 @@ def _case(rng, T, D, S, Mp, K, R, bias=True, dtype=BF16):
     return x, proj, moe, ln
 
 
-def _f32(a) -> np.ndarray:
-    return np.asarray(jnp.asarray(a).astype(jnp.float32))
-
-
 def _close(got, want, rtol=2.0**-7):
-    got, want = _f32(got), _f32(want)
+    got, want = as_f32(got), as_f32(want)
     assert np.isfinite(got).all()
     scale = np.abs(want).max(axis=-1, keepdims=True)
     assert (np.abs(got - want) <= rtol * scale).all(), np.abs(got - want).max()
@@ -68,7 +57,7 @@ def _close(got, want, rtol=2.0**-7):
     (3, 512, 3, 8, 8, 24, True, False),  # last layer: no LayerNorm
 ])
 def test_kernel_matches_the_reference(T, D, S, Mp, K, R, bias, ln):
-    rng = _rng()
+    rng = fresh_rng()
     x, proj, moe, lnw = _case(rng, T, D, S, Mp, K, R, bias)
     lnw = lnw if ln else None
     got_x, got_n = dr.residual_ln_kernel(x, proj, moe, lnw, eps=1e-5, pad_rows=Mp, interpret=True)
@@ -80,25 +69,25 @@ def test_kernel_matches_the_reference(T, D, S, Mp, K, R, bias, ln):
         return
     assert got_n is not None and want_n is not None and got_n.shape == (Mp, D)
     _close(got_n[:T], want_n[:T], rtol=2.0**-5)  # normalised values: |LN| up to ~sqrt(D)
-    assert not np.any(_f32(got_n[T:])), "padding rows must be zero"
+    assert not np.any(as_f32(got_n[T:])), "padding rows must be zero"
 
 
 def test_reference_is_the_unfused_model_math():
     """(x + a) + m with a the decode GEMM's finished product and m the MoE combine, then the
     LayerNorm module's math: what the model computes without the kernel."""
-    rng = _rng()
+    rng = fresh_rng()
     x, proj, moe, lnw = _case(rng, 2, 256, 2, 8, 2, 8, True)
     a = dr.finish_proj(proj, x.dtype)
-    want_a = (jnp.asarray(_f32(proj.parts).sum(0).T[:2]).astype(BF16) + proj.bias).astype(BF16)
-    np.testing.assert_array_equal(_f32(a), _f32(want_a))
+    want_a = (jnp.asarray(as_f32(proj.parts).sum(0).T[:2]).astype(BF16) + proj.bias).astype(BF16)
+    np.testing.assert_array_equal(as_f32(a), as_f32(want_a))
     m = dr.combine_rows(moe, 2, x.dtype)
     xn, n = dr.residual_ln_ref(x, proj, moe, lnw, eps=1e-5, pad_rows=8)
-    np.testing.assert_array_equal(_f32(xn), _f32((x + a) + m))
+    np.testing.assert_array_equal(as_f32(xn), as_f32((x + a) + m))
     assert n is not None and n.shape == (8, 256)
 
 
 def test_problems_are_named():
-    rng = _rng()
+    rng = fresh_rng()
     x, proj, moe, _ = _case(rng, 2, 96, 2, 8, 2, 8)
     assert "power of two" in (dr.residual_ln_problem(x, proj, moe, 8) or "")
     x, proj, moe, _ = _case(rng, 2, 128, 2, 8, 2, 8)

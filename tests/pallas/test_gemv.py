@@ -5,13 +5,13 @@ the model runs otherwise, cross-lowered for an H100 at the decoder's shapes, and
 from __future__ import annotations
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+from kernel_helpers import fresh_rng
 
 from kestrel_jax.pallas import gemv_mgpu as g
 from kestrel_jax.pallas import ops
@@ -20,15 +20,9 @@ BF16 = jnp.bfloat16
 _SDS = jax.ShapeDtypeStruct
 
 
-def _rng() -> np.random.Generator:
-    seed = int(time.time_ns() % 2**32)
-    print(f"seed {seed}")
-    return np.random.default_rng(seed)
-
-
 @pytest.mark.parametrize("M,K,N,splits", [(1, 512, 192, None), (3, 256, 128, 2), (8, 384, 64, 6), (13, 128, 256, 1)])
 def test_gemv_interpreted_matches_float64_and_the_jnp_path(M, K, N, splits):
-    rng = _rng()
+    rng = fresh_rng()
     x = jnp.asarray(rng.standard_normal((M, K)), BF16)
     w = jnp.asarray(rng.standard_normal((K, N)) * 0.05, BF16)
     b = jnp.asarray(rng.standard_normal((N,)), BF16)
@@ -49,7 +43,7 @@ def test_gemv_interpreted_matches_float64_and_the_jnp_path(M, K, N, splits):
 def test_gemv_pair_equals_the_two_products():
     """Two products of the same rows in one launch (QKV and router): column blocks past the first
     matrix read the second."""
-    rng = _rng()
+    rng = fresh_rng()
     x = jnp.asarray(rng.standard_normal((1, 256)), BF16)
     w1, w2 = (jnp.asarray(rng.standard_normal((256, n)) * 0.05, BF16) for n in (192, 64))
     b1, b2 = (jnp.asarray(rng.standard_normal((n,)), BF16) for n in (192, 64))
@@ -62,7 +56,7 @@ def test_gemv_pair_equals_the_two_products():
 
 
 def test_gemv_partials_sum_to_the_product_and_pad_rows_are_zero():
-    rng = _rng()
+    rng = fresh_rng()
     x = jnp.asarray(rng.standard_normal((5, 256)), BF16)
     w = jnp.asarray(rng.standard_normal((256, 128)), BF16)
     parts = np.asarray(jax.jit(functools.partial(g.gemv_partials, splits=4, interpret=True))(x, w))

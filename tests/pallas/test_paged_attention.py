@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+from kernel_helpers import as_f32, fresh_rng
 
 from kestrel_jax.pallas import paged_attention as pa
 from kestrel_jax.pallas import paged_attention_mgpu as pm
@@ -37,16 +38,6 @@ from kestrel_jax.pallas import paged_attention_prefill_mgpu as pp
 FP8 = jnp.float8_e4m3fn
 BF16 = jnp.bfloat16
 SM_SCALE = 0.125
-
-
-def _rng() -> np.random.Generator:
-    seed = int(time.time_ns() % 2**32)
-    print(f"test seed = {seed}")
-    return np.random.default_rng(seed)
-
-
-def _f32(x: jax.Array) -> np.ndarray:
-    return np.asarray(jnp.asarray(x).astype(jnp.float32))
 
 
 def _make_pool(rng, num_pages, n_kv, page, dtype, kv_lens, max_pages, n_seqs):
@@ -68,13 +59,13 @@ def _make_pool(rng, num_pages, n_kv, page, dtype, kv_lens, max_pages, n_seqs):
 
 def _vmax(v_pages, table, kv_lens, v_scale) -> float:
     page = v_pages.shape[2]
-    vals = [np.abs(_f32(pa.dequantize_kv(v_pages[table[b, t // page], :, t % page], v_scale))).max()
+    vals = [np.abs(as_f32(pa.dequantize_kv(v_pages[table[b, t // page], :, t % page], v_scale))).max()
             for b in range(len(kv_lens)) for t in range(int(kv_lens[b]))]
     return float(max(vals)) if vals else 1.0
 
 
 def _check(out, ref, vmax, atol, rtol=2.0**-7, what=""):
-    out, ref = _f32(out), _f32(ref)
+    out, ref = as_f32(out), as_f32(ref)
     assert not np.isnan(out).any(), f"{what}: NaN in kernel output (a poisoned slot leaked)"
     err = np.abs(out - ref)
     bound = atol * vmax + rtol * np.abs(ref)
@@ -91,9 +82,9 @@ def _oracle(q, k_pages, v_pages, table, k_scale, v_scale, rows):
     P, Hkv, S, D = k_pages.shape
     H = q.shape[1]
     g = H // Hkv
-    kf = _f32(pa.dequantize_kv(k_pages, k_scale)).astype(np.float64)
-    vf = _f32(pa.dequantize_kv(v_pages, v_scale)).astype(np.float64)
-    qf = _f32(q).astype(np.float64)
+    kf = as_f32(pa.dequantize_kv(k_pages, k_scale)).astype(np.float64)
+    vf = as_f32(pa.dequantize_kv(v_pages, v_scale)).astype(np.float64)
+    qf = as_f32(q).astype(np.float64)
     out = np.zeros(qf.shape)
     for i, b, pos, n, pre in rows:
         keys = np.array([j for j in range(n) if j <= pos or (pos < pre and j < pre)], np.int64)
@@ -110,14 +101,14 @@ def _oracle(q, k_pages, v_pages, table, k_scale, v_scale, rows):
 
 
 def test_references_match_float64_oracle():
-    rng = _rng()
+    rng = fresh_rng()
     page, n_kv, g = 8, 2, 2
     kv_lens = np.array([1, 7, 8, 9, 19], np.int32)
     k_pages, v_pages, table, ks, vs = _make_pool(rng, 20, n_kv, page, FP8, kv_lens, 3, 5)
     q = jnp.asarray(rng.standard_normal((5, n_kv * g, 64)), jnp.float32)
     dec = pa.decode_attention_ref(q, k_pages, v_pages, jnp.asarray(kv_lens), table, ks, vs, sm_scale=SM_SCALE)
     rows = [(b, b, int(n) - 1, int(n), 0) for b, n in enumerate(kv_lens)]
-    np.testing.assert_allclose(_f32(dec), _oracle(q, k_pages, v_pages, np.asarray(table), ks, vs, rows),
+    np.testing.assert_allclose(as_f32(dec), _oracle(q, k_pages, v_pages, np.asarray(table), ks, vs, rows),
                                rtol=1e-5, atol=1e-5)
 
     # Prefill: (new tokens, cached tokens, prefix) covering prefix < / = / > new tokens.
@@ -130,23 +121,23 @@ def test_references_match_float64_oracle():
     out = pa.prefill_attention_ref(q, k_pages, v_pages, jnp.asarray(cu), jnp.asarray(kvl), table,
                                    jnp.asarray(pre), ks, vs, sm_scale=SM_SCALE)
     rows = [(int(cu[b]) + i, b, c + i, n + c, p) for b, (n, c, p) in enumerate(segs) for i in range(n)]
-    np.testing.assert_allclose(_f32(out), _oracle(q, k_pages, v_pages, np.asarray(table), ks, vs, rows),
+    np.testing.assert_allclose(as_f32(out), _oracle(q, k_pages, v_pages, np.asarray(table), ks, vs, rows),
                                rtol=1e-5, atol=1e-5)
 
 
 def test_pool_helpers_and_quantisation():
     pool = pa.init_kv_pool(3, 5, 16, 2, 64, FP8)
     assert len(pool) == 3 and all(k.shape == (5, 2, 16, 64) and k.dtype == FP8 for k, _ in pool)
-    assert all(not np.any(_f32(x)) for kv in pool for x in kv)
+    assert all(not np.any(as_f32(x)) for kv in pool for x in kv)
     with pytest.raises(pa.KVLayoutError):
         pa.init_kv_pool(1, 4, 24, 2, 64)
-    rng = _rng()
+    rng = fresh_rng()
     x = jnp.asarray(rng.standard_normal((100, 2, 64)) * rng.uniform(0.1, 50), jnp.float32)
     scale = pa.calibrate_kv_scale(x, margin=1.25)
     np.testing.assert_allclose(float(scale), float(jnp.max(jnp.abs(x))) * 1.25 / 448, rtol=1e-6)
     assert float(pa.calibrate_kv_scale(jnp.zeros((4, 4)))) == 1.0
     big = pa.quantize_kv(x * 10, scale, FP8)  # far past the calibrated range: clamps, never NaN
-    assert not np.isnan(_f32(big)).any() and np.abs(_f32(big)).max() == 448.0
+    assert not np.isnan(as_f32(big)).any() and np.abs(as_f32(big)).max() == 448.0
 
 
 # ------------------------------------------------------------------------ write kernel
@@ -154,7 +145,7 @@ def test_pool_helpers_and_quantisation():
 
 @pytest.mark.parametrize("dtype", [FP8, BF16], ids=["fp8", "bf16"])
 def test_write_kernel_interpreted(dtype):
-    rng = _rng()
+    rng = fresh_rng()
     P, H, S, T = 6, 2, 16, 6
     k_pages = jnp.asarray(rng.standard_normal((P, H, S, 64)), jnp.float32).astype(dtype)
     v_pages = jnp.asarray(rng.standard_normal((P, H, S, 64)), jnp.float32).astype(dtype)
@@ -168,9 +159,9 @@ def test_write_kernel_interpreted(dtype):
     want = pa.write_kv_ref(k_pages, v_pages, k, v, jnp.asarray(slots), ks, vs)
     for g_, w_ in zip(got, want, strict=True):
         assert g_.dtype == dtype
-        np.testing.assert_array_equal(_f32(g_), _f32(w_))
+        np.testing.assert_array_equal(as_f32(g_), as_f32(w_))
     if dtype == FP8:
-        assert np.abs(_f32(got[0])).max() == 448.0
+        assert np.abs(as_f32(got[0])).max() == 448.0
 
 
 # ----------------------------------------------------------------------- decode kernel
@@ -182,7 +173,7 @@ def test_write_kernel_interpreted(dtype):
     ids=["fp8-p16-nosplit", "fp8-p64-split3", "bf16-p32-split2-gqa2"],
 )
 def test_decode_kernel_interpreted(dtype, page, splits, group):
-    rng = _rng()
+    rng = fresh_rng()
     n_kv, max_pages = 1, 5
     # lengths 1, page-1, page, page+1, a long random one, and an inactive row (0)
     kv_lens = np.array([1, page - 1, page, page + 1, rng.integers(2 * page, max_pages * page + 1), 0], np.int32)
@@ -197,7 +188,7 @@ def test_decode_kernel_interpreted(dtype, page, splits, group):
     ref = pa.decode_attention_ref(q, k_pages, v_pages, lens, table, ks, vs, sm_scale=SM_SCALE)
     assert out.shape == q.shape and out.dtype == q.dtype
     _check(out, ref, _vmax(v_pages, np.asarray(table), kv_lens, vs), atol=2.0**-10, what="decode")
-    assert not np.any(_f32(out)[-1]), "inactive row (kv_len 0) must be zero"
+    assert not np.any(as_f32(out)[-1]), "inactive row (kv_len 0) must be zero"
 
 
 # ---------------------------------------------------------------------- prefill kernel
@@ -221,7 +212,7 @@ _TEXT_ONLY = (9, 0, 0)
     ids=["fp8-p16-2wg-races", "bf16-p64-gqa2-1wg", "fp8-p128-short-3wg-races", "fp8-p32-64rows-nopingpong"],
 )
 def test_prefill_kernel_interpreted(dtype, page, group, segs, pad, consumers, races, kw):
-    rng = _rng()
+    rng = fresh_rng()
     n_kv = 1
     kvl = np.array([n + c for n, c, _ in segs], np.int32)
     max_pages = -(-int(kvl.max()) // page) + 1
@@ -241,7 +232,7 @@ def test_prefill_kernel_interpreted(dtype, page, group, segs, pad, consumers, ra
     atol = 2.0**-10 if dtype == FP8 else 2.0**-8
     _check(out, ref, _vmax(v_pages, np.asarray(table), kvl, vs), atol=atol, what="prefill")
     if pad:
-        assert not np.any(_f32(out)[int(cu[-1]):]), "padding rows must be zero"
+        assert not np.any(as_f32(out)[int(cu[-1]):]), "padding rows must be zero"
 
 
 def test_kernels_reject_unsupported_shapes():

@@ -13,13 +13,13 @@ written), and padding rows (slot -1) write nothing.
 from __future__ import annotations
 
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+from kernel_helpers import as_f32, fresh_rng
 
 from kestrel_jax.pallas import ops
 from kestrel_jax.pallas import qkv_epilogue as qe
@@ -27,16 +27,6 @@ from kestrel_jax.pallas import qkv_epilogue as qe
 FP8 = jnp.float8_e4m3fn
 BF16 = jnp.bfloat16
 _SDS = jax.ShapeDtypeStruct
-
-
-def _rng() -> np.random.Generator:
-    seed = int(time.time_ns() % 2**32)
-    print(f"test seed = {seed}")
-    return np.random.default_rng(seed)
-
-
-def _f32(x: jax.Array) -> np.ndarray:
-    return np.asarray(jnp.asarray(x).astype(jnp.float32))
 
 
 def _case(rng, M, H, Hkv, dh, rot, pool_dtype, tau, P=16, S=8):
@@ -72,13 +62,13 @@ def _bits(x: jax.Array) -> np.ndarray:
     (5, 2, 2, 32, 16, BF16, True),
 ])
 def test_kernel_matches_the_reference(M, H, Hkv, dh, rot, pool_dtype, tau):
-    rng = _rng()
+    rng = fresh_rng()
     u, positions, slots, (kp, vp), (ks, vs), tw = _case(rng, M, H, Hkv, dh, rot, pool_dtype, tau)
     kw = dict(n_heads=H, rotary_dim=rot, theta=10000.0)
     q, kp2, vp2 = qe.decode_qkv_kernel(u, positions, slots, kp, vp, ks, vs, tw, interpret=True, **kw)
     q_r, kp_r, vp_r = jax.jit(functools.partial(qe.decode_qkv_ref, **kw))(u, positions, slots, kp, vp, ks, vs, tw)
     assert q.shape == (M, H, dh) and q.dtype == BF16
-    qa, qb = _f32(q), _f32(q_r)
+    qa, qb = as_f32(q), as_f32(q_r)
     np.testing.assert_allclose(qa, qb, rtol=0, atol=2.0**-6 * np.abs(qb).max())
     written = np.zeros(kp.shape[0] * kp.shape[2], bool)
     written[np.asarray(slots)[np.asarray(slots) >= 0]] = True
@@ -88,8 +78,8 @@ def test_kernel_matches_the_reference(M, H, Hkv, dh, rot, pool_dtype, tau):
         nb, ob = _bits(new), _bits(old)
         untouched = ~written[:, None, :, None] & np.ones(nb.shape, bool)
         np.testing.assert_array_equal(nb[untouched], ob[untouched])  # bit-identical elsewhere
-        a = _f32(new).transpose(0, 2, 1, 3)[written]  # [rows, Hkv, Dh]
-        b = _f32(ref).transpose(0, 2, 1, 3)[written]
+        a = as_f32(new).transpose(0, 2, 1, 3)[written]  # [rows, Hkv, Dh]
+        b = as_f32(ref).transpose(0, 2, 1, 3)[written]
         assert np.isfinite(a).all()
         tol = (2.0**-3 * np.abs(b) + 2.0**-6 * np.abs(b).max()) if pool_dtype == FP8 else 2.0**-6 * np.abs(b).max()
         assert (np.abs(a - b) <= tol).all(), np.abs(a - b).max()
@@ -98,7 +88,7 @@ def test_kernel_matches_the_reference(M, H, Hkv, dh, rot, pool_dtype, tau):
 
 
 def test_padding_rows_write_nothing_and_q_is_still_computed():
-    rng = _rng()
+    rng = fresh_rng()
     u, positions, _, (kp, vp), (ks, vs), tw = _case(rng, 2, 4, 4, 16, 8, FP8, True)
     slots = jnp.asarray([-1, -1], jnp.int32)
     q, kp2, vp2 = qe.decode_qkv_kernel(u, positions, slots, kp, vp, ks, vs, tw, n_heads=4, rotary_dim=8,
@@ -106,7 +96,7 @@ def test_padding_rows_write_nothing_and_q_is_still_computed():
     np.testing.assert_array_equal(_bits(kp2), _bits(kp))
     np.testing.assert_array_equal(_bits(vp2), _bits(vp))
     q_r = qe.qkv_heads_ref(u, positions, tw, n_heads=4, n_kv_heads=4, rotary_dim=8, theta=10000.0)[0]
-    np.testing.assert_allclose(_f32(q), _f32(q_r), rtol=0, atol=2.0**-6 * np.abs(_f32(q_r)).max())
+    np.testing.assert_allclose(as_f32(q), as_f32(q_r), rtol=0, atol=2.0**-6 * np.abs(as_f32(q_r)).max())
 
 
 def _problem(u, kp, tau, rot=8) -> str:
