@@ -11,13 +11,26 @@ scale to 8 bits instead (round to nearest). 48-bit RGB PNGs arrive from PIL's de
 to the crop size (aspect ratio not kept), crops 1.. are row-major windows of the image resized to
 `tiles * window + 2 * margin`, all resizes with PIL LANCZOS (the reference's path when pyvips is
 absent, which is what the golden crops were made with).
+
+`resize_lanczos` is that PIL resize split across threads, with the same bytes out. PIL resamples
+in two separable passes through an 8-bit intermediate (horizontal first, except that newer PIL
+runs the vertical pass first when the height shrinks much more than the width), and each pass's
+coefficients depend only on the sizes along its own axis. So the horizontal pass runs as
+horizontal-only resizes of row strips and the vertical pass as vertical-only resizes of column
+strips, in parallel (PIL releases the GIL while it resamples). One PIL call spends ~25 ms of a
+core on a 756 px image's crops: most of that image's time to first token before this.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import io
 import math
 import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
 
@@ -210,6 +223,116 @@ def _from_array(a: np.ndarray, max_pixels: int) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
+# Parallel resize and digest
+
+# Worker threads for resizing and hashing (shared by all callers); KESTREL_JAX_IMAGE_THREADS
+# overrides the default of min(8, CPUs). 1 runs everything in the calling thread.
+IMAGE_THREADS = max(1, int(os.environ.get("KESTREL_JAX_IMAGE_THREADS", 0)) or min(8, os.cpu_count() or 1))
+# Below this many output pixels per pass a single PIL call is cheaper than fanning out.
+_MIN_PARALLEL_PIXELS = 128 * 1024
+_MIN_STRIP = 32  # rows (horizontal pass) or columns (vertical pass) per task
+
+_pool_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=IMAGE_THREADS, thread_name_prefix="kestrel-jax-image")
+        return _pool
+
+
+def _on_pool_thread() -> bool:
+    return threading.current_thread().name.startswith("kestrel-jax-image")
+
+
+def _parallel(fns: list[Callable[[], np.ndarray]]) -> list[np.ndarray]:
+    # A task running on the pool never waits on the pool (a full pool would deadlock).
+    if len(fns) == 1 or IMAGE_THREADS == 1 or _on_pool_thread():
+        return [f() for f in fns]
+    return [f.result() for f in [_executor().submit(f) for f in fns]]
+
+
+def _pil_resize(a: np.ndarray, width: int, height: int) -> np.ndarray:
+    image = Image.fromarray(np.ascontiguousarray(a))
+    return np.asarray(image.resize((width, height), resample=Image.Resampling.LANCZOS))
+
+
+def _bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    edges = [n * i // parts for i in range(parts + 1)]
+    return [(lo, hi) for lo, hi in zip(edges[:-1], edges[1:], strict=True) if hi > lo]
+
+
+def resize_lanczos(image: np.ndarray, width: int, height: int, *, threads: int | None = None) -> np.ndarray:
+    """`PIL.Image.resize((width, height), LANCZOS)` of a uint8 [H, W, 3] array, byte for byte,
+    with each pass split into strips across `threads` (default IMAGE_THREADS) workers."""
+    h0, w0 = image.shape[:2]
+    if (w0, h0) == (width, height):
+        return np.array(image, copy=True)
+    n = IMAGE_THREADS if threads is None else max(1, threads)
+    rule = None if n == 1 else _pass_order_rule()
+    if rule is None:  # one thread, or a PIL whose pass order is unknown: one plain call
+        return _pil_resize(image, width, height)
+    if rule == "shrink" and h0 - height > 0 and h0 - height > (w0 - width) * 2:
+        return _resize_rows(_resize_cols(image, height, n), width, n)
+    return _resize_cols(_resize_rows(image, width, n), height, n)
+
+
+@functools.cache
+def _pass_order_rule() -> str | None:
+    """Which pass the installed PIL runs first: "horizontal" (always; older PIL) or "shrink"
+    (vertical first when the height shrinks by more than twice as many pixels as the width; newer
+    PIL, e.g. 13.0), found by resizing a probe image; None if neither reproduces it."""
+    probe = np.random.default_rng(0).integers(0, 256, (64, 16, 3), dtype=np.uint8)
+    want = _pil_resize(probe, 24, 8)  # height -56 > 2 * (width -8): the two rules differ here
+    if np.array_equal(want, _pil_resize(_pil_resize(probe, 16, 8), 24, 8)):
+        return "shrink"
+    if np.array_equal(want, _pil_resize(_pil_resize(probe, 24, 64), 24, 8)):
+        return "horizontal"
+    return None
+
+
+def _resize_rows(a: np.ndarray, width: int, n: int) -> np.ndarray:
+    """Horizontal pass: horizontal-only resizes of row strips."""
+    h, w = a.shape[:2]
+    if width == w:
+        return a
+    parts = min(n, -(-h // _MIN_STRIP)) if h * width >= _MIN_PARALLEL_PIXELS else 1
+    out = _parallel([functools.partial(_pil_resize, a[lo:hi], width, hi - lo) for lo, hi in _bounds(h, parts)])
+    return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
+
+
+def _resize_cols(a: np.ndarray, height: int, n: int) -> np.ndarray:
+    """Vertical pass: vertical-only resizes of column strips."""
+    h, w = a.shape[:2]
+    if height == h:
+        return a
+    parts = min(n, -(-w // _MIN_STRIP)) if height * w >= _MIN_PARALLEL_PIXELS else 1
+    out = _parallel([functools.partial(_pil_resize, a[:, lo:hi], hi - lo, height)
+                     for lo, hi in _bounds(w, parts)])
+    return out[0] if len(out) == 1 else np.concatenate(out, axis=1)
+
+
+_DIGEST_CHUNK = 1 << 20  # bytes per hashing task
+
+
+def crops_digest(crops: np.ndarray) -> bytes:
+    """Content key of an image's crops (the prefix cache's image key): SHA-256 over the shape and
+    the SHA-256 of each 1 MiB chunk of the pixels, the chunks hashed in parallel."""
+    data = memoryview(np.ascontiguousarray(crops)).cast("B")
+    head = repr((crops.shape, str(crops.dtype))).encode()
+    chunks = [data[i:i + _DIGEST_CHUNK] for i in range(0, len(data), _DIGEST_CHUNK)] or [data]
+    parts = _parallel([functools.partial(_sha256, c) for c in chunks])
+    return hashlib.sha256(head + b"".join(p.tobytes() for p in parts)).digest()
+
+
+def _sha256(data: memoryview) -> np.ndarray:
+    return np.frombuffer(hashlib.sha256(data).digest(), np.uint8)
+
+
+# --------------------------------------------------------------------------------------------
 # Tiling and crops
 
 
@@ -294,10 +417,9 @@ def overlap_crops(
     rows, cols = tiling
     target_h, target_w = resized_size(tiling, vision)
 
-    pil = Image.fromarray(image_u8)
     crops = np.zeros((1 + rows * cols, size, size, 3), dtype=np.uint8)
-    crops[0] = np.asarray(pil.resize((size, size), resample=Image.Resampling.LANCZOS))
-    resized = np.asarray(pil.resize((target_w, target_h), resample=Image.Resampling.LANCZOS))
+    crops[0] = resize_lanczos(image_u8, size, size)
+    resized = resize_lanczos(image_u8, target_w, target_h)
     # PIL resizes to the exact size, so every window fits; the reference's zero padding for a
     # short resize (top-left aligned copy) is kept only as the slice semantics below.
     for i in range(rows):

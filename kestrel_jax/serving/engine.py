@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -28,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_jax.models.image_crops import ImageError, ImageInput, load_image, overlap_crops
+from kestrel_jax.models.image_crops import ImageError, ImageInput, crops_digest, load_image, overlap_crops
 from kestrel_jax.prompts import (
     Prompt,
     caption_prompt,
@@ -272,7 +271,7 @@ class InferenceEngine:
         if crops.shape[0] > limit:
             raise ImageError(f"this image needs {crops.shape[0]} crops (tiling {tiling[0]}x{tiling[1]}, an "
                              f"extreme aspect ratio); the engine encodes at most {limit}")
-        digest = hashlib.sha256(np.ascontiguousarray(crops).tobytes()).digest()
+        digest = crops_digest(crops)
         return crops, (int(tiling[0]), int(tiling[1])), digest
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from kestrel_jax.models import image_crops
 from kestrel_jax.models.config import VisionConfig, md2_config, md3_config
 from kestrel_jax.models.image_crops import (
     DEMO_IMAGE_PATH,
@@ -385,3 +386,72 @@ def test_demo_image_is_bundled_and_reproducible():
     spec.loader.exec_module(module)
     np.testing.assert_array_equal(np.asarray(module.make_demo_image()), image)
     assert overlap_crops(image, VISION)[1] == (2, 4)
+
+
+# --------------------------------------------------------------------------------------------
+# Parallel resize and digest
+
+
+def _pil_lanczos(img: np.ndarray, width: int, height: int) -> np.ndarray:
+    return np.asarray(Image.fromarray(img).resize((width, height), Image.Resampling.LANCZOS))
+
+
+def test_pass_order_rule_is_known():
+    # The strip split needs to know which pass PIL runs first; an unknown PIL falls back to one
+    # plain call (still correct, not parallel). The pinned PIL must be a known one.
+    assert image_crops._pass_order_rule() in ("horizontal", "shrink")
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_resize_lanczos_is_pil_byte_for_byte(threads, monkeypatch):
+    # Strips even on small images, so that every case below is really split.
+    monkeypatch.setattr(image_crops, "_MIN_PARALLEL_PIXELS", 0)
+    monkeypatch.setattr(image_crops, "_MIN_STRIP", 4)
+    rng = _rng()
+    cases = [
+        (756, 756, 910, 910), (756, 756, 378, 378), (500, 700, 378, 378), (1, 1, 378, 378),
+        (2, 300, 378, 378), (300, 2, 64, 37), (256, 192, 294, 227), (64, 16, 24, 8),
+        (120, 40, 36, 40), (120, 40, 40, 39), (50, 60, 60, 50), (33, 120, 97, 150),
+    ]
+    cases += [(int(a), int(b), int(c), int(d)) for a, b, c, d in rng.integers(1, 400, (12, 4))]
+    for h, w, ow, oh in cases:
+        img = rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8)
+        got = image_crops.resize_lanczos(img, ow, oh, threads=threads)
+        np.testing.assert_array_equal(got, _pil_lanczos(img, ow, oh), err_msg=f"{(h, w)} -> {(oh, ow)}")
+
+
+def test_resize_lanczos_default_split_and_same_size_copy():
+    rng = _rng()
+    img = rng.integers(0, 256, size=(756, 756, 3), dtype=np.uint8)
+    np.testing.assert_array_equal(image_crops.resize_lanczos(img, 910, 910), _pil_lanczos(img, 910, 910))
+    same = image_crops.resize_lanczos(img, 756, 756)
+    np.testing.assert_array_equal(same, img)
+    same[0, 0] ^= 1  # a copy, not a view of the caller's array
+    assert img[0, 0, 0] != same[0, 0, 0]
+
+
+def test_resize_lanczos_from_a_pool_thread_does_not_deadlock(monkeypatch):
+    # A pool task that resizes runs its strips itself instead of waiting on the (full) pool.
+    monkeypatch.setattr(image_crops, "_MIN_PARALLEL_PIXELS", 0)
+    rng = _rng()
+    img = rng.integers(0, 256, size=(300, 200, 3), dtype=np.uint8)
+    pool = image_crops._executor()
+    futures = [pool.submit(image_crops.resize_lanczos, img, 150, 420) for _ in range(2 * image_crops.IMAGE_THREADS)]
+    want = _pil_lanczos(img, 150, 420)
+    for f in futures:
+        np.testing.assert_array_equal(f.result(timeout=60), want)
+
+
+def test_crops_digest_keys_content_and_shape():
+    rng = _rng()
+    crops = rng.integers(0, 256, size=(10, 378, 378, 3), dtype=np.uint8)  # > 1 hashing chunk
+    d = image_crops.crops_digest(crops)
+    assert d == image_crops.crops_digest(crops.copy()) and len(d) == 32
+    changed = crops.copy()
+    changed[9, 377, 377, 2] ^= 1  # last byte, last chunk
+    assert image_crops.crops_digest(changed) != d
+    changed = crops.copy()
+    changed[0, 0, 0, 0] ^= 1
+    assert image_crops.crops_digest(changed) != d
+    # same bytes, another shape (another tiling): another key
+    assert image_crops.crops_digest(crops.reshape(5, 756, 378, 3)) != d
