@@ -248,7 +248,7 @@ def _on_pool_thread() -> bool:
     return threading.current_thread().name.startswith("kestrel-jax-image")
 
 
-def _parallel(fns: list[Callable[[], np.ndarray]]) -> list[np.ndarray]:
+def _parallel[T](fns: list[Callable[[], T]]) -> list[T]:
     # A task running on the pool never waits on the pool (a full pool would deadlock).
     if len(fns) == 1 or IMAGE_THREADS == 1 or _on_pool_thread():
         return [f() for f in fns]
@@ -268,16 +268,37 @@ def _bounds(n: int, parts: int) -> list[tuple[int, int]]:
 def resize_lanczos(image: np.ndarray, width: int, height: int, *, threads: int | None = None) -> np.ndarray:
     """`PIL.Image.resize((width, height), LANCZOS)` of a uint8 [H, W, 3] array, byte for byte,
     with each pass split into strips across `threads` (default IMAGE_THREADS) workers."""
-    h0, w0 = image.shape[:2]
-    if (w0, h0) == (width, height):
-        return np.array(image, copy=True)
+    return resize_many(image, [(width, height)], threads=threads)[0]
+
+
+def resize_many(image: np.ndarray, sizes: list[tuple[int, int]], *, threads: int | None = None) -> list[np.ndarray]:
+    """`resize_lanczos` of one image to several (width, height) sizes, the first passes of all of
+    them in one parallel phase and the second passes in another (fewer waits than one by one).
+    Each strip task writes its rows or columns straight into the pass's output array."""
     n = IMAGE_THREADS if threads is None else max(1, threads)
     rule = None if n == 1 else _pass_order_rule()
-    if rule is None:  # one thread, or a PIL whose pass order is unknown: one plain call
-        return _pil_resize(image, width, height)
-    if rule == "shrink" and h0 - height > 0 and h0 - height > (w0 - width) * 2:
-        return _resize_rows(_resize_cols(image, height, n), width, n)
-    return _resize_cols(_resize_rows(image, width, n), height, n)
+    h0, w0 = image.shape[:2]
+    plans: list[tuple[str, int, str, int] | None] = []
+    for width, height in sizes:
+        if (w0, h0) == (width, height) or rule is None:
+            plans.append(None)  # a copy, or one plain PIL call (one thread, or a PIL of unknown order)
+        elif rule == "shrink" and h0 - height > 0 and h0 - height > (w0 - width) * 2:
+            plans.append(("cols", height, "rows", width))
+        else:
+            plans.append(("rows", width, "cols", height))
+    first = [_pass(image, p[0], p[1], n) if p else (image, []) for p in plans]
+    _parallel([t for _, ts in first for t in ts])
+    second = [_pass(mid, p[2], p[3], n) if p else (mid, []) for p, (mid, _) in zip(plans, first, strict=True)]
+    _parallel([t for _, ts in second for t in ts])
+    out = []
+    for (width, height), p, (res, _) in zip(sizes, plans, second, strict=True):
+        if p is not None:
+            out.append(res)
+        elif (w0, h0) == (width, height):
+            out.append(np.array(image, copy=True))
+        else:
+            out.append(_pil_resize(image, width, height))
+    return out
 
 
 @functools.cache
@@ -294,25 +315,26 @@ def _pass_order_rule() -> str | None:
     return None
 
 
-def _resize_rows(a: np.ndarray, width: int, n: int) -> np.ndarray:
-    """Horizontal pass: horizontal-only resizes of row strips."""
+def _pass(a: np.ndarray, axis: str, size: int, n: int) -> tuple[np.ndarray, list[Callable[[], None]]]:
+    """One pass as (its output array, strip tasks that fill it): "rows" resizes row strips to
+    `size` columns (horizontal only), "cols" resizes column strips to `size` rows (vertical only).
+    `a` itself and no tasks if that side already has the size."""
     h, w = a.shape[:2]
-    if width == w:
-        return a
-    parts = min(n, -(-h // _MIN_STRIP)) if h * width >= _MIN_PARALLEL_PIXELS else 1
-    out = _parallel([functools.partial(_pil_resize, a[lo:hi], width, hi - lo) for lo, hi in _bounds(h, parts)])
-    return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
+    if axis == "rows":
+        if size == w:
+            return a, []
+        out = np.empty((h, size, *a.shape[2:]), np.uint8)
+        parts = min(n, -(-h // _MIN_STRIP)) if h * size >= _MIN_PARALLEL_PIXELS else 1
+        return out, [functools.partial(_resize_into, a[lo:hi], out[lo:hi]) for lo, hi in _bounds(h, parts)]
+    if size == h:
+        return a, []
+    out = np.empty((size, w, *a.shape[2:]), np.uint8)
+    parts = min(n, -(-w // _MIN_STRIP)) if size * w >= _MIN_PARALLEL_PIXELS else 1
+    return out, [functools.partial(_resize_into, a[:, lo:hi], out[:, lo:hi]) for lo, hi in _bounds(w, parts)]
 
 
-def _resize_cols(a: np.ndarray, height: int, n: int) -> np.ndarray:
-    """Vertical pass: vertical-only resizes of column strips."""
-    h, w = a.shape[:2]
-    if height == h:
-        return a
-    parts = min(n, -(-w // _MIN_STRIP)) if height * w >= _MIN_PARALLEL_PIXELS else 1
-    out = _parallel([functools.partial(_pil_resize, a[:, lo:hi], hi - lo, height)
-                     for lo, hi in _bounds(w, parts)])
-    return out[0] if len(out) == 1 else np.concatenate(out, axis=1)
+def _resize_into(src: np.ndarray, dst: np.ndarray) -> None:
+    dst[...] = _pil_resize(src, dst.shape[1], dst.shape[0])
 
 
 _DIGEST_CHUNK = 1 << 20  # bytes per hashing task
@@ -418,8 +440,7 @@ def overlap_crops(
     target_h, target_w = resized_size(tiling, vision)
 
     crops = np.zeros((1 + rows * cols, size, size, 3), dtype=np.uint8)
-    crops[0] = resize_lanczos(image_u8, size, size)
-    resized = resize_lanczos(image_u8, target_w, target_h)
+    crops[0], resized = resize_many(image_u8, [(size, size), (target_w, target_h)])
     # PIL resizes to the exact size, so every window fits; the reference's zero padding for a
     # short resize (top-left aligned copy) is kept only as the slice semantics below.
     for i in range(rows):

@@ -455,3 +455,18 @@ def test_crops_digest_keys_content_and_shape():
     assert image_crops.crops_digest(changed) != d
     # same bytes, another shape (another tiling): another key
     assert image_crops.crops_digest(crops.reshape(5, 756, 378, 3)) != d
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_resize_many_is_pil_for_every_size(threads, monkeypatch):
+    # Several target sizes share the two parallel phases; each result is PIL's, whatever the mix
+    # of pass orders, unchanged sides and same-size copies.
+    monkeypatch.setattr(image_crops, "_MIN_PARALLEL_PIXELS", 0)
+    monkeypatch.setattr(image_crops, "_MIN_STRIP", 4)
+    rng = _rng()
+    img = rng.integers(0, 256, size=(120, 90, 3), dtype=np.uint8)
+    sizes = [(90, 120), (45, 120), (90, 30), (36, 40), (200, 150), (24, 8), (378, 378)]
+    got = image_crops.resize_many(img, sizes, threads=threads)
+    assert len(got) == len(sizes)
+    for (w, h), out in zip(sizes, got, strict=True):
+        np.testing.assert_array_equal(out, _pil_lanczos(img, w, h), err_msg=f"-> {(h, w)}")
