@@ -51,7 +51,7 @@ def main() -> int:
     vision = md3_config().vision
     print(f"cpus {os.cpu_count()}, python {platform.python_version()}, pillow {PIL.__version__}, numpy "
           f"{np.__version__}, image threads {image_crops.IMAGE_THREADS}, PIL pass order "
-          f"{image_crops._pass_order_rule()}")
+          f"{image_crops.pass_order_rule()}")
     rng = np.random.default_rng(0)
     rows = []
     for spec in a.sizes:

@@ -276,7 +276,7 @@ def resize_many(image: np.ndarray, sizes: list[tuple[int, int]], *, threads: int
     them in one parallel phase and the second passes in another (fewer waits than one by one).
     Each strip task writes its rows or columns straight into the pass's output array."""
     n = IMAGE_THREADS if threads is None else max(1, threads)
-    rule = None if n == 1 else _pass_order_rule()
+    rule = None if n == 1 else pass_order_rule()
     h0, w0 = image.shape[:2]
     plans: list[tuple[str, int, str, int] | None] = []
     for width, height in sizes:
@@ -302,7 +302,7 @@ def resize_many(image: np.ndarray, sizes: list[tuple[int, int]], *, threads: int
 
 
 @functools.cache
-def _pass_order_rule() -> str | None:
+def pass_order_rule() -> str | None:
     """Which pass the installed PIL runs first: "horizontal" (always; older PIL) or "shrink"
     (vertical first when the height shrinks by more than twice as many pixels as the width; newer
     PIL, e.g. 13.0), found by resizing a probe image; None if neither reproduces it."""

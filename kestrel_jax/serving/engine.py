@@ -27,7 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from kestrel_jax.models.image_crops import ImageError, ImageInput, crops_digest, load_image, overlap_crops
+from kestrel_jax.models.device_crops import CropPlan, plan_crops
+from kestrel_jax.models.image_crops import (
+    ImageError,
+    ImageInput,
+    crops_digest,
+    image_tiling,
+    load_image,
+    overlap_crops,
+)
 from kestrel_jax.prompts import (
     Prompt,
     caption_prompt,
@@ -115,7 +123,7 @@ class Submission:
 
     job: Job
     tokens: tuple[int, ...]  # positions after the image prefix (text-only: BOS first)
-    crops: np.ndarray | None
+    crops: np.ndarray | CropPlan | None  # host-made crops, or the plan the device makes them from
     tiling: tuple[int, int] | None
     digest: bytes | None
     future: asyncio.Future[Result]
@@ -265,14 +273,24 @@ class InferenceEngine:
             return st
         return await future
 
-    def _prepare_image(self, image: ImageInput) -> tuple[np.ndarray, tuple[int, int], bytes]:
-        crops, tiling = overlap_crops(load_image(image), self.cfg.vision)
-        limit = self._worker.runner.vision_buckets[-1]
-        if crops.shape[0] > limit:
-            raise ImageError(f"this image needs {crops.shape[0]} crops (tiling {tiling[0]}x{tiling[1]}, an "
+    def _prepare_image(self, image: ImageInput) -> tuple[np.ndarray | CropPlan, tuple[int, int], bytes]:
+        """Decode, then either the device crop plan (small enough images, when the runner makes
+        crops on the device) or the crops themselves; the prefix-cache key hashes the decoded
+        pixels, so both paths key an image alike."""
+        pixels = load_image(image)
+        runner = self._worker.runner
+        plan = plan_crops(pixels, self.cfg.vision, canvas=runner.config.crop_canvas) if runner.device_crops else None
+        crops: np.ndarray | CropPlan
+        if plan is not None:
+            crops, tiling = plan, image_tiling(pixels.shape[0], pixels.shape[1], self.cfg.vision)
+        else:
+            crops, tiling = overlap_crops(pixels, self.cfg.vision)
+        n = crops.num_crops if isinstance(crops, CropPlan) else crops.shape[0]
+        limit = runner.vision_buckets[-1]
+        if n > limit:
+            raise ImageError(f"this image needs {n} crops (tiling {tiling[0]}x{tiling[1]}, an "
                              f"extreme aspect ratio); the engine encodes at most {limit}")
-        digest = crops_digest(crops)
-        return crops, (int(tiling[0]), int(tiling[1])), digest
+        return crops, (int(tiling[0]), int(tiling[1])), crops_digest(pixels)
 
 
 def model_path_or_demo(path: str | Path | None) -> Path:

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kestrel_jax.models.device_crops import empty_plan
 from kestrel_jax.models.loader import load_model
 from kestrel_jax.serving import batch as bt
 from kestrel_jax.serving.buckets import pick_bucket
@@ -112,7 +113,8 @@ class EngineWorker:
         return {"steps": dict(self.stepper.steps), "live": len(self._live), "num_pages": self.runner.num_pages,
                 "page_size": self.runner.page_size, "kv_dtype": str(jnp.dtype(self.runner.kv_dtype)),
                 "startup_s": self.startup_s, "load_s": self.load_s, "compile_s": dict(self.compile_s),
-                "host_s": {**self.host_s, "wait_outputs": self.stepper.wait_s}, "scheduler": self.scheduler.stats}
+                "host_s": {**self.host_s, "wait_outputs": self.stepper.wait_s}, "scheduler": self.scheduler.stats,
+                "images": dict(self.runner.images)}
 
     def warmup(self) -> None:
         """Compile every decode and prefill bucket, the page copy and the vision buckets with
@@ -138,6 +140,10 @@ class EngineWorker:
         for n in self.runner.vision_buckets:
             crops = np.zeros((n, vis.crop_size, vis.crop_size, 3), np.uint8)
             timed(f"vision_n{n}", self.runner.encode_image, crops, (1, n - 1))
+            if self.runner.device_crops:  # large images still take the host path
+                plan = empty_plan(n, vis.crop_size, canvas=self.runner.config.crop_canvas)
+                timed(f"crops_n{n}", self.runner.encode_image, plan, (1, n - 1))
+        self.runner.images = dict.fromkeys(self.runner.images, 0)  # count served images only
         self.runner.freeze()
 
     def _step_variants(self, bucket: int) -> tuple[int, ...]:

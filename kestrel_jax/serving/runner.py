@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from kestrel_jax.models.device_crops import CANVAS, CropPlan, make_crops
 from kestrel_jax.models.moondream import MoondreamModel
 from kestrel_jax.models.region import coord_bin_to_value, size_bin_to_value
 from kestrel_jax.models.text import AttentionBatch, KVCache
@@ -69,6 +70,11 @@ class RunnerConfig:
     # a GPU with a bf16 model when it runs there, else xla). cuDNN measured 1.4-1.7x faster for
     # the whole MD2 image step on an H100 (BENCHMARKS.md), outputs within bf16 rounding.
     vision_attention: str = "auto"
+    # Overlap crops made on the device from the uploaded image (`models.device_crops`, byte-identical
+    # to the host's PIL path) for images of at most `crop_canvas` pixels a side: "auto" (on a GPU),
+    # "on" or "off". Larger images, and every image when off, are cropped on the host.
+    device_crops: str = "auto"
+    crop_canvas: int = CANVAS  # side of the uploaded image array on that path (larger images: host)
 
 
 class StepOutputs(NamedTuple):
@@ -346,6 +352,12 @@ class Runner:
         self.no_outputs = _committed(jnp.zeros((out_rows, 6), jnp.float32))
         attn = _vision_attention(self.config.vision_attention, model.dtype)
         self._vision = jax.jit(functools.partial(_vision_step, vision_gd, vision_treedef, model.dtype, attn))
+        if self.config.device_crops not in ("auto", "on", "off"):
+            raise ValueError(f"device_crops must be auto, on or off; got {self.config.device_crops!r}")
+        self.device_crops = (self.config.device_crops == "on"
+                             or (self.config.device_crops == "auto" and jax.default_backend() == "gpu"))
+        self._crops = jax.jit(make_crops)
+        self.images = {"device_crops": 0, "host_crops": 0}  # images encoded, by where their crops were made
         self._frozen: dict[str, int] | None = None
 
     # ------------------------------------------------------------------------------- sizing
@@ -367,19 +379,25 @@ class Runner:
         return pages
 
     # ------------------------------------------------------------------------------- vision
-    def encode_image(self, crops_u8: np.ndarray, tiling: tuple[int, int]) -> jax.Array:
-        """uint8 crops [n, S, S, 3] -> image tokens [729, D] on the device (one fixed-shape step
-        per crop-count bucket; the tiling enters as pooling weights, not as a shape)."""
-        n = crops_u8.shape[0]
+    def encode_image(self, crops: np.ndarray | CropPlan, tiling: tuple[int, int]) -> jax.Array:
+        """uint8 crops [n, S, S, 3], or a `CropPlan` whose crops the device makes first, -> image
+        tokens [729, D] on the device (one fixed-shape step per crop-count bucket; the tiling
+        enters as pooling weights, not as a shape)."""
+        n = crops.num_crops if isinstance(crops, CropPlan) else crops.shape[0]
         bucket = next((b for b in self.vision_buckets if b >= n), None)
         if bucket is None:
             # The reference's tiling rule allows more than 13 crops for extreme aspect ratios.
             raise ValueError(f"an image of {n} crops exceeds the largest vision bucket "
                              f"({self.vision_buckets[-1]}); extend RunnerConfig.vision_buckets")
-        pad = np.zeros((bucket - n, *crops_u8.shape[1:]), np.uint8)
+        if isinstance(crops, CropPlan):
+            batch = self._guarded("crops", self._crops, *crops.padded(bucket))
+            self.images["device_crops"] += 1
+        else:
+            self.images["host_crops"] += 1
+            pad = np.zeros((bucket - n, *crops.shape[1:]), np.uint8)
+            batch = jnp.asarray(np.concatenate([crops, pad]))
         rows, cols = tile_pool_matrices(tiling, self.cfg.vision, bucket - 1)
-        return self._guarded("vision", self._vision, self.vision_params,
-                             jnp.asarray(np.concatenate([crops_u8, pad])), rows, cols)
+        return self._guarded("vision", self._vision, self.vision_params, batch, rows, cols)
 
     # ------------------------------------------------------------------------------- steps
     def _decode_fn(self, steps: int) -> Any:
@@ -435,7 +453,7 @@ class Runner:
 
     # ------------------------------------------------------------------------------- guard
     def _fns(self) -> dict[str, Any]:
-        fns = {"prefill": self._prefill, "vision": self._vision, "copy": self._copy}
+        fns = {"prefill": self._prefill, "vision": self._vision, "copy": self._copy, "crops": self._crops}
         fns.update({f"decode{k}": fn for k, fn in self._decode.items()})
         return fns
 

@@ -396,10 +396,10 @@ def _pil_lanczos(img: np.ndarray, width: int, height: int) -> np.ndarray:
     return np.asarray(Image.fromarray(img).resize((width, height), Image.Resampling.LANCZOS))
 
 
-def test_pass_order_rule_is_known():
+def testpass_order_rule_is_known():
     # The strip split needs to know which pass PIL runs first; an unknown PIL falls back to one
     # plain call (still correct, not parallel). The pinned PIL must be a known one.
-    assert image_crops._pass_order_rule() in ("horizontal", "shrink")
+    assert image_crops.pass_order_rule() in ("horizontal", "shrink")
 
 
 @pytest.mark.parametrize("threads", [2, 3, 8])

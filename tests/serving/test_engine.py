@@ -99,6 +99,8 @@ def test_mixed_skills_batched_equal_reference(engine: InferenceEngine, ref: Refe
     assert got[5].output["answer"] == t.output
     # the random model never emits EOS (biased lm_head): every text ran to max_tokens
     assert got[0].finish_reason == "length" and got[0].metrics.output_tokens == 5
+    # the images were cropped on the device (this engine's setting), equal answers included
+    assert engine.stats["images"]["device_crops"] >= 2 and engine.stats["images"]["host_crops"] == 0
     _leak_free(engine)
 
 

@@ -61,6 +61,8 @@ def test_reasoning_paths_match_reference(setup: tuple[InferenceEngine, Reference
         assert got_g == want_g
     eng._worker.scheduler.check_invariants()
     assert eng.stats["live"] == 0
+    # device crops default to off on the CPU: this engine covers the host path
+    assert eng.stats["images"]["host_crops"] >= 1 and eng.stats["images"]["device_crops"] == 0
 
 
 def test_cancel_during_prefill_frees_everything(setup: tuple[InferenceEngine, ReferenceMoondream]) -> None:
