@@ -279,7 +279,10 @@ class InferenceEngine:
         pixels, so both paths key an image alike."""
         pixels = load_image(image)
         runner = self._worker.runner
-        plan = plan_crops(pixels, self.cfg.vision, canvas=runner.config.crop_canvas) if runner.device_crops else None
+        s = self.cfg.vision.crop_size
+        # An image already of crop size needs no resize: its crops are two copies on the host.
+        on_device = runner.device_crops and pixels.shape[:2] != (s, s)
+        plan = plan_crops(pixels, self.cfg.vision, canvas=runner.config.crop_canvas) if on_device else None
         crops: np.ndarray | CropPlan
         if plan is not None:
             crops, tiling = plan, image_tiling(pixels.shape[0], pixels.shape[1], self.cfg.vision)
