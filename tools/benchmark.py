@@ -793,6 +793,8 @@ class Output:
 
 
 async def run(a: argparse.Namespace, o: Output) -> int:
+    import jax
+
     from kestrel_jax.serving.engine import InferenceEngine
 
     t_start = time.perf_counter()
@@ -832,6 +834,12 @@ async def run(a: argparse.Namespace, o: Output) -> int:
         state = "none" if not cache else ("warm" if entries else "cold")
         log(f"creating the engine (compile cache {state}, {entries} entries)")
         t0 = time.perf_counter()
+        phases: dict[str, list[float]] = {}  # JAX's own compile-pipeline timings during start-up
+
+        def on_duration(event: str, duration_secs: float, **kwargs: str | int) -> None:
+            phases.setdefault(event, []).append(duration_secs)
+
+        jax.monitoring.register_event_duration_secs_listener(on_duration)
         try:
             engine = await InferenceEngine.create(cfg, model=model)
         except Exception as e:
@@ -840,10 +848,17 @@ async def run(a: argparse.Namespace, o: Output) -> int:
             log(f"engine start failed: {e!r}")
             o.dump()
             return 2
+        finally:
+            jax.monitoring.unregister_event_duration_listener(on_duration)
         st = engine.stats
         res["startup"] = [{"create_s": rnd(time.perf_counter() - t0), "load_s": rnd(st.get("load_s")),
                            "startup_s": rnd(st.get("startup_s")), "cache_state": state,
-                           "cache_entries_before": entries, "cache_dir": cache}]
+                           "cache_entries_before": entries, "cache_dir": cache,
+                           # seconds per compile phase, summed over every jit (tracing, lowering to
+                           # StableHLO, XLA compile or cache load), and each step variant's warm-up
+                           "phases_s": {k.rsplit("/", 1)[-1]: [len(v), rnd(sum(v))] for k, v in sorted(phases.items())
+                                        if k.startswith("/jax/")},
+                           "variants_s": st.get("compile_s")}]
         res["engine_stats"] = {k: st[k] for k in ("num_pages", "page_size", "kv_dtype")}
         log(f"engine ready: {res['startup'][0]}; {res['engine_stats']}")
         o.dump()

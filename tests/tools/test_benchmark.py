@@ -54,6 +54,10 @@ def test_quick_run_reports_every_workload(quick_run: tuple[dict[str, Any], str, 
     assert res["copy_bandwidth"]["ceiling_gbs"] > 0
     assert res["engine_config"]["decode_buckets"] == [2]
     assert res["startup"][0]["create_s"] > 0 and res["startup"][0]["cache_state"] == "none"
+    # JAX's compile-pipeline timings during start-up: every step was traced and compiled
+    phases = res["startup"][0]["phases_s"]
+    assert phases["jaxpr_trace_duration"][0] > 0 and phases["backend_compile_duration"][1] > 0
+    assert res["startup"][0]["variants_s"]["prefill_t768"] > 0
 
     w1 = res["w1"]["summary"]
     assert w1["n"] == 1 and w1["output_tokens_min"] == 16 and w1["not_full_length"] == 0
