@@ -53,6 +53,9 @@ class RecompileError(RuntimeError):
     """A jitted step was traced again while serving: some input shape escaped its bucket."""
 
 
+PAGE_QUANTUM = 64  # a KV pool sized from device memory is a multiple of this many pages
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     page_size: int = 64
@@ -371,8 +374,21 @@ class Runner:
         need = self.max_pages_per_seq * 8  # a floor: room for 8 full-length sequences
         if not stats or "bytes_limit" not in stats:
             return need  # CPU: no budget to size against
-        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        pages = int(free * self.config.kv_memory_fraction) // self.kv_bytes_per_page()
+        # Sized from the memory the params leave, not from what happens to be free right now: the
+        # pool's shape is part of every step's compiled program, and a count that moved by a page
+        # between runs (it did, 4823 vs 4824) made every decode and prefill step miss the
+        # persistent compilation cache. Rounded down to PAGE_QUANTUM pages for the same reason.
+        limit = stats["bytes_limit"]
+        params = sum(int(a.nbytes) for a in (*self.lm_params, *self.vision_params))
+
+        def quantised(nbytes: float) -> int:
+            p = int(nbytes * self.config.kv_memory_fraction) // self.kv_bytes_per_page()
+            return p // PAGE_QUANTUM * PAGE_QUANTUM if p >= 2 * PAGE_QUANTUM else p
+
+        pages = quantised(limit - params)
+        in_use = stats.get("bytes_in_use", 0)
+        if in_use - params > 0.05 * (limit - params):  # something else holds real memory: respect it
+            pages = min(pages, quantised(limit - in_use))
         if pages < self.max_pages_per_seq:
             raise MemoryError(f"only {pages} KV pages fit in free device memory; a single "
                               f"{self.max_seq_len}-token sequence needs {self.max_pages_per_seq}")

@@ -62,3 +62,33 @@ def test_copy_buckets_end_with_the_plan_size() -> None:
     assert Runner.copy_buckets(72) == (*COPY_BUCKETS, 72)
     assert Runner.copy_buckets(3) == (1, 3)
     assert Runner.copy_buckets(1) == (1,)
+
+
+class _FakeDevice:
+    def __init__(self, limit: int, in_use: int):
+        self.stats = {"bytes_limit": limit, "bytes_in_use": in_use}
+
+    def memory_stats(self) -> dict[str, int]:
+        return self.stats
+
+
+def test_pool_size_from_memory_is_stable_and_quantised(runner: Runner, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The pool's page count is part of every compiled step: sized from the memory the params leave
+    # (not from momentary free memory) and rounded to PAGE_QUANTUM pages, the same count comes out
+    # when a few pages' worth of other allocations come and go, so a restart hits the compile cache.
+    from kestrel_jax.serving import runner as runner_mod
+
+    page = runner.kv_bytes_per_page()
+    params = sum(int(a.nbytes) for a in (*runner.lm_params, *runner.vision_params))
+    limit = params + 1000 * page
+    counts = set()
+    for jitter in (0, 1, 3, 7):
+        monkeypatch.setattr(runner_mod.jax, "devices", lambda j=jitter: [_FakeDevice(limit, params + j * page)])
+        counts.add(runner._pages_from_memory())
+    monkeypatch.undo()
+    assert counts == {int(1000 * runner.config.kv_memory_fraction) // runner_mod.PAGE_QUANTUM * runner_mod.PAGE_QUANTUM}
+    # something else holding most of the memory: the pool shrinks to what is really free
+    monkeypatch.setattr(runner_mod.jax, "devices", lambda: [_FakeDevice(limit, params + 700 * page)])
+    n = runner._pages_from_memory()
+    monkeypatch.undo()
+    assert n * page <= 300 * page * runner.config.kv_memory_fraction and n % runner_mod.PAGE_QUANTUM == 0
