@@ -275,8 +275,7 @@ class InferenceEngine:
 
     def _prepare_image(self, image: ImageInput) -> tuple[np.ndarray | CropPlan, tuple[int, int], bytes]:
         """Decode, then either the device crop plan (small enough images, when the runner makes
-        crops on the device) or the crops themselves; the prefix-cache key hashes the decoded
-        pixels, so both paths key an image alike."""
+        crops on the device) or the crops themselves, and the image's prefix-cache key."""
         pixels = load_image(image)
         runner = self._worker.runner
         s = self.cfg.vision.crop_size
@@ -293,7 +292,11 @@ class InferenceEngine:
         if n > limit:
             raise ImageError(f"this image needs {n} crops (tiling {tiling[0]}x{tiling[1]}, an "
                              f"extreme aspect ratio); the engine encodes at most {limit}")
-        return crops, (int(tiling[0]), int(tiling[1])), crops_digest(pixels)
+        # The key hashes what is smaller: the (at most 1024 px) image on the device path, the crops
+        # (at most 13 x 378 x 378) on the host path, where the image may be a 12 MP photo. Which path
+        # an image takes depends only on its size, so an image always gets the same key.
+        keyed = pixels if isinstance(crops, CropPlan) else crops
+        return crops, (int(tiling[0]), int(tiling[1])), crops_digest(keyed)
 
 
 def model_path_or_demo(path: str | Path | None) -> Path:

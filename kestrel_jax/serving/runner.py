@@ -20,6 +20,7 @@ The KV pool (`KVCache`) is donated to every step and updated in place.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -31,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import export
 
 from kestrel_jax.models.device_crops import CANVAS, CropPlan, make_crops
 from kestrel_jax.models.moondream import MoondreamModel
@@ -41,6 +43,7 @@ from kestrel_jax.pallas import ops
 from kestrel_jax.pallas.paged_attention import init_kv_pool
 from kestrel_jax.pallas.sampling import SamplingParams, sample
 from kestrel_jax.serving import batch as bt
+from kestrel_jax.serving.export_cache import ExportedStep, source_hash
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,9 @@ class RunnerConfig:
     # "on" or "off". Larger images, and every image when off, are cropped on the host.
     device_crops: str = "auto"
     crop_canvas: int = CANVAS  # side of the uploaded image array on that path (larger images: host)
+    # With a compilation cache directory: keep the lowered decode and prefill steps there too
+    # (`export_cache`), so a restart skips tracing and lowering them.
+    export_steps: bool = True
 
 
 class StepOutputs(NamedTuple):
@@ -349,8 +355,12 @@ class Runner:
         backend = self.config.backend
         self._backend = backend
         self._decode: dict[int, Any] = {}  # iterations per launch -> jitted step
-        self._prefill = jax.jit(functools.partial(_prefill_step, self._parts, backend=backend,
-                                                  out_rows=out_rows), donate_argnums=(1,))
+        export_dir = (os.path.join(self.config.compilation_cache_dir, "kestrel_jax_export")
+                      if self.config.compilation_cache_dir and self.config.export_steps else None)
+        self._step = functools.partial(ExportedStep, donate_argnums=(1,), directory=export_dir,
+                                       salt=self._export_salt())
+        self._prefill = self._step("prefill", functools.partial(_prefill_step, self._parts, backend=backend,
+                                                                out_rows=out_rows))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
         self.no_outputs = _committed(jnp.zeros((out_rows, 6), jnp.float32))
         attn = _vision_attention(self.config.vision_attention, model.dtype)
@@ -362,6 +372,22 @@ class Runner:
         self._crops = jax.jit(make_crops)
         self.images = {"device_crops": 0, "host_crops": 0}  # images encoded, by where their crops were made
         self._frozen: dict[str, int] | None = None
+
+    def _export_salt(self) -> str:
+        """Everything besides input shapes that shapes a step's program (see export_cache)."""
+        dev = jax.devices()[0]
+        return "|".join(map(str, (source_hash(), jax.__version__, dev.platform, dev.device_kind, self.cfg,
+                                  self.config, self.out_rows, jnp.dtype(self.kv_dtype), jnp.dtype(self.model.dtype))))
+
+    @property
+    def export_counts(self) -> dict[str, int]:
+        """Decode and prefill step variants loaded from / exported to the export cache, or traced
+        as usual after a failure (`fallback`)."""
+        out = {"loaded": 0, "exported": 0, "fallback": 0}
+        for fn in (self._prefill, *self._decode.values()):
+            for k, v in fn.counts.items():
+                out[k] += v
+        return out
 
     # ------------------------------------------------------------------------------- sizing
     def kv_bytes_per_page(self) -> int:
@@ -421,8 +447,8 @@ class Runner:
         if fn is None:
             if self._frozen is not None:
                 raise RecompileError(f"no {steps}-iteration decode step was compiled at start-up")
-            fn = jax.jit(functools.partial(_decode_step, self._parts, backend=self._backend, out_rows=self.out_rows,
-                                           steps=steps), donate_argnums=(1,))
+            fn = self._step(f"decode{steps}", functools.partial(_decode_step, self._parts, backend=self._backend,
+                                                                 out_rows=self.out_rows, steps=steps))
             self._decode[steps] = fn
         return fn
 
@@ -489,6 +515,12 @@ class Runner:
                 raise RecompileError(f"the {name} step was compiled again while serving "
                                      f"(now {size} variants): an input escaped its bucket")
         return out
+
+
+# The KV pool crosses exported steps: its tuple type must be serializable by name (a module reload
+# finds it registered already).
+with contextlib.suppress(ValueError):
+    export.register_namedtuple_serialization(KVCache, serialized_name="kestrel_jax.models.text.KVCache")
 
 
 def _committed(tree: Any) -> Any:

@@ -1,0 +1,102 @@
+"""Decode and prefill steps kept as jax.export files next to the compilation cache: a second runner
+loads them instead of tracing and lowering, with the same outputs; a broken file falls back."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kestrel_jax.models.config import tiny_config
+from kestrel_jax.models.moondream import MoondreamModel, random_model
+from kestrel_jax.serving import batch as bt
+from kestrel_jax.serving.runner import Runner, RunnerConfig
+
+
+@pytest.fixture(scope="module")
+def model() -> MoondreamModel:
+    return random_model(tiny_config("md3"), dtype=jnp.float32, seed=3)
+
+
+def _config(cache: Path | None, **kw: object) -> RunnerConfig:
+    return RunnerConfig(num_pages=8, kv_dtype="f32", max_seq_len=256, page_size=64, vision_buckets=(2,),
+                        compilation_cache_dir=None if cache is None else str(cache), **kw)  # type: ignore[arg-type]
+
+
+def _run(runner: Runner) -> list[np.ndarray]:
+    """A 5-token text prefill into page 2, then two decode launches (1 and 2 iterations) of it."""
+    p = runner.max_pages_per_seq
+    tok_ints, tok_floats, seq_ints, seq_floats = bt.empty_prefill(16, 2, p)
+    n = 5
+    tok_ints[:n, bt.T_POS] = np.arange(n)
+    tok_ints[:n, bt.T_SLOT] = 2 * runner.page_size + np.arange(n)
+    tok_ints[:n, bt.T_TOKEN] = [1, 700, 33, 4000, 12]
+    tok_ints[:, bt.T_NUM_VALID] = n
+    seq_ints[:, bt.S_CU_END] = n
+    seq_ints[0, bt.S_KV_LEN] = n
+    seq_ints[0, bt.S_LOGITS_ROW] = n - 1
+    seq_ints[0, bt.SI] = 2
+    out = runner.prefill(tok_ints, tok_floats, seq_ints, seq_floats, jnp.zeros((1, 728, 256), jnp.float32))
+    results = [np.asarray(out)]
+    prev = out
+    for steps in (1, 2):
+        ints, floats = bt.empty_decode(1, p)
+        ints[0, bt.D_POS] = n
+        ints[0, bt.D_SLOT] = 2 * runner.page_size + n
+        ints[0, bt.D_KV_LEN] = n + 1
+        ints[0, bt.D_NUM_VALID] = 1
+        ints[0, bt.DI] = 2
+        bt.decode_row(ints, floats, 0, kind=0, token=0, value=(0.0, 0.0), src=0, spec=bt.RowSpec(), steps=steps)
+        outs, prev = runner.decode(ints, floats, prev, steps)
+        results.append(np.asarray(outs))
+        n += steps
+    results.append(np.asarray(runner.cache.k[0]))
+    return results
+
+
+def test_second_runner_loads_the_exported_steps(model: MoondreamModel, tmp_path: Path) -> None:
+    plain = _run(Runner(model, _config(None)))
+    first = Runner(model, _config(tmp_path))
+    got = _run(first)
+    assert first.export_counts == {"loaded": 0, "exported": 3, "fallback": 0}  # prefill, decode1, decode2
+    files = sorted((tmp_path / "kestrel_jax_export").glob("*.jaxexport"))
+    assert len(files) == 3
+    second = Runner(model, _config(tmp_path))
+    again = _run(second)
+    assert second.export_counts == {"loaded": 3, "exported": 0, "fallback": 0}
+    for a, b, c in zip(plain, got, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    # off: nothing written or read
+    off = Runner(model, _config(tmp_path, export_steps=False))
+    for a, b in zip(plain, _run(off), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert off.export_counts == {"loaded": 0, "exported": 0, "fallback": 0}
+
+
+def test_a_damaged_export_falls_back_to_tracing(model: MoondreamModel, tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    plain = _run(Runner(model, _config(tmp_path)))
+    for f in (tmp_path / "kestrel_jax_export").glob("*.jaxexport"):
+        f.write_bytes(b"not an export")
+    runner = Runner(model, _config(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        got = _run(runner)
+    assert runner.export_counts["fallback"] == 3 and "no export cache" in caplog.text
+    for a, b in zip(plain, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_recompile_guard_sees_exported_steps(model: MoondreamModel, tmp_path: Path) -> None:
+    from kestrel_jax.serving.runner import RecompileError
+
+    runner = Runner(model, _config(tmp_path))
+    _run(runner)
+    runner.freeze()
+    _run(runner)  # the same shapes: nothing new
+    tok_ints, tok_floats, seq_ints, seq_floats = bt.empty_prefill(32, 2, runner.max_pages_per_seq)  # new bucket
+    with pytest.raises(RecompileError):
+        runner.prefill(tok_ints, tok_floats, seq_ints, seq_floats, jnp.zeros((1, 728, 256), jnp.float32))
