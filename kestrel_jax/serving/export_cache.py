@@ -10,8 +10,9 @@ own cache then supplies the compiled program.
 
 An export file is named by a hash of everything that shapes the program: the caller's `salt`
 (model and runner configuration, device kind, jax version, and a hash of this package's source
-files) and the step's name, input tree and input avals. Any failure to export, save or load falls
-back to the plain jitted function (logged once per step): slower start-up, same results.
+files) and the step's name, input tree and input avals. Any failure to export, save, load or
+compile the loaded program falls back to the plain jitted function (logged once per step): slower
+start-up, same results.
 """
 
 from __future__ import annotations
@@ -76,9 +77,24 @@ class ExportedStep:
     def __call__(self, *args: Any) -> Any:
         sig = _quick_sig(args)
         fn = self._variants.get(sig)
-        if fn is None:
-            fn = self._variants[sig] = self._variant(args)
-        return fn(*args)
+        if fn is not None:
+            return fn(*args)
+        fn = self._variants[sig] = self._variant(args)
+        if fn is self.jitted:
+            return fn(*args)
+        try:  # the first call compiles the loaded program: a failure there leaves the inputs intact
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - the plain step instead, same results
+            self._fallback(e)
+            self._variants[sig] = self.jitted
+            return self.jitted(*args)
+
+    def _fallback(self, e: Exception) -> None:
+        self.counts["fallback"] += 1
+        if not self._warned:
+            log.warning("step %s: no export cache (%s: %s); it is traced and lowered at every start-up",
+                        self.name, type(e).__name__, e)
+            self._warned = True
 
     def _cache_size(self) -> int:
         """Compiled variants so far (the runner's recompile guard compares this)."""
@@ -103,9 +119,5 @@ class ExportedStep:
                 self.counts["exported"] += 1
             return jax.jit(exp.call, donate_argnums=self.donate_argnums)
         except Exception as e:  # noqa: BLE001 - any failure: the plain jitted step, same results
-            self.counts["fallback"] += 1
-            if not self._warned:
-                log.warning("step %s: no export cache (%s: %s); it is traced and lowered at every start-up",
-                            self.name, type(e).__name__, e)
-                self._warned = True
+            self._fallback(e)
             return self.jitted

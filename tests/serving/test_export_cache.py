@@ -100,3 +100,29 @@ def test_recompile_guard_sees_exported_steps(model: MoondreamModel, tmp_path: Pa
     tok_ints, tok_floats, seq_ints, seq_floats = bt.empty_prefill(32, 2, runner.max_pages_per_seq)  # new bucket
     with pytest.raises(RecompileError):
         runner.prefill(tok_ints, tok_floats, seq_ints, seq_floats, jnp.zeros((1, 728, 256), jnp.float32))
+
+
+def test_a_loaded_program_that_fails_to_run_falls_back(model: MoondreamModel, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first call of a loaded export compiles it; if that raises (a backend refusing the saved
+    # program), the step runs as a plain jit, inputs intact, same outputs.
+    from kestrel_jax.serving import export_cache
+
+    plain = _run(Runner(model, _config(tmp_path)))
+    real_jit = export_cache.jax.jit
+
+    def broken_jit(fn, **kw):  # jit(exp.call) -> a function that fails like a refused compile
+        if getattr(fn, "__name__", "") == "call":  # Exported.call
+            def fail(*args, **kwargs):
+                raise RuntimeError("refused")
+            fail._cache_size = lambda: 0  # type: ignore[attr-defined]
+            return fail
+        return real_jit(fn, **kw)
+
+    monkeypatch.setattr(export_cache.jax, "jit", broken_jit)
+    runner = Runner(model, _config(tmp_path))
+    got = _run(runner)
+    monkeypatch.undo()
+    assert runner.export_counts["loaded"] == 3 and runner.export_counts["fallback"] == 3
+    for a, b in zip(plain, got, strict=True):
+        np.testing.assert_array_equal(a, b)
