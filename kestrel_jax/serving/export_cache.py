@@ -8,11 +8,12 @@ variant's serialized export from `directory` or exports and saves it, and from t
 `jax.jit(exported.call)`: tracing that is one call, and lowering embeds the saved module. XLA's
 own cache then supplies the compiled program.
 
-An export file is named by a hash of everything that shapes the program: the caller's `salt`
+An export file is named by hashes of everything that shapes the program: the caller's `salt`
 (model and runner configuration, device kind, jax version, and a hash of this package's source
-files) and the step's name, input tree and input avals. Any failure to export, save, load or
-compile the loaded program falls back to the plain jitted function (logged once per step): slower
-start-up, same results.
+files), then the step's name, input tree and input avals. Writing a step's export removes that
+step's files of other salts (older code or configurations), so the directory does not grow.
+Any failure to export, save, load or compile the loaded program falls back to the plain jitted
+function (logged once per step): slower start-up, same results.
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ class ExportedStep:
         if self.directory is None:
             return self.jitted
         try:
-            key = hashlib.sha256(f"{self.salt}|{self.name}|{_avals_key(args)}".encode()).hexdigest()[:40]
-            path = self.directory / f"{self.name}-{key}.jaxexport"
+            salt = hashlib.sha256(self.salt.encode()).hexdigest()[:16]
+            key = hashlib.sha256(f"{self.name}|{_avals_key(args)}".encode()).hexdigest()[:24]
+            path = self.directory / f"{salt}-{self.name}-{key}.jaxexport"
             if path.is_file():
                 exp = export.deserialize(bytearray(path.read_bytes()))
                 self.counts["loaded"] += 1
@@ -117,6 +119,9 @@ class ExportedStep:
                     f.write(exp.serialize())
                 os.replace(f.name, path)  # atomic: a concurrent reader never sees half a file
                 self.counts["exported"] += 1
+                for old in self.directory.glob(f"*-{self.name}-*.jaxexport"):  # other code or config
+                    if not old.name.startswith(salt):
+                        old.unlink(missing_ok=True)
             return jax.jit(exp.call, donate_argnums=self.donate_argnums)
         except Exception as e:  # noqa: BLE001 - any failure: the plain jitted step, same results
             self._fallback(e)

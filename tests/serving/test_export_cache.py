@@ -126,3 +126,11 @@ def test_a_loaded_program_that_fails_to_run_falls_back(model: MoondreamModel, tm
     assert runner.export_counts["loaded"] == 3 and runner.export_counts["fallback"] == 3
     for a, b in zip(plain, got, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_exports_of_another_configuration_are_replaced(model: MoondreamModel, tmp_path: Path) -> None:
+    _run(Runner(model, _config(tmp_path)))
+    first = {f.name for f in (tmp_path / "kestrel_jax_export").glob("*.jaxexport")}
+    _run(Runner(model, _config(tmp_path, kv_memory_fraction=0.5)))  # another salt, same shapes
+    second = {f.name for f in (tmp_path / "kestrel_jax_export").glob("*.jaxexport")}
+    assert len(first) == len(second) == 3 and not first & second
