@@ -114,7 +114,7 @@ class EngineWorker:
                 "page_size": self.runner.page_size, "kv_dtype": str(jnp.dtype(self.runner.kv_dtype)),
                 "startup_s": self.startup_s, "load_s": self.load_s, "compile_s": dict(self.compile_s),
                 "host_s": {**self.host_s, "wait_outputs": self.stepper.wait_s}, "scheduler": self.scheduler.stats,
-                "images": dict(self.runner.images)}
+                "images": dict(self.runner.images), "export": self.runner.export_counts}
 
     def warmup(self) -> None:
         """Compile every decode and prefill bucket, the page copy and the vision buckets with

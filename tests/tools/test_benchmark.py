@@ -58,6 +58,7 @@ def test_quick_run_reports_every_workload(quick_run: tuple[dict[str, Any], str, 
     phases = res["startup"][0]["phases_s"]
     assert phases["jaxpr_trace_duration"][0] > 0 and phases["backend_compile_duration"][1] > 0
     assert res["startup"][0]["variants_s"]["prefill_t768"] > 0
+    assert set(res["startup"][0]["export_steps"]) == {"loaded", "exported", "fallback"}
 
     w1 = res["w1"]["summary"]
     assert w1["n"] == 1 and w1["output_tokens_min"] == 16 and w1["not_full_length"] == 0
