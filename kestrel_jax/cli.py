@@ -24,6 +24,13 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
+def serve_compile_cache(arg: str | None) -> str | None:
+    """The server's compile cache directory: the flag's, else compile/ in the cache root; 'none': off."""
+    if arg is None:
+        return str(_cache_dir() / "compile")
+    return None if arg.lower() == "none" else arg
+
+
 def demo_checkpoint(family: str = "md3") -> Path:
     """The synthetic demo checkpoint (tiny config, real tensor names), written once and reused."""
     from kestrel_jax.checkpoint.synthetic import write_synthetic_checkpoint
@@ -206,7 +213,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         ecfg = engine_config(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size,
-                             max_batch_size=args.max_batch_size, prefix_cache=not args.no_prefix_cache)
+                             max_batch_size=args.max_batch_size, prefix_cache=not args.no_prefix_cache,
+                             compile_cache=serve_compile_cache(args.compile_cache))
         scfg = ServerConfig(host=args.host, port=args.port, max_body_bytes=int(args.max_request_mb * 2**20),
                             request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace,
                             model_name=Path(args.model).name if args.model else None,
@@ -276,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request fails (504)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,
                    help="seconds in-flight requests may finish after SIGINT/SIGTERM")
+    p.add_argument("--compile-cache", default=None,
+                   help="compiled-step cache directory, so a restart skips compiling (default: compile/ in "
+                        "$KESTREL_JAX_CACHE or ~/.cache/kestrel_jax; 'none': no cache)")
     p.set_defaults(fn=cmd_serve)
     return ap
 

@@ -443,10 +443,13 @@ def decode_buckets_up_to(max_batch_size: int) -> tuple[int, ...]:
 
 def engine_config(model: str | None = None, *, dtype: str = "bfloat16", kv_dtype: str = "auto",
                   page_size: int = 64, max_batch_size: int | None = None,
-                  prefix_cache: bool = True) -> EngineConfig:
+                  prefix_cache: bool = True, compile_cache: str | None = None) -> EngineConfig:
+    """`compile_cache`: the persistent compilation (and lowered-step) cache directory, so that a
+    restart loads every step instead of compiling it; None: none."""
     buckets = DEFAULT_DECODE_BUCKETS if max_batch_size is None else decode_buckets_up_to(max_batch_size)
-    return EngineConfig(model_path=model, dtype=dtype, runner=RunnerConfig(page_size=page_size, kv_dtype=kv_dtype),
-                        decode_buckets=buckets, enable_prefix_cache=prefix_cache)
+    runner = RunnerConfig(page_size=page_size, kv_dtype=kv_dtype, compilation_cache_dir=compile_cache)
+    return EngineConfig(model_path=model, dtype=dtype, runner=runner, decode_buckets=buckets,
+                        enable_prefix_cache=prefix_cache)
 
 
 def run(engine_cfg: EngineConfig, config: ServerConfig) -> None:

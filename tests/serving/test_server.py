@@ -19,7 +19,7 @@ from typing import Any, cast
 import aiohttp
 import pytest
 
-from kestrel_jax.cli import build_parser
+from kestrel_jax.cli import build_parser, serve_compile_cache
 from kestrel_jax.models.image_crops import DEMO_IMAGE_PATH
 from kestrel_jax.serving.engine import EngineError, InferenceEngine, Stream
 from kestrel_jax.serving.server import (
@@ -361,6 +361,13 @@ def test_cli_serve_options_build_the_engine_config() -> None:
         decode_buckets_up_to(0)
     with pytest.raises(ValueError, match="port"):
         ServerConfig(port=70000).validate()
+    # the compiled-step cache: on by default under the cache root, a directory, or off
+    assert cfg.runner.compilation_cache_dir is None  # engine_config's own default
+    default = serve_compile_cache(build_parser().parse_args(["serve"]).compile_cache)
+    assert default is not None and default.endswith("compile")
+    assert serve_compile_cache("/x/cc") == "/x/cc" and serve_compile_cache("none") is None
+    cfg = engine_config(None, compile_cache="/x/cc")
+    assert cfg.runner.compilation_cache_dir == "/x/cc"
 
 
 # ------------------------------------------------------------------------------------ last: shutdown
