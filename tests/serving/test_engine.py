@@ -6,6 +6,7 @@ with test_server.py."""
 from __future__ import annotations
 
 import asyncio
+import gc
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -140,6 +141,12 @@ def test_images_past_the_crop_canvas_take_the_host_path(engine: InferenceEngine,
     after = engine.stats["images"]
     assert after["host_crops"] == before["host_crops"] + 2 and after["device_crops"] == before["device_crops"]
     _leak_free(engine)
+
+
+def test_startup_freezes_the_long_lived_objects(engine: InferenceEngine) -> None:
+    # A full collection must not walk the model and the compiled steps while serving (it took
+    # ~150 ms for this tiny engine before they were frozen).
+    assert gc.get_freeze_count() > 10_000
 
 
 def test_streaming_concatenates_to_the_answer(engine: InferenceEngine, images: list[Path]) -> None:
