@@ -92,8 +92,9 @@ class EngineWorker:
         if config.warmup:
             worker.warmup()
         # Everything alive now (model, compiled steps, JAX's caches) lives as long as the engine: a
-        # full garbage collection walked it all, ~150 ms on the CPU with even the tiny model, and
-        # such a pause in the engine thread stalls every request. Frozen objects are never walked.
+        # full garbage collection walks it all (~150 ms on the CPU with even the tiny model), a
+        # pause of the engine thread, so of every request. Frozen objects are never walked. (How
+        # often serving triggers one is workload-dependent: once in 24 CPU test requests.)
         gc.collect()
         gc.freeze()
         worker.startup_s = time.perf_counter() - t0
