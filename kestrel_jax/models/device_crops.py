@@ -32,7 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kestrel_jax.models.config import VisionConfig
-from kestrel_jax.models.image_crops import crop_window, image_tiling, pass_order_rule, resized_size
+from kestrel_jax.models.image_crops import (
+    crop_window,
+    image_tiling,
+    pass_order_rule,
+    resized_size,
+    vertical_pass_first,
+)
 
 CANVAS = 1024  # images with both sides at most this are cropped on the device
 MAX_TAPS = 20  # taps a table holds; PIL's Lanczos-3 uses 2 * ceil(3 * shrink) + 1 (19 for 1024 -> 378)
@@ -65,12 +71,6 @@ class CropPlan(NamedTuple):
             return np.concatenate([a, np.zeros((extra, *a.shape[1:]), a.dtype)])
 
         return CropPlan(self.canvas, pad(self.flip), pad(self.idx1), pad(self.w1), pad(self.idx2), pad(self.w2))
-
-
-def _lanczos_args(center: np.ndarray, xmin: np.ndarray, ksize: int, inv: float) -> np.ndarray:
-    # (x + xmin - center + 0.5) * inv_filterscale, in PIL's order of operations; [out, ksize]
-    x = np.arange(ksize, dtype=np.int64)[None, :] + xmin[:, None]
-    return ((x.astype(np.float64) - center[:, None]) + 0.5) * inv
 
 
 @functools.cache
@@ -109,17 +109,16 @@ def lanczos_coeffs(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]
     center = (np.arange(out_size, dtype=np.float64) + 0.5) * scale
     xmin = np.maximum(np.trunc(center - support + 0.5), 0).astype(np.int64)
     xmax = np.minimum(np.trunc(center + support + 0.5), in_size).astype(np.int64) - xmin
-    t = _lanczos_args(center, xmin, ksize, inv)
-    inside = (t >= -3.0) & (t < 3.0) & (np.arange(ksize)[None, :] < xmax[:, None])
-    w = np.where(inside, _sinc(t) * _sinc(t / 3), 0.0)
+    taps = np.arange(ksize, dtype=np.int64)[None, :]
+    t = (((taps + xmin[:, None]).astype(np.float64) - center[:, None]) + 0.5) * inv  # PIL's operation order
+    inside = (t >= -3.0) & (t < 3.0) & (taps < xmax[:, None])  # Lanczos-3 support, the pixel's taps
+    w = np.where(inside, _sinc(t) * _sinc(t / 3), 0.0)  # [out, ksize], 0 past each pixel's taps
     ww = np.zeros(out_size, np.float64)
-    for x in range(ksize):  # PIL sums left to right
-        ww = ww + np.where(x < xmax, w[:, x], 0.0)
+    for x in range(ksize):  # PIL sums left to right (adding the zeros past xmax changes nothing)
+        ww = ww + w[:, x]
     w = np.where((ww != 0.0)[:, None], w / np.where(ww != 0.0, ww, 1.0)[:, None], w)
     fixed = np.where(w < 0, -0.5 + w * (1 << PRECISION_BITS), 0.5 + w * (1 << PRECISION_BITS))
-    k = np.trunc(fixed).astype(np.int32)
-    k[np.arange(ksize)[None, :] >= xmax[:, None]] = 0
-    return xmin.astype(np.int32), k
+    return xmin.astype(np.int32), np.trunc(fixed).astype(np.int32)  # 0.5 + 0 truncates to 0
 
 
 def _axis_table(in_size: int, out_size: int, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
@@ -155,9 +154,6 @@ def plan_crops(image_u8: np.ndarray, vision: VisionConfig, *, canvas: int = CANV
     th, tw = resized_size((rows, cols), vision)
     window = crop_window(vision)
 
-    def vertical_first(out_h: int, out_w: int) -> bool:
-        return rule == "shrink" and h - out_h > 0 and h - out_h > (w - out_w) * 2
-
     # (output height, output width, first output row, first output column) of each crop's resize
     crops = [(s, s, 0, 0)] + [(th, tw, i * window, j * window) for i in range(rows) for j in range(cols)]
     n = len(crops)
@@ -169,7 +165,7 @@ def plan_crops(image_u8: np.ndarray, vision: VisionConfig, *, canvas: int = CANV
             ci, cw = _axis_table(w, ow, c0, s)  # output columns: source columns
         except ValueError:  # a shrink needing more taps than a table holds
             return None
-        if vertical_first(oh, ow):
+        if vertical_pass_first(rule, h, w, oh, ow):
             flip[c] = 1
             idx1[c], w1[c], idx2[c], w2[c] = ri, rw, ci, cw
         else:

@@ -282,7 +282,7 @@ def resize_many(image: np.ndarray, sizes: list[tuple[int, int]], *, threads: int
     for width, height in sizes:
         if (w0, h0) == (width, height) or rule is None:
             plans.append(None)  # a copy, or one plain PIL call (one thread, or a PIL of unknown order)
-        elif rule == "shrink" and h0 - height > 0 and h0 - height > (w0 - width) * 2:
+        elif vertical_pass_first(rule, h0, w0, height, width):
             plans.append(("cols", height, "rows", width))
         else:
             plans.append(("rows", width, "cols", height))
@@ -315,6 +315,12 @@ def pass_order_rule() -> str | None:
     return None
 
 
+def vertical_pass_first(rule: str, height: int, width: int, out_height: int, out_width: int) -> bool:
+    """Whether PIL (of pass order `rule`, see `pass_order_rule`) resizes height x width to
+    out_height x out_width vertical pass first."""
+    return rule == "shrink" and height - out_height > 0 and height - out_height > (width - out_width) * 2
+
+
 def _pass(a: np.ndarray, axis: str, size: int, n: int) -> tuple[np.ndarray, list[Callable[[], None]]]:
     """One pass as (its output array, strip tasks that fill it): "rows" resizes row strips to
     `size` columns (horizontal only), "cols" resizes column strips to `size` rows (vertical only).
@@ -340,11 +346,11 @@ def _resize_into(src: np.ndarray, dst: np.ndarray) -> None:
 _DIGEST_CHUNK = 1 << 20  # bytes per hashing task
 
 
-def crops_digest(crops: np.ndarray) -> bytes:
-    """Content key of an image's crops (the prefix cache's image key): SHA-256 over the shape and
-    the SHA-256 of each 1 MiB chunk of the pixels, the chunks hashed in parallel."""
-    data = memoryview(np.ascontiguousarray(crops)).cast("B")
-    head = repr((crops.shape, str(crops.dtype))).encode()
+def pixels_digest(pixels: np.ndarray) -> bytes:
+    """Content key of an image's pixels or crops (the prefix cache's image key): SHA-256 over the
+    shape and the SHA-256 of each 1 MiB chunk of the bytes, the chunks hashed in parallel."""
+    data = memoryview(np.ascontiguousarray(pixels)).cast("B")
+    head = repr((pixels.shape, str(pixels.dtype))).encode()
     chunks = [data[i:i + _DIGEST_CHUNK] for i in range(0, len(data), _DIGEST_CHUNK)] or [data]
     parts = _parallel([functools.partial(_sha256, c) for c in chunks])
     return hashlib.sha256(head + b"".join(p.tobytes() for p in parts)).digest()

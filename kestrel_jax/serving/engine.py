@@ -31,10 +31,10 @@ from kestrel_jax.models.device_crops import CropPlan, plan_crops
 from kestrel_jax.models.image_crops import (
     ImageError,
     ImageInput,
-    crops_digest,
     image_tiling,
     load_image,
     overlap_crops,
+    pixels_digest,
 )
 from kestrel_jax.prompts import (
     Prompt,
@@ -296,7 +296,7 @@ class InferenceEngine:
         # (at most 13 x 378 x 378) on the host path, where the image may be a 12 MP photo. Which path
         # an image takes depends only on its size, so an image always gets the same key.
         keyed = pixels if isinstance(crops, CropPlan) else crops
-        return crops, (int(tiling[0]), int(tiling[1])), crops_digest(keyed)
+        return crops, (int(tiling[0]), int(tiling[1])), pixels_digest(keyed)
 
 
 def model_path_or_demo(path: str | Path | None) -> Path:

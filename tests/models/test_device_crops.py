@@ -11,7 +11,6 @@ import pytest
 from PIL import Image
 
 from kestrel_jax.models import device_crops as dc
-from kestrel_jax.models import image_crops
 from kestrel_jax.models.config import md2_config, md3_config
 from kestrel_jax.models.image_crops import load_image, overlap_crops
 
@@ -117,6 +116,3 @@ def test_plan_padding_and_empty_plan():
     empty = dc.empty_plan(2, S, canvas=64)
     assert not np.asarray(_make(*empty)).any()
 
-
-def test_pass_order_rule_matches_installed_pil():
-    assert image_crops.pass_order_rule() in ("horizontal", "shrink")

@@ -442,19 +442,19 @@ def test_resize_lanczos_from_a_pool_thread_does_not_deadlock(monkeypatch):
         np.testing.assert_array_equal(f.result(timeout=60), want)
 
 
-def test_crops_digest_keys_content_and_shape():
+def test_pixels_digest_keys_content_and_shape():
     rng = _rng()
     crops = rng.integers(0, 256, size=(10, 378, 378, 3), dtype=np.uint8)  # > 1 hashing chunk
-    d = image_crops.crops_digest(crops)
-    assert d == image_crops.crops_digest(crops.copy()) and len(d) == 32
+    d = image_crops.pixels_digest(crops)
+    assert d == image_crops.pixels_digest(crops.copy()) and len(d) == 32
     changed = crops.copy()
     changed[9, 377, 377, 2] ^= 1  # last byte, last chunk
-    assert image_crops.crops_digest(changed) != d
+    assert image_crops.pixels_digest(changed) != d
     changed = crops.copy()
     changed[0, 0, 0, 0] ^= 1
-    assert image_crops.crops_digest(changed) != d
+    assert image_crops.pixels_digest(changed) != d
     # same bytes, another shape (another tiling): another key
-    assert image_crops.crops_digest(crops.reshape(5, 756, 378, 3)) != d
+    assert image_crops.pixels_digest(crops.reshape(5, 756, 378, 3)) != d
 
 
 @pytest.mark.parametrize("threads", [1, 4])
