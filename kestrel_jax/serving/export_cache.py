@@ -18,6 +18,7 @@ function (logged once per step): slower start-up, same results.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -46,6 +47,19 @@ def source_hash() -> str:
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
+
+
+@functools.cache
+def _load_kernel_runtimes() -> None:
+    """Make the Mosaic GPU runtime findable before a loaded program is compiled or read from cache.
+
+    A Mosaic GPU custom call resolves its host symbols through MOSAIC_GPU_RUNTIME_LIB_PATH, which is
+    set when jax.experimental.mosaic.gpu is imported. A process that only deserializes exports never
+    traces a kernel, so nothing imports it: on the H100 the first loaded step failed with "Symbols not
+    found: mosaic_gpu_init_tma_desc" and was compiled again from scratch (77 s).
+    """
+    with contextlib.suppress(ImportError):  # a jaxlib without Mosaic GPU: no such calls to run
+        import jax.experimental.mosaic.gpu  # noqa: F401
 
 
 def _avals_key(args: tuple[Any, ...]) -> str:
@@ -109,6 +123,7 @@ class ExportedStep:
             key = hashlib.sha256(f"{self.name}|{_avals_key(args)}".encode()).hexdigest()[:24]
             path = self.directory / f"{salt}-{self.name}-{key}.jaxexport"
             if path.is_file():
+                _load_kernel_runtimes()
                 exp = export.deserialize(bytearray(path.read_bytes()))
                 self.counts["loaded"] += 1
             else:

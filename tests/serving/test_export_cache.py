@@ -134,3 +134,24 @@ def test_exports_of_another_configuration_are_replaced(model: MoondreamModel, tm
     _run(Runner(model, _config(tmp_path, kv_memory_fraction=0.5)))  # another salt, same shapes
     second = {f.name for f in (tmp_path / "kestrel_jax_export").glob("*.jaxexport")}
     assert len(first) == len(second) == 3 and not first & second
+
+
+def test_loading_an_export_makes_the_mosaic_gpu_runtime_findable(tmp_path: Path) -> None:
+    """A process that only loads exports never imports the kernel modules, and a Mosaic GPU custom call
+    finds its runtime through what importing jax.experimental.mosaic.gpu sets up (on the H100 the
+    first loaded step failed to compile without it)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, jax.numpy as jnp\n"
+        "from kestrel_jax.serving.export_cache import ExportedStep\n"
+        "step = ExportedStep('f', lambda x: x * 2, directory=sys.argv[1], salt='s')\n"
+        "out = step(jnp.arange(3.0))\n"
+        "assert list(out) == [0.0, 2.0, 4.0], out\n"
+        "print(step.counts['exported'], step.counts['loaded'], 'jax.experimental.mosaic.gpu' in sys.modules)\n"
+    )
+    runs = [subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                           check=True).stdout.split() for _ in range(2)]
+    assert runs[0] == ["1", "0", "False"]  # exporting traces the function itself: nothing to load
+    assert runs[1] == ["0", "1", "True"]
