@@ -47,12 +47,24 @@ class KVCache(NamedTuple):
         return int(self.k[0].shape[0])
 
 
+class DecodeRows(NamedTuple):
+    """The decode rows that lead a mixed pass: token rows [0, rows) are one new position each of
+    `rows` decoding sequences (padding rows: slot -1, kv_len 0)."""
+
+    rows: int  # static
+    kv_lens: jax.Array  # [rows] int32 length after this pass
+    page_table: jax.Array  # [rows, max_pages] int32
+
+
 class AttentionBatch(NamedTuple):
     """Where the T tokens of one forward pass sit. Decode when `cu_q_lens` is None (T == B).
 
     Prefill: tokens of B sequences flattened in order; `cu_q_lens[b]:cu_q_lens[b+1]` are sequence
     b's new tokens, `kv_lens[b]` its total length after this pass, `prefix_lens[b]` its
     bidirectional prefix (730 with an image). Padding tokens have slot -1.
+    Mixed (`decode` set): the first `decode.rows` tokens are decode rows, attended by the decode
+    kernel; the prefill fields (cu_q_lens offsets included) describe the tokens after them.
+    `positions` and `slots` cover all T tokens.
     """
 
     positions: jax.Array  # [T] int32 absolute positions
@@ -63,6 +75,7 @@ class AttentionBatch(NamedTuple):
     prefix_lens: jax.Array | None = None  # [B] int32 (prefill only)
     # Rows >= num_valid are padding (MoE skips their expert reads). None: all rows are real.
     num_valid: jax.Array | None = None  # [] int32
+    decode: DecodeRows | None = None
 
 
 class TauScaling(nnx.Module):
@@ -133,9 +146,14 @@ class Attention(nnx.Module):
             return self._project(o.reshape(t, h * hd), decode, want_parts), k_pages, v_pages, logits
         else:
             assert batch.prefix_lens is not None
-            o = ops.prefill_attention(q, k_pages, v_pages, batch.cu_q_lens, batch.kv_lens,
+            nd = 0 if batch.decode is None else batch.decode.rows
+            o = ops.prefill_attention(q[nd:], k_pages, v_pages, batch.cu_q_lens, batch.kv_lens,
                                       batch.page_table, batch.prefix_lens, k_scale, v_scale,
                                       sm_scale=scale)
+            if batch.decode is not None:  # one query per sequence: the decode kernel's shape
+                od = ops.decode_attention(q[:nd], k_pages, v_pages, batch.decode.kv_lens, batch.decode.page_table,
+                                          k_scale, v_scale, sm_scale=scale)
+                o = jnp.concatenate([od, o])
             return self._project(o.reshape(t, h * hd), decode), k_pages, v_pages, logits
 
     @staticmethod

@@ -70,6 +70,18 @@ class EngineConfig:
     decode_steps: int = 8
     multi_step_max_batch: int = 64
     max_copies: int | None = None
+    # Mixed steps (continuous batching): a prefill step also runs one decode iteration of every
+    # decoding sequence when they fit one of these row buckets (each compiled per prefill bucket).
+    # None: one bucket, the largest decode bucket. (): off (decoding waits while prompts prefill).
+    mixed_decode_buckets: tuple[int, ...] | None = None
+    # Start-up compiles the decode, prefill and mixed step variants on this many threads before
+    # running each once (1: one after another, as they are first run).
+    compile_threads: int = 8
+
+    def mixed_buckets(self) -> tuple[int, ...]:
+        if self.mixed_decode_buckets is None:
+            return (max(self.decode_buckets),)
+        return tuple(self.mixed_decode_buckets)
 
 
 @dataclass

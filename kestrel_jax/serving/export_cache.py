@@ -104,6 +104,23 @@ class ExportedStep:
             self._variants[sig] = self.jitted
             return self.jitted(*args)
 
+    def compile_ahead(self, *args: Any) -> None:
+        """Make and compile the variant for these inputs without running it (nothing is donated);
+        a later call with inputs of the same shapes finds it compiled. Thread-safe across variants:
+        the engine compiles several at once."""
+        sig = _quick_sig(args)
+        fn = self._variants.get(sig)
+        if fn is None:
+            fn = self._variants[sig] = self._variant(args)
+        try:
+            fn.lower(*args).compile()
+        except Exception as e:  # noqa: BLE001 - a loaded program refused: the plain step, as in __call__
+            if fn is self.jitted:
+                raise
+            self._fallback(e)
+            self._variants[sig] = self.jitted
+            self.jitted.lower(*args).compile()
+
     def _fallback(self, e: Exception) -> None:
         self.counts["fallback"] += 1
         if not self._warned:

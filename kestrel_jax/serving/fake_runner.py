@@ -105,12 +105,19 @@ class FakeRunner:
 
     def run(self, plan: StepPlan) -> np.ndarray:
         """Checks and applies the plan; returns sampled tokens [B] int32 ([K, B] for a K-step
-        decode plan), -1 where none."""
+        decode plan), -1 where none. A mixed plan's tokens follow `row_ids`: its decode rows, then
+        its prefill sequences."""
         self.steps += 1
         protected = set(self._cached_pages()) if self._cached_pages is not None else set()
         self._apply_copies(plan.copies, plan.num_copies)
         if isinstance(plan, PrefillPlan):
-            return self._run_prefill(plan, protected)
+            dec = plan.decode
+            if dec is None:
+                return self._run_prefill(plan, protected)
+            both = {s for s in plan.seq_ids if s is not None} & {s for s in dec.seq_ids if s is not None}
+            if both:
+                raise PlanViolation(f"sequences {sorted(map(repr, both))} both prefill and decode in one step")
+            return np.concatenate([self._run_decode(dec, protected), self._run_prefill(plan, protected)])
         return self._run_decode(plan, protected)
 
     def _apply_copies(self, copies: np.ndarray, n: int) -> None:
@@ -270,7 +277,7 @@ def sampled(plan: StepPlan, tokens: np.ndarray) -> Mapping[Hashable, list[int]]:
     """request id -> tokens (in order) for the sequences that got tokens from this step."""
     rows = tokens[None] if tokens.ndim == 1 else tokens  # [K, B]
     out: dict[Hashable, list[int]] = {}
-    for i, sid in enumerate(plan.seq_ids):
+    for i, sid in enumerate(plan.row_ids):
         toks = [int(t) for t in rows[:, i].tolist() if t >= 0]
         if sid is not None and toks:
             out[sid] = toks

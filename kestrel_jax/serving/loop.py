@@ -37,13 +37,16 @@ log = logging.getLogger(__name__)
 
 class EngineWorker:
     def __init__(self, config: EngineConfig, model: Any, tokenizer: Tokenizer):
-        if config.decode_steps < 1 or config.multi_step_max_batch < 1:
-            raise ValueError(f"decode_steps and multi_step_max_batch must be >= 1, got {config.decode_steps} and "
-                             f"{config.multi_step_max_batch}")
+        if config.decode_steps < 1 or config.multi_step_max_batch < 1 or config.compile_threads < 1:
+            raise ValueError(f"decode_steps, multi_step_max_batch and compile_threads must be >= 1, got "
+                             f"{config.decode_steps}, {config.multi_step_max_batch} and {config.compile_threads}")
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
-        out_rows = max(max(config.decode_buckets), config.max_prefill_seqs)
+        self.mixed_buckets = config.mixed_buckets()
+        # every step's packed outputs can feed the next step: room for the widest step's rows (the
+        # same whether mixed steps are on or off, so both share compiled decode steps)
+        out_rows = max((*config.decode_buckets, *self.mixed_buckets)) + config.max_prefill_seqs
         self.runner = Runner(model, config.runner, out_rows=out_rows)
         self.max_seq_len = self.runner.max_seq_len
         t = model.cfg.text
@@ -55,7 +58,7 @@ class EngineWorker:
             num_pages=self.runner.num_pages, page_size=self.runner.page_size, max_seq_len=self.max_seq_len,
             decode_buckets=config.decode_buckets, prefill_token_buckets=config.prefill_token_buckets,
             max_prefill_seqs=config.max_prefill_seqs, image_prefix_len=t.prefix_attn,
-            enable_prefix_cache=config.enable_prefix_cache, **sched_kw))
+            enable_prefix_cache=config.enable_prefix_cache, mixed_decode_buckets=self.mixed_buckets, **sched_kw))
         self._inbox: queue.Queue[Submission | tuple[str, int] | None] = queue.Queue()
         self._live: dict[int, Submission] = {}
         self._images: dict[int, jax.Array] = {}
@@ -70,7 +73,8 @@ class EngineWorker:
         self.startup_s: float | None = None
         self.compile_s: dict[str, float] = {}  # warm-up: seconds per compiled step variant
         # host time of the loop's phases (seconds, cumulative): where a step's host budget goes
-        self.host_s: dict[str, float] = {"schedule": 0.0, "dispatch": 0.0, "process": 0.0, "deliver": 0.0}
+        self.host_s: dict[str, float] = {"inbox": 0.0, "schedule": 0.0, "dispatch": 0.0, "process": 0.0,
+                                         "deliver": 0.0}
 
     # ------------------------------------------------------------------------------ lifecycle
     @classmethod
@@ -133,13 +137,27 @@ class EngineWorker:
             jax.block_until_ready(fn(*args))
             self.compile_s[name] = round(time.perf_counter() - t0, 2)
 
+        bsz = self.config.max_prefill_seqs
+        if self.config.compile_threads > 1:  # compile the expensive variants side by side first
+            ahead: list[tuple[str, tuple[Any, ...]]] = []
+            for b in self.config.decode_buckets:
+                ahead += [("decode", (*bt.empty_decode(b, p), steps)) for steps in self._step_variants(b)]
+            for t in self.config.prefill_token_buckets:
+                ahead.append(("prefill", (*bt.empty_prefill(t, bsz, p), self._no_images())))
+                ahead += [("mixed", (*bt.empty_decode(b, p), *bt.empty_prefill(t, bsz, p), self._no_images()))
+                          for b in self.mixed_buckets]
+            t0 = time.perf_counter()
+            self.runner.compile_ahead(ahead, self.config.compile_threads)
+            self.compile_s["ahead"] = round(time.perf_counter() - t0, 2)
         for b in self.config.decode_buckets:
             ints, floats = bt.empty_decode(b, p)
             for steps in self._step_variants(b):
                 timed(f"decode_b{b}_k{steps}", self.runner.decode, ints, floats, None, steps)
-        bsz = self.config.max_prefill_seqs
         for t in self.config.prefill_token_buckets:
             timed(f"prefill_t{t}", self.runner.prefill, *bt.empty_prefill(t, bsz, p), self._no_images())
+            for b in self.mixed_buckets:
+                timed(f"mixed_t{t}_b{b}", self.runner.mixed, *bt.empty_decode(b, p), None, *bt.empty_prefill(t, bsz, p),
+                      self._no_images())
         jax.block_until_ready(self.stepper.image_block([]))  # one shape whatever the image count
         for rows in self.runner.copy_buckets(self.scheduler.config.max_copies):
             self.runner.copy_pages(np.full((rows, 2), -1, np.int32))
@@ -182,8 +200,12 @@ class EngineWorker:
         pending: Pending | None = None  # the launched step whose outputs are not read yet
         while not self._stop.is_set():
             try:
-                self._drain_inbox(block=pending is None and not self.scheduler.has_work())
+                idle = pending is None and not self.scheduler.has_work()
+                t_in = time.perf_counter()
+                self._drain_inbox(block=idle)
                 t0 = time.perf_counter()
+                if not idle:  # admitting new requests while there is work (not waiting for any)
+                    self.host_s["inbox"] += t0 - t_in
                 plan = self.scheduler.schedule(self._decode_steps(pending))
                 t1 = time.perf_counter()
                 self.host_s["schedule"] += t1 - t0
@@ -197,8 +219,8 @@ class EngineWorker:
                     launched = self.stepper.dispatch(plan, pending)
                 except Exception as e:  # the step could not be launched: fail its requests only
                     log.exception("step failed")
-                    self.scheduler.commit(plan, {sid: "error" for sid in plan.seq_ids if sid is not None})
-                    for sid in plan.seq_ids:
+                    self.scheduler.commit(plan, {sid: "error" for sid in plan.row_ids if sid is not None})
+                    for sid in plan.row_ids:
                         if sid is not None:
                             self._fail(int(sid), e)  # type: ignore[call-overload]
                     if pending is not None:

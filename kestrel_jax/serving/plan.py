@@ -5,6 +5,9 @@ Conventions shared by both plans:
   - Padding rows: slot -1 (the KV write drops it), kv_len 0, position 0, seq_id None.
   - page_table rows are copies of the sequence's row in the host mirror; entries past the
     sequence's pages are 0 and must be masked by kv_len.
+  - A prefill plan may carry decode rows (`PrefillPlan.decode`, a one-iteration DecodePlan
+    without copies): a mixed step, whose output rows are the decode rows first, then the
+    prefill sequences (`row_ids`).
   - copies [C, 2] int32 (src_page, dst_page): whole-page KV copies (all layers, K and V) that
     must run before the step writes any KV. Rows past num_copies are -1. Within a plan the
     destinations are distinct and no destination is also a source, so one gather + scatter
@@ -53,10 +56,20 @@ class PrefillPlan:
     logits_rows: np.ndarray  # [B] int32 row of the last prompt token when this chunk completes the prompt, else -1
     copies: np.ndarray  # [C, 2] int32 page copies to run first (see module doc)
     num_copies: int
+    # Decoding sequences advanced by one position in the same step (continuous batching): the
+    # step reads the weights once for both. None: a prefill-only step.
+    decode: DecodePlan | None = None
     kind: Literal["prefill"] = "prefill"
 
     def __post_init__(self) -> None:
         _freeze(self)
+        if self.decode is not None and (self.decode.steps != 1 or self.decode.num_copies):
+            raise ValueError("a prefill plan's decode rows run one iteration and copy no pages")
+
+    @property
+    def row_ids(self) -> tuple[Hashable | None, ...]:
+        """Request id per output row: the decode rows (if any), then the prefill sequences."""
+        return self.seq_ids if self.decode is None else self.decode.seq_ids + self.seq_ids
 
     @property
     def samples(self) -> np.ndarray:
@@ -99,6 +112,10 @@ class DecodePlan:
     @property
     def bucket(self) -> int:
         return int(self.positions.shape[0])
+
+    @property
+    def row_ids(self) -> tuple[Hashable | None, ...]:
+        return self.seq_ids
 
     def steps_of(self, row: int) -> int:
         if self.row_steps is None:

@@ -5,6 +5,8 @@ Steps (each compiled once per bucket at start-up; a guard fails loudly on any la
     stitch/pool/projector per tiling -> image tokens [729, D];
   - prefill: a ragged batch of prompt chunks (T-token bucket, B sequences) -> per sequence the
     outputs of its last row (when its prompt completes);
+  - mixed: a prefill step that also runs one decode iteration of a decode batch (continuous
+    batching; one pass over both, per prefill bucket x mixed decode bucket);
   - decode: one position per row (B bucket), or K positions per row in one launch (a
     `lax.scan` over K iterations, each row feeding back its own sample: multi-step decode,
     compiled per bucket next to the single-step variant).
@@ -25,6 +27,8 @@ import functools
 import logging
 import math
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -37,7 +41,7 @@ from jax import export
 from kestrel_jax.models.device_crops import CANVAS, CropPlan, make_crops
 from kestrel_jax.models.moondream import MoondreamModel
 from kestrel_jax.models.region import coord_bin_to_value, size_bin_to_value
-from kestrel_jax.models.text import AttentionBatch, KVCache
+from kestrel_jax.models.text import AttentionBatch, DecodeRows, KVCache
 from kestrel_jax.models.vision import tile_pool_matrices
 from kestrel_jax.pallas import ops
 from kestrel_jax.pallas.paged_attention import init_kv_pool
@@ -186,10 +190,10 @@ def _copy_pages(cache: KVCache, copies: jax.Array) -> KVCache:
     return KVCache(k, v, cache.k_scale, cache.v_scale)
 
 
-def _decode_once(model: LM, cache: KVCache, ints: jax.Array, floats: jax.Array, prev: jax.Array, src: jax.Array,
-                 slots: jax.Array, positions: jax.Array, kv_lens: jax.Array, step_offset: jax.Array | int,
-                 backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
-    """One decode iteration; rows with src >= 0 take their input from row src of `prev`."""
+def _decode_inputs(model: LM, ints: jax.Array, floats: jax.Array, prev: jax.Array,
+                   src: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Decode rows (batch.py layout) -> (input embeddings [B, D], suppressed ids [B, N_SUP]); rows
+    with src >= 0 take their input from row src of `prev`."""
     tk = model.cfg.tokenizer
     use_prev = src >= 0
     p = prev[jnp.clip(src, 0, prev.shape[0] - 1)]
@@ -208,11 +212,22 @@ def _decode_once(model: LM, cache: KVCache, ints: jax.Array, floats: jax.Array, 
     # sample is the answer's first, with nothing suppressed
     first_answer = use_prev & reasoning & (p_tok == tk.answer_id)
     sup = jnp.where(first_answer[:, None], -1, ints[:, bt.D_SUP: bt.D_SUP + bt.N_SUP])
-    x = _embed(model, kind, token, value, None, None)
+    return _embed(model, kind, token, value, None, None), sup
+
+
+def _decode_sampling(ints: jax.Array, floats: jax.Array, sup: jax.Array,
+                     step_offset: jax.Array | int = 0) -> SamplingParams:
+    return _sampling(ints, floats, bt.D_TOP_K, bt.D_SEED, bt.D_STEP, bt.D_SUP, bt.F_TEMP, bt.F_TOP_P, sup, step_offset)
+
+
+def _decode_once(model: LM, cache: KVCache, ints: jax.Array, floats: jax.Array, prev: jax.Array, src: jax.Array,
+                 slots: jax.Array, positions: jax.Array, kv_lens: jax.Array, step_offset: jax.Array | int,
+                 backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
+    """One decode iteration; rows with src >= 0 take their input from row src of `prev`."""
+    x, sup = _decode_inputs(model, ints, floats, prev, src)
     batch = AttentionBatch(positions, slots, kv_lens, ints[:, bt.DI:], num_valid=ints[0, bt.D_NUM_VALID])
     hidden, cache, _ = model.text(x, batch, cache)
-    sp = _sampling(ints, floats, bt.D_TOP_K, bt.D_SEED, bt.D_STEP, bt.D_SUP, bt.F_TEMP, bt.F_TOP_P, sup, step_offset)
-    return cache, _heads(model, hidden, sp, backend, out_rows)
+    return cache, _heads(model, hidden, _decode_sampling(ints, floats, sup, step_offset), backend, out_rows)
 
 
 def _decode_step(parts: _Parts, params: list[jax.Array], cache: KVCache, ints: jax.Array, floats: jax.Array,
@@ -262,16 +277,45 @@ def _prefill_step(parts: _Parts, params: list[jax.Array], cache: KVCache, tok_in
                   backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
     """tok_ints [T, TI], tok_floats [T, 2], seq_ints [B, SI + P], seq_floats [B, 2] (batch.py
     layout), images [NI, 729, D]: per-sequence outputs of each completed prompt's last row."""
-    model = _lm(parts, params)
+    return _prefill_or_mixed(_lm(parts, params), cache, tok_ints, tok_floats, seq_ints, seq_floats, images, None,
+                             backend, out_rows)
+
+
+def _mixed_step(parts: _Parts, params: list[jax.Array], cache: KVCache, ints: jax.Array, floats: jax.Array,
+                prev: jax.Array, tok_ints: jax.Array, tok_floats: jax.Array, seq_ints: jax.Array,
+                seq_floats: jax.Array, images: jax.Array, backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
+    """A prefill step that also runs one decode iteration of the rows `ints [Bd, DI + P]`, `floats
+    [Bd, DF]` (the decode step's layout and `prev` feed): one forward pass over Bd + T tokens, decode
+    rows first. Outputs: rows [0, Bd) the decode rows', then [Bd, Bd + B) the prefill sequences'."""
+    return _prefill_or_mixed(_lm(parts, params), cache, tok_ints, tok_floats, seq_ints, seq_floats, images,
+                             (ints, floats, prev), backend, out_rows)
+
+
+def _prefill_or_mixed(model: LM, cache: KVCache, tok_ints: jax.Array, tok_floats: jax.Array, seq_ints: jax.Array,
+                      seq_floats: jax.Array, images: jax.Array, decode: tuple[jax.Array, jax.Array, jax.Array] | None,
+                      backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
     with ops.use_backend(backend):  # type: ignore[arg-type]
         x = _embed(model, tok_ints[:, bt.T_KIND], tok_ints[:, bt.T_TOKEN], tok_floats, tok_ints[:, bt.T_IMG_ROW],
                    images)
         cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), seq_ints[:, bt.S_CU_END]])
-        batch = AttentionBatch(tok_ints[:, bt.T_POS], tok_ints[:, bt.T_SLOT], seq_ints[:, bt.S_KV_LEN],
-                               seq_ints[:, bt.SI:], cu, seq_ints[:, bt.S_PREFIX], tok_ints[0, bt.T_NUM_VALID])
+        positions, slots, num_valid = tok_ints[:, bt.T_POS], tok_ints[:, bt.T_SLOT], tok_ints[0, bt.T_NUM_VALID]
+        rows, sp, nd = None, _sampling(seq_ints, seq_floats, bt.S_TOP_K, bt.S_SEED, bt.S_STEP, bt.S_SUP, 0, 1), 0
+        if decode is not None:
+            ints, floats, prev = decode
+            nd = ints.shape[0]
+            xd, sup = _decode_inputs(model, ints, floats, prev, ints[:, bt.D_SRC])
+            x = jnp.concatenate([xd, x])
+            positions = jnp.concatenate([ints[:, bt.D_POS], positions])
+            slots = jnp.concatenate([ints[:, bt.D_SLOT], slots])
+            num_valid = num_valid + nd  # the decode rows' padding runs too: it sits before real rows
+            rows = DecodeRows(nd, ints[:, bt.D_KV_LEN], ints[:, bt.DI:])
+            sp = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), _decode_sampling(ints, floats, sup), sp)
+        batch = AttentionBatch(positions, slots, seq_ints[:, bt.S_KV_LEN], seq_ints[:, bt.SI:], cu,
+                               seq_ints[:, bt.S_PREFIX], num_valid, rows)
         hidden, cache, _ = model.text(x, batch, cache)
-        last = hidden[jnp.clip(seq_ints[:, bt.S_LOGITS_ROW], 0, hidden.shape[0] - 1)]  # [B, D]
-        sp = _sampling(seq_ints, seq_floats, bt.S_TOP_K, bt.S_SEED, bt.S_STEP, bt.S_SUP, 0, 1)
+        last = hidden[nd + jnp.clip(seq_ints[:, bt.S_LOGITS_ROW], 0, tok_ints.shape[0] - 1)]  # [B, D]
+        if nd:
+            last = jnp.concatenate([hidden[:nd], last])
         return cache, _heads(model, last, sp, backend, out_rows)
 
 
@@ -361,6 +405,8 @@ class Runner:
                                        salt=self._export_salt())
         self._prefill = self._step("prefill", functools.partial(_prefill_step, self._parts, backend=backend,
                                                                 out_rows=out_rows))
+        self._mixed = self._step("mixed", functools.partial(_mixed_step, self._parts, backend=backend,
+                                                            out_rows=out_rows))
         self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
         self.no_outputs = _committed(jnp.zeros((out_rows, 6), jnp.float32))
         attn = _vision_attention(self.config.vision_attention, model.dtype)
@@ -384,7 +430,7 @@ class Runner:
         """Decode and prefill step variants loaded from / exported to the export cache, or traced
         as usual after a failure (`fallback`)."""
         out = {"loaded": 0, "exported": 0, "fallback": 0}
-        for fn in (self._prefill, *self._decode.values()):
+        for fn in (self._prefill, self._mixed, *self._decode.values()):
             for k, v in fn.counts.items():
                 out[k] += v
         return out
@@ -468,6 +514,43 @@ class Runner:
                                         seq_ints, seq_floats, images)
         return out
 
+    def mixed(self, ints: np.ndarray, floats: np.ndarray, prev: jax.Array | None, tok_ints: np.ndarray,
+              tok_floats: np.ndarray, seq_ints: np.ndarray, seq_floats: np.ndarray, images: jax.Array) -> jax.Array:
+        """A prefill step carrying one decode iteration of the rows `ints`/`floats` (decode layout,
+        `prev` as for `decode`). Outputs [out_rows, 6]: the decode rows', then the sequences'."""
+        prev = self.no_outputs if prev is None else prev
+        self.cache, out = self._guarded("mixed", self._mixed, self.lm_params, self.cache, ints, floats, prev,
+                                        tok_ints, tok_floats, seq_ints, seq_floats, images)
+        return out
+
+    def compile_ahead(self, variants: list[tuple[str, tuple[Any, ...]]], threads: int) -> dict[str, float]:
+        """Lower and compile decode, prefill and mixed step variants on `threads` threads, without
+        running them (XLA compiles, and reads its cache, with the GIL released). Each variant is
+        ("decode", (ints, floats, steps)), ("prefill", (tok_ints, tok_floats, seq_ints, seq_floats,
+        images)) or ("mixed", (ints, floats, tok_ints, tok_floats, seq_ints, seq_floats, images)),
+        the inputs its first call will get. Returns seconds per variant (from the pool's start)."""
+        jobs: list[tuple[ExportedStep, tuple[Any, ...]]] = []
+        for kind, args in variants:
+            if kind == "decode":
+                ints, floats, steps = args
+                jobs.append((self._decode_fn(steps), (self.lm_params, self.cache, ints, floats, self.no_outputs)))
+            elif kind == "prefill":
+                jobs.append((self._prefill, (self.lm_params, self.cache, *args)))
+            elif kind == "mixed":
+                ints, floats, *rest = args
+                jobs.append((self._mixed, (self.lm_params, self.cache, ints, floats, self.no_outputs, *rest)))
+            else:
+                raise ValueError(f"unknown step kind {kind!r}")
+        t0 = time.perf_counter()
+
+        def one(job: tuple[ExportedStep, tuple[Any, ...]]) -> float:
+            job[0].compile_ahead(*job[1])
+            return round(time.perf_counter() - t0, 2)
+
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="kestrel-jax-compile") as pool:
+            done = list(pool.map(one, jobs))
+        return {f"{kind}{i}": s for i, ((kind, _), s) in enumerate(zip(variants, done, strict=True))}
+
     def copy_pages(self, copies: np.ndarray, num_copies: int | None = None) -> None:
         """Whole-page KV copies [C, 2] (src, dst), dispatched before the step that needs them. The
         first `num_copies` rows are the real ones (None: all); the step runs over the smallest
@@ -495,7 +578,8 @@ class Runner:
 
     # ------------------------------------------------------------------------------- guard
     def _fns(self) -> dict[str, Any]:
-        fns = {"prefill": self._prefill, "vision": self._vision, "copy": self._copy, "crops": self._crops}
+        fns = {"prefill": self._prefill, "mixed": self._mixed, "vision": self._vision, "copy": self._copy,
+               "crops": self._crops}
         fns.update({f"decode{k}": fn for k, fn in self._decode.items()})
         return fns
 

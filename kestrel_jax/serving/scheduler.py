@@ -22,9 +22,12 @@ reach the cache instead of prefilling the same image again.
 
 Steps: prefill has priority. A prefill step packs chunks of prefilling sequences in admission
 order under the token budget; an uncached image prefix goes whole in one chunk, prompts may be
-split anywhere. Otherwise a decode step advances every decoding sequence by one position, or
-by up to `decode_steps` positions (each capped by the sequence's remaining token budget) when
-the engine asks for a multi-step launch.
+split anywhere. With `mixed_decode_buckets`, a prefill step also carries one decode position of
+every decoding sequence when they fit the largest of those buckets (a mixed step: the weights
+are read once for both, and decoding does not stall while images are prefilled). Otherwise a
+decode step advances every decoding sequence by one position, or by up to `decode_steps`
+positions (each capped by the sequence's remaining token budget) when the engine asks for a
+multi-step launch.
 Pure Python + numpy (no JAX).
 """
 
@@ -229,6 +232,7 @@ class Scheduler:
             self.prefix_cache.copies_done()
         now = self.clock()
         stepped: list[_Seq] = []
+        decode = plan.decode if isinstance(plan, PrefillPlan) else plan
         if isinstance(plan, PrefillPlan):
             cu = plan.cu_q_lens
             for b in range(plan.num_seqs):
@@ -241,12 +245,12 @@ class Scheduler:
                     seq.generated = 1
                     seq.metrics.first_token_time = now
                     stepped.append(seq)
-        else:
-            for i, sid in enumerate(plan.seq_ids[: plan.num_seqs]):
+        if decode is not None:
+            for i, sid in enumerate(decode.seq_ids[: decode.num_seqs]):
                 seq = self._live.get(sid)
                 if seq is None:
                     continue
-                n = plan.steps_of(i)
+                n = decode.steps_of(i)
                 seq.computed += n
                 seq.generated += n
                 stepped.append(seq)
@@ -403,25 +407,30 @@ class Scheduler:
                 logits_rows[b] = off + n - 1
             seq_ids[b] = seq.req.request_id
             off += n
+        decode = self._build_decode(1, mixed=True) if cfg.mixed_decode_buckets else None
         copies, num_copies = self._copies()
         self._step += 1
         self.stats.prefill_steps += 1
+        self.stats.mixed_steps += decode is not None
         self.stats.prefill_tokens += num_tokens
         self.stats.prefill_padding += T - num_tokens
         return PrefillPlan(
             step=self._step, seq_ids=tuple(seq_ids), num_seqs=len(chosen), num_tokens=num_tokens,
             positions=positions, slots=slots, token_seq=token_seq, cu_q_lens=cu, kv_lens=kv_lens,
             context_lens=context, prefix_lens=prefix, page_table=table, logits_rows=logits_rows,
-            copies=copies, num_copies=num_copies,
+            copies=copies, num_copies=num_copies, decode=decode,
         )  # fmt: skip
 
-    def _build_decode(self, steps: int = 1) -> DecodePlan | None:
+    def _build_decode(self, steps: int = 1, mixed: bool = False) -> DecodePlan | None:
+        """The decode plan of every decoding sequence; `mixed`: the decode rows of a prefill plan
+        (None when they do not fit the largest mixed bucket; no page copies, no step of its own)."""
         cfg = self.config
         running = [s for s in self._live.values() if s.decoding]
-        if not running:
+        buckets = cfg.mixed_decode_buckets if mixed else cfg.decode_buckets
+        if not running or len(running) > buckets[-1]:
             return None
         n = len(running)
-        B = pick_bucket(n, cfg.decode_buckets)
+        B = pick_bucket(n, buckets)
         rows = np.fromiter((s.row for s in running), np.int64, n)
         pos = np.fromiter((s.computed for s in running), np.int64, n)
         positions = np.zeros(B, np.int32)
@@ -438,10 +447,13 @@ class Scheduler:
             row_steps = np.zeros(B, np.int32)
             left = np.fromiter((s.req.max_new_tokens - s.generated for s in running), np.int64, n)
             row_steps[:n] = np.clip(left, 1, steps)
-        copies, num_copies = self._copies()
-        self._step += 1
-        self.stats.decode_steps += 1
-        self.stats.decode_iterations += steps
+        if mixed:
+            copies, num_copies = np.full((0, 2), -1, np.int32), 0
+        else:
+            copies, num_copies = self._copies()
+            self._step += 1
+            self.stats.decode_steps += 1
+            self.stats.decode_iterations += steps
         self.stats.decode_rows += n if row_steps is None else int(row_steps.sum())
         self.stats.decode_padding += (B - n) * steps
         return DecodePlan(

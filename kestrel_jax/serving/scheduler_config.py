@@ -26,6 +26,9 @@ class SchedulerConfig:
     max_prefill_seqs: int = 8  # batch dimension B of every prefill plan
     image_prefix_len: int = IMAGE_PREFIX_LEN
     enable_prefix_cache: bool = True
+    # Mixed steps (continuous batching): a prefill step also advances every decoding sequence by
+    # one position when they fit one of these row buckets. () = prefill steps carry no decode rows.
+    mixed_decode_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_pages < 1:
@@ -38,6 +41,9 @@ class SchedulerConfig:
             "prefill_token_buckets",
             validate_buckets(self.prefill_token_buckets, "prefill_token_buckets"),
         )
+        if self.mixed_decode_buckets:
+            object.__setattr__(self, "mixed_decode_buckets",
+                               validate_buckets(self.mixed_decode_buckets, "mixed_decode_buckets"))
         if self.max_running is None:
             object.__setattr__(self, "max_running", self.decode_buckets[-1])
         if self.prefill_token_budget is None:
@@ -87,11 +93,12 @@ class SchedulerConfig:
 class SchedulerStats:
     prefill_steps: int = 0
     decode_steps: int = 0  # decode launches
+    mixed_steps: int = 0  # prefill steps that also carried decode rows (counted in prefill_steps)
     decode_iterations: int = 0  # decode positions advanced per row slot (launches x iterations)
     prefill_tokens: int = 0  # real rows computed by prefill steps
     prefill_padding: int = 0  # padding rows in prefill buckets
-    decode_rows: int = 0  # real row-iterations
-    decode_padding: int = 0  # padding row-iterations
+    decode_rows: int = 0  # real row-iterations (mixed steps' decode rows included)
+    decode_padding: int = 0  # padding row-iterations (likewise)
     cached_tokens: int = 0  # prompt positions served from the prefix cache
     admitted: int = 0
     finished: int = 0

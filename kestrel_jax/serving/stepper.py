@@ -58,7 +58,8 @@ class Stepper:
         self._zero_image = jax.device_put(jnp.zeros((prefix_len - 1, model.cfg.text.dim), model.dtype),
                                           jax.devices()[0])
         # decode_iterations: decode launches times the iterations each ran (multi-step launches run K)
-        self.steps = {"prefill": 0, "decode": 0, "decode_multi": 0, "decode_iterations": 0}
+        # mixed: prefill steps that also ran a decode iteration (counted in prefill, not in decode)
+        self.steps = {"prefill": 0, "mixed": 0, "decode": 0, "decode_multi": 0, "decode_iterations": 0}
         self.wait_s = 0.0  # time spent blocked on step outputs (device not done yet)
 
     # ------------------------------------------------------------------------------ launch
@@ -71,9 +72,17 @@ class Stepper:
             self.steps["decode_iterations"] += plan.steps
             return self._decode(plan, pending)
         self.steps["prefill"] += 1
-        return self._prefill(plan)
+        self.steps["mixed"] += plan.decode is not None
+        return self._prefill(plan, pending)
 
     def _decode(self, plan: DecodePlan, pending: Pending | None) -> Pending:
+        ints, floats, rows, row_steps = self._decode_rows(plan, pending)
+        outs, last = self.runner.decode(ints, floats, pending.feed if pending is not None else None, plan.steps)
+        return Pending(plan, outs, rows, last, row_steps)
+
+    def _decode_rows(self, plan: DecodePlan,
+                     pending: Pending | None) -> tuple[np.ndarray, np.ndarray, dict[int, int], dict[int, int]]:
+        """The decode step's inputs for `plan` (batch.py layout), and request id -> row / iterations."""
         b = plan.bucket
         ints, floats = bt.empty_decode(b, plan.page_table.shape[1])
         ints[:, bt.D_POS] = plan.positions
@@ -97,10 +106,10 @@ class Stepper:
                           steps=n)
             rows[rid] = i
             row_steps[rid] = n
-        outs, last = self.runner.decode(ints, floats, pending.feed if pending is not None else None, plan.steps)
-        return Pending(plan, outs, rows, last, row_steps)
+        return ints, floats, rows, row_steps
 
-    def _prefill(self, plan: PrefillPlan) -> Pending:
+    def _prefill(self, plan: PrefillPlan, pending: Pending | None) -> Pending:
+        """A prefill step; with `plan.decode`, the mixed step (its decode rows' outputs come first)."""
         t, bsz = plan.bucket, plan.kv_lens.shape[0]
         tok_ints, tok_floats, seq_ints, seq_floats = bt.empty_prefill(t, bsz, plan.page_table.shape[1])
         tok_ints[:, bt.T_POS] = plan.positions
@@ -114,6 +123,7 @@ class Stepper:
         kind, token, img_row = tok_ints[:, bt.T_KIND], tok_ints[:, bt.T_TOKEN], tok_ints[:, bt.T_IMG_ROW]
         images: list[jax.Array] = []
         rows: dict[int, int] = {}
+        first = 0 if plan.decode is None else plan.decode.bucket  # output row of sequence 0
         for b in range(plan.num_seqs):
             sid = plan.seq_ids[b]
             sub = self.live.get(int(sid)) if sid is not None else None  # type: ignore[call-overload]
@@ -139,12 +149,16 @@ class Stepper:
                 kind[hit], tok_floats[hit, 0], tok_floats[hit, 1] = IN_SIZE, w, h
             if plan.logits_rows[b] >= 0:
                 bt.prefill_seq_sampling(seq_ints, seq_floats, b, sub.job.row_spec(False))
-                rows[int(sid)] = b  # type: ignore[call-overload]
+                rows[int(sid)] = first + b  # type: ignore[call-overload]
         if len(images) > self.max_images:
             raise RuntimeError(f"{len(images)} images in one prefill step; at most {self.max_images} fit")
         block = self.image_block(images)
-        out = self.runner.prefill(tok_ints, tok_floats, seq_ints, seq_floats, block)
-        return Pending(plan, out, rows)
+        if plan.decode is None:
+            return Pending(plan, self.runner.prefill(tok_ints, tok_floats, seq_ints, seq_floats, block), rows)
+        ints, floats, drows, _ = self._decode_rows(plan.decode, pending)
+        out = self.runner.mixed(ints, floats, pending.feed if pending is not None else None, tok_ints, tok_floats,
+                                seq_ints, seq_floats, block)
+        return Pending(plan, out, {**drows, **rows})
 
     def image_block(self, images: list[jax.Array]) -> jax.Array:
         """The prefill step's image input [max_images, 729, D]: these images, then zero rows.

@@ -107,6 +107,46 @@ def test_mixed_skills_batched_equal_reference(engine: InferenceEngine, ref: Refe
     _leak_free(engine)
 
 
+def test_prompts_prefilled_while_others_decode_share_their_steps(engine: InferenceEngine, ref: ReferenceMoondream,
+                                                                 images: list[Path]) -> None:
+    """Requests arriving while another decodes are prefilled in mixed steps (the decoding rows of
+    every skill ride in the prefill step, fed from the previous step's outputs on the device): each
+    still gives the reference's output. This checks the engine's plumbing (rows, inputs, outputs);
+    the random model's text barely depends on its context, so the numbers of the mixed step itself
+    are checked against the separate steps in test_runner_mixed.py."""
+    a, b = images
+    greedy = {"temperature": 0.0, "max_tokens": 4}
+    mixed, decode_rows = engine.stats["steps"]["mixed"], engine.stats["scheduler"].decode_rows
+    text = np.random.default_rng(3).integers(0, 255, (330, 290, 3), dtype=np.uint8)  # uncached image
+
+    async def run() -> tuple[Result, list[Result]]:
+        long = await engine.caption(a, length="normal", stream=True,
+                                    settings={"temperature": 0.0, "max_tokens": 60})
+        chunks = aiter(long)  # type: ignore[arg-type]
+        await anext(chunks)  # decoding now: what arrives next is prefilled beside it
+        rs = await asyncio.gather(
+            engine.point(b, "sun", settings={"max_objects": 2}),
+            engine.detect(text, "car", settings={"max_objects": 2}),
+            engine.query(text, "What?", reasoning=False, settings=greedy))
+        async for _ in chunks:
+            pass
+        return await long.result(), [r for r in rs if isinstance(r, Result)]  # type: ignore[union-attr]
+
+    cap, (pt, det, ans) = asyncio.run(run())
+    assert engine.stats["steps"]["mixed"] >= mixed + 1
+    assert engine.stats["scheduler"].decode_rows > decode_rows
+    # (the random model never samples EOS: the caption runs all 60 tokens)
+    assert cap.output["caption"] == ref.caption(a, "normal", SamplingSettings(temperature=0.0, max_tokens=60)).output
+    np.testing.assert_allclose([[o["x"], o["y"]] for o in pt.output["points"]],
+                               [[o["x"], o["y"]] for o in ref.point(b, "sun", max_objects=2).output], atol=1e-6)
+    want = ref.detect(text, "car", max_objects=2).output
+    np.testing.assert_allclose([[o[k] for k in o] for o in det.output["objects"]], [[o[k] for k in o] for o in want],
+                               atol=1e-6)
+    assert ans.output["answer"] == ref.query(text, "What?", reasoning=False,
+                                             settings=SamplingSettings(temperature=0.0, max_tokens=4)).output
+    _leak_free(engine)
+
+
 def test_prefix_cache_hit_gives_identical_answers(engine: InferenceEngine, images: list[Path]) -> None:
     img = images[1]
     greedy = {"temperature": 0.0, "max_tokens": 4}

@@ -155,3 +155,35 @@ def test_loading_an_export_makes_the_mosaic_gpu_runtime_findable(tmp_path: Path)
                            check=True).stdout.split() for _ in range(2)]
     assert runs[0] == ["1", "0", "False"]  # exporting traces the function itself: nothing to load
     assert runs[1] == ["0", "1", "True"]
+
+
+@pytest.mark.parametrize("cache", [False, True], ids=["jit", "export"])
+def test_steps_compiled_ahead_on_threads_are_not_compiled_again(model: MoondreamModel, tmp_path: Path,
+                                                                 cache: bool) -> None:
+    import jax
+
+    plain = _run(Runner(model, _config(None)))
+    runner = Runner(model, _config(tmp_path if cache else None))
+    p = runner.max_pages_per_seq
+    images = jnp.zeros((1, 728, 256))
+    variants: list[tuple[str, tuple[object, ...]]] = [("prefill", (*bt.empty_prefill(16, 2, p), images))]
+    variants += [("decode", (*bt.empty_decode(1, p), steps)) for steps in (1, 2)]
+    done = runner.compile_ahead(variants, threads=3)
+    assert list(done) == ["prefill0", "decode1", "decode2"]
+    compiles: list[str] = []
+    active = [True]
+
+    def on_duration(event: str, secs: float, **_: object) -> None:
+        if active[0] and "backend_compile" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)  # type: ignore[arg-type]
+    try:
+        got = _run(runner)
+    finally:
+        active[0] = False
+    assert compiles == []
+    for a, b in zip(plain, got, strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="unknown step kind"):
+        runner.compile_ahead([("vision", ())], threads=1)

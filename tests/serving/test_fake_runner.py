@@ -156,3 +156,22 @@ def test_bad_copies_are_caught() -> None:
     with pytest.raises(PlanViolation, match="distinct destinations"):
         r.run(dataclasses.replace(plan, copies=chained, num_copies=2))
     finish(s, plan)
+
+
+def test_mixed_step_tampering_is_caught() -> None:
+    s, r = setup(mixed_decode_buckets=(2,))
+    submit(s, r, Request("x", 30, 20))
+    run_step(s, r)
+    submit(s, r, Request("y", 40, 20))
+    plan = s.schedule()
+    assert isinstance(plan, PrefillPlan) and plan.decode is not None and plan.decode.num_seqs == 1
+    late = edited(plan.decode, "kv_lens", lambda a: a.__setitem__(0, a[0] + 1))
+    assert isinstance(late, DecodePlan)
+    with pytest.raises(PlanViolation, match="decode at"):
+        r.run(dataclasses.replace(plan, decode=late))
+    twice = dataclasses.replace(plan.decode, seq_ids=("y", None))
+    with pytest.raises(PlanViolation, match="both prefill and decode"):
+        r.run(dataclasses.replace(plan, decode=twice))
+    with pytest.raises(ValueError, match="one iteration"):
+        dataclasses.replace(plan, decode=dataclasses.replace(plan.decode, steps=2))
+    finish(s, plan)

@@ -308,7 +308,8 @@ def test_engine_finishes_and_metrics(make: Make) -> None:
     assert ended2[0].metrics.cached_tokens == PRE
 
 
-def _soak(seed: int, page_size: int, steps_cap: int = 20_000, multi_step: bool = False) -> None:
+def _soak(seed: int, page_size: int, steps_cap: int = 20_000, multi_step: bool = False,
+          mixed: tuple[int, ...] = ()) -> None:
     rng = np.random.default_rng(seed)
 
     def k() -> int:  # decode iterations asked for this step
@@ -319,7 +320,7 @@ def _soak(seed: int, page_size: int, steps_cap: int = 20_000, multi_step: bool =
         SchedulerConfig(
             num_pages=60 if page_size == 64 else 240, page_size=page_size, max_seq_len=1024,
             decode_buckets=(1, 2, 4, 8), max_running=8, prefill_token_buckets=(256, 512, 768, 1024),
-            max_prefill_seqs=4,
+            max_prefill_seqs=4, mixed_decode_buckets=mixed,
         ),
         clock=clock,
     )  # fmt: skip
@@ -365,7 +366,7 @@ def _soak(seed: int, page_size: int, steps_cap: int = 20_000, multi_step: bool =
         if rng.random() < 0.05:  # cancel a sequence while its plan is in flight
             plan = s.schedule(k())
             if plan is not None:
-                victims = [sid for sid in plan.seq_ids if sid is not None]
+                victims = [sid for sid in plan.row_ids if sid is not None]
                 s.cancel(victims[0])
                 r.forget(victims[0])
                 r.run(plan)
@@ -387,12 +388,60 @@ def _soak(seed: int, page_size: int, steps_cap: int = 20_000, multi_step: bool =
     assert len(ids) == len(set(ids)) and set(ids) == submitted, "every request ends exactly once"
     assert rejected > 0 and stops and s.stats.cached_tokens > 0 and s.stats.expired > 0
     assert s.prefix_cache.stats.evicted_pages > 0
+    if mixed:  # mixed steps ran, and (with a bucket below max_running) prefill-only steps too
+        assert s.stats.mixed_steps > 0
+        assert s.stats.mixed_steps < s.stats.prefill_steps or mixed[-1] >= 8
     assert_released(s)
 
 
-@pytest.mark.parametrize(("seed", "page_size", "multi_step"), [(0, 64, False), (1, 16, False), (2, 16, True)])
-def test_randomized_soak(seed: int, page_size: int, multi_step: bool) -> None:
-    _soak(seed, page_size, multi_step=multi_step)
+@pytest.mark.parametrize(("seed", "page_size", "multi_step", "mixed"),
+                         [(0, 64, False, ()), (1, 16, False, ()), (2, 16, True, ()), (3, 64, False, (2, 8)),
+                          (4, 16, True, (4,))])
+def test_randomized_soak(seed: int, page_size: int, multi_step: bool, mixed: tuple[int, ...]) -> None:
+    _soak(seed, page_size, multi_step=multi_step, mixed=mixed)
+
+
+def test_mixed_steps_advance_decoding_sequences_during_a_prefill(make: Make) -> None:
+    s, r, _ = make(mixed_decode_buckets=(2, 4))
+    submit(s, r, text("a", 30, max_new=10))
+    submit(s, r, text("b", 12, max_new=10))
+    out = run_step(s, r)  # both prefill: nothing decodes yet
+    assert out is not None and isinstance(out.plan, PrefillPlan) and out.plan.decode is None
+    submit(s, r, image("c", "cat", max_new=3))
+    out = run_step(s, r)
+    assert out is not None and isinstance(out.plan, PrefillPlan)
+    p, dec = out.plan, out.plan.decode
+    assert dec is not None and dec.bucket == 2 and dec.num_seqs == 2 and dec.num_copies == 0
+    assert dec.positions.tolist() == [30, 12] and dec.kv_lens.tolist() == [31, 13]
+    assert p.row_ids == ("a", "b", "c", None, None, None)
+    got = sampled(p, out.tokens)
+    assert got == {"a": [r.token_for("a", 30)], "b": [r.token_for("b", 12)], "c": [r.token_for("c", PRE + 9)]}
+    assert s.stats.mixed_steps == 1 and s.stats.decode_rows == 2 and s.stats.decode_steps == 0
+    for rid in "def":  # three more prompts while a, b and c decode: 3 decode rows pad to bucket 4
+        submit(s, r, text(rid, 5, max_new=2))
+    out = run_step(s, r)
+    assert out is not None and isinstance(out.plan, PrefillPlan) and out.plan.decode is not None
+    assert out.plan.decode.bucket == 4 and out.plan.decode.seq_ids == ("a", "b", "c", None)
+    out = run_step(s, r)  # six decoding: more than the largest mixed bucket, so a plain decode step
+    assert out is not None and isinstance(out.plan, DecodePlan) and out.plan.num_seqs == 6
+    run_until_idle(s, r)
+    assert s.stats.finished == 6
+
+
+def test_a_sequence_cancelled_while_its_mixed_step_is_in_flight(make: Make) -> None:
+    s, r, _ = make(mixed_decode_buckets=(4,))
+    submit(s, r, text("a", 20, max_new=6))
+    run_step(s, r)
+    submit(s, r, text("b", 20, max_new=6))
+    plan = s.schedule()
+    assert isinstance(plan, PrefillPlan) and plan.decode is not None and plan.decode.seq_ids[0] == "a"
+    s.cancel("a")
+    r.forget("a")
+    r.run(plan)
+    s.commit(plan)
+    assert [f.request_id for f in s.take_finished()] == ["a"]
+    ended = run_until_idle(s, r)
+    assert [(f.request_id, f.reason, f.metrics.generated_tokens) for f in ended] == [("b", "length", 6)]
 
 
 def test_multi_step_decode_runs_ahead_within_each_budget(make: Make) -> None:

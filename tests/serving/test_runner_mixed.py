@@ -1,0 +1,129 @@
+"""The mixed step (a prefill that also runs one decode iteration) computes what the separate
+prefill and decode steps compute: the same sampled tokens, outputs and KV contents."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kestrel_jax.models.config import tiny_config
+from kestrel_jax.models.moondream import MoondreamModel, random_model
+from kestrel_jax.serving import batch as bt
+from kestrel_jax.serving.runner import Runner, RunnerConfig
+
+PAGE = 16
+
+
+@pytest.fixture(scope="module", params=["md3", "md2"])
+def model(request: pytest.FixtureRequest) -> MoondreamModel:
+    return random_model(tiny_config(request.param), dtype=jnp.float32, seed=11)
+
+
+def _runner(model: MoondreamModel) -> Runner:
+    cfg = RunnerConfig(num_pages=16, kv_dtype="f32", max_seq_len=128, page_size=PAGE, vision_buckets=(2,))
+    return Runner(model, cfg, out_rows=8)
+
+
+def _prefill_inputs(runner: Runner, seqs: list[tuple[int, list[int]]], t: int = 32,
+                    temps: tuple[float, ...] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Text prompts (first page, tokens) as one prefill batch of 2 sequences."""
+    p = runner.max_pages_per_seq
+    tok_ints, tok_floats, seq_ints, seq_floats = bt.empty_prefill(t, 2, p)
+    off = 0
+    for b, (page, toks) in enumerate(seqs):
+        n = len(toks)
+        tok_ints[off: off + n, bt.T_POS] = np.arange(n)
+        tok_ints[off: off + n, bt.T_SLOT] = page * PAGE + np.arange(n)
+        tok_ints[off: off + n, bt.T_TOKEN] = toks
+        seq_ints[b, bt.S_CU_END] = off + n
+        seq_ints[b + 1:, bt.S_CU_END] = off + n
+        seq_ints[b, bt.S_KV_LEN] = n
+        seq_ints[b, bt.S_LOGITS_ROW] = off + n - 1
+        seq_ints[b, bt.SI: bt.SI + 2] = [page, page + 1]
+        temp = temps[b] if b < len(temps) else 0.0
+        bt.prefill_seq_sampling(seq_ints, seq_floats, b, bt.RowSpec(temperature=temp, seed=100 + b))
+        off += n
+    tok_ints[:, bt.T_NUM_VALID] = off
+    return tok_ints, tok_floats, seq_ints, seq_floats
+
+
+def _decode_inputs(runner: Runner, rows: list[tuple[int, int, int, int]], bucket: int = 2,
+                   temps: tuple[float, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """Decode rows (first page, position, token or -1, src or -1)."""
+    ints, floats = bt.empty_decode(bucket, runner.max_pages_per_seq)
+    for i, (page, pos, token, src) in enumerate(rows):
+        ints[i, bt.D_POS] = pos
+        ints[i, bt.D_SLOT] = (page + pos // PAGE) * PAGE + pos % PAGE
+        ints[i, bt.D_KV_LEN] = pos + 1
+        ints[i, bt.DI: bt.DI + 2] = [page, page + 1]
+        temp = temps[i] if i < len(temps) else 0.0
+        bt.decode_row(ints, floats, i, kind=0, token=max(token, 0), value=(0.0, 0.0), src=src,
+                      spec=bt.RowSpec(temperature=temp, top_p=0.9, seed=7 + i, step=3))
+    ints[:, bt.D_NUM_VALID] = len(rows)
+    return ints, floats
+
+
+def _kv(runner: Runner, pages: list[int]) -> np.ndarray:
+    return np.stack([np.asarray(k[np.array(pages)]) for k in (*runner.cache.k, *runner.cache.v)])
+
+
+@pytest.mark.parametrize("feed", ["token", "src"])
+def test_mixed_step_equals_separate_prefill_and_decode(model: MoondreamModel, feed: str) -> None:
+    a = [1, 700, 33, 4000, 12, 9, 81, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]  # 18 tokens: crosses a page
+    b, c = [1, 55, 66, 77, 88], [1, 300, 301]
+    temps = (0.0, 0.8)
+    outs = {}
+    for mode in ("separate", "mixed"):
+        runner = _runner(model)
+        first = np.asarray(runner.prefill(*_prefill_inputs(runner, [(2, a), (6, b)]), jnp.zeros((1, 728, 256))))
+        tok_a, tok_b = int(first[0, 0]), int(first[1, 0])
+        prev = jnp.asarray(first) if feed == "src" else None
+        rows = [(2, len(a), tok_a if feed == "token" else -1, 0 if feed == "src" else -1),
+                (6, len(b), tok_b if feed == "token" else -1, 1 if feed == "src" else -1)]
+        dec = _decode_inputs(runner, rows, temps=temps)
+        pre = _prefill_inputs(runner, [(10, c)], temps=(0.5,))
+        images = jnp.zeros((1, 728, 256))
+        if mode == "separate":
+            d_out, _ = runner.decode(*dec, prev)
+            p_out = runner.prefill(*pre, images)
+            got = np.concatenate([np.asarray(d_out)[0, :2], np.asarray(p_out)[:1]])
+        else:
+            m_out = np.asarray(runner.mixed(*dec, prev, *pre, images))
+            assert (m_out[4:] == 0).all()  # rows past decode bucket + prefill batch: zero padding
+            got = np.concatenate([m_out[:2], m_out[2:3]])
+        outs[mode] = (got, _kv(runner, [2, 3, 6, 10]))
+    (g1, kv1), (g2, kv2) = outs["separate"], outs["mixed"]
+    np.testing.assert_array_equal(g1[:, 0], g2[:, 0])  # sampled tokens (greedy and sampled rows)
+    np.testing.assert_allclose(g1, g2, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(kv1, kv2, rtol=1e-4, atol=1e-5)
+    assert np.abs(kv1).sum() > 0
+
+
+def test_mixed_step_with_padding_decode_rows_writes_nothing_for_them(model: MoondreamModel) -> None:
+    runner = _runner(model)
+    runner.prefill(*_prefill_inputs(runner, [(2, [1, 2, 3])]), jnp.zeros((1, 728, 256)))
+    before = _kv(runner, [0, 1, 4, 5, 12, 13, 14, 15])
+    dec = _decode_inputs(runner, [(2, 3, 9, -1)], bucket=4)  # one real row, three padding rows
+    out = np.asarray(runner.mixed(*dec, None, *_prefill_inputs(runner, [(6, [1, 4])]), jnp.zeros((1, 728, 256))))
+    np.testing.assert_array_equal(before, _kv(runner, [0, 1, 4, 5, 12, 13, 14, 15]))  # pages nobody owns
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize(("decode", "mixed", "rows"), [((4,), (), 6), ((4,), None, 6), ((1, 4), (8,), 10)])
+def test_output_rows_hold_the_widest_step(model: MoondreamModel, decode: tuple[int, ...],
+                                          mixed: tuple[int, ...] | None, rows: int) -> None:
+    """Every step's packed outputs have room for the decode bucket or a mixed step's decode rows plus
+    its prefill sequences; a single decode bucket with mixing off included (it once failed to start)."""
+    from kestrel_jax.serving.engine import EngineConfig
+    from kestrel_jax.serving.loop import EngineWorker
+    from kestrel_jax.tokenizer import Tokenizer, build_synthetic_tokenizer
+
+    cfg = EngineConfig(runner=RunnerConfig(num_pages=16, kv_dtype="f32", max_seq_len=128, page_size=PAGE,
+                                           vision_buckets=(2,)),
+                       decode_buckets=decode, mixed_decode_buckets=mixed, prefill_token_buckets=(1024,),
+                       max_prefill_seqs=2, warmup=False)
+    tok = Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size))
+    worker = EngineWorker(cfg, model, tok)
+    assert worker.runner.out_rows == rows
+    assert worker.scheduler.config.mixed_decode_buckets == (cfg.mixed_buckets())
