@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
+import contextlib
 import dataclasses
 import importlib.metadata as im
 import json
@@ -213,7 +214,7 @@ def engine_config(model_path: str, overrides: list[str], compile_cache: str | No
                              f"runner.<RunnerConfig field>; fields: {sorted(fields['engine'])}, "
                              f"runner.{{{','.join(sorted(fields['runner']))}}}")
         value = _literal(raw)
-        if "tuple" in str(fields[where][name].type):
+        if value is not None and "tuple" in str(fields[where][name].type):
             value = tuple(value) if isinstance(value, list | tuple) else (value,)
         kws[where][name] = value
     return EngineConfig(model_path=model_path, runner=RunnerConfig(**kws["runner"]), **kws["engine"])
@@ -298,8 +299,9 @@ def sched_stats(engine: Any) -> dict[str, int]:
 
 def sched_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]:
     d: dict[str, Any] = {k: after[k] - before.get(k, 0) for k in after}
-    if d.get("decode_steps"):
-        d["mean_decode_batch"] = rnd(d["decode_rows"] / (d.get("decode_iterations") or d["decode_steps"]))
+    iterations = (d.get("decode_iterations") or d.get("decode_steps", 0)) + d.get("mixed_steps", 0)
+    if iterations:  # a mixed step runs one decode iteration of its decode rows
+        d["mean_decode_batch"] = rnd(d["decode_rows"] / iterations)
     return d
 
 
@@ -404,11 +406,26 @@ class Bench:
             await asyncio.gather(*(one_request(self.engine, self.images.new(), st) for _ in range(c)))
         images = [self.images.new() for _ in range(n)]
         before = sched_stats(self.engine)
-        recs, wall = await self._closed_loop(c, images, st)
+        host0 = dict(self.engine.stats["host_s"])
+        sampler = None
+        if self.a.host_profile:
+            from tools.host_sampler import ThreadSampler
+
+            sampler = ThreadSampler(self.engine._worker._thread)
+        with sampler or contextlib.nullcontext():
+            recs, wall = await self._closed_loop(c, images, st)
         s = summarize(recs, max_tokens)
         out_tok = sum(r["output_tokens"] for r in recs)
+        # the engine thread's time by loop phase (wait_outputs: blocked on the device, the rest is
+        # host work that the device must hide), seconds over this level's wall time
+        host = {k: rnd(v - host0.get(k, 0.0), 3) for k, v in self.engine.stats["host_s"].items()}
         s.update({"concurrency": c, "wall_s": rnd(wall, 3), "requests_per_s": rnd(len(recs) / wall, 3),
-                  "output_tok_s": rnd(out_tok / wall, 1), "scheduler": sched_delta(before, sched_stats(self.engine))})
+                  "output_tok_s": rnd(out_tok / wall, 1), "scheduler": sched_delta(before, sched_stats(self.engine)),
+                  "engine_host_s": host})
+        if sampler is not None:
+            s["host_profile"] = sampler.summary()
+            log(f"engine thread samples ({sampler.samples}): innermost in package "
+                f"{s['host_profile']['innermost_in_package'][:12]}; innermost {s['host_profile']['innermost'][:12]}")
         if s["cached_tokens_max"]:
             log(f"WARNING: prefix-cache hits in a fresh-image workload (cached_tokens up to {s['cached_tokens_max']})")
         return {"summary": s, "requests": recs}
@@ -420,7 +437,8 @@ class Bench:
             s = r["summary"]
             log(f"w2 C={c}: {s['requests_per_s']} req/s, {s['output_tok_s']} output tok/s, ttft p50/p90 "
                 f"{s['ttft_ms_p50']}/{s['ttft_ms_p90']} ms, decode/seq {s['decode_tok_s_per_seq_p50']} tok/s, "
-                f"batch {s['scheduler'].get('mean_decode_batch')}, cached max {s['cached_tokens_max']}")
+                f"batch {s['scheduler'].get('mean_decode_batch')}, cached max {s['cached_tokens_max']}; engine thread "
+                f"s {s['engine_host_s']} of {s['wall_s']}")
             out[str(c)] = r
             self.results["w2"] = out
             self.dump()
@@ -737,6 +755,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--concurrency", type=int, nargs="+", default=None, help="w2 levels (default 8 32 64)")
     ap.add_argument("--out", default=None, help="result JSON")
     ap.add_argument("--append", action="store_true", help="add this run's startup record to an existing --out")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="sample the engine thread's Python stack during each w2 level (tools/host_sampler.py)")
     ap.add_argument("--trace-dir", default=None, help="profile a w1 and a w2 window into DIR/w1, DIR/w2")
     ap.add_argument("--compile-cache", default=None, help="persistent compilation cache directory")
     ap.add_argument("--quick", action="store_true", help="tiny request counts (CPU smoke test)")
