@@ -9,7 +9,8 @@ its module) leaves the next module a freshly built one, so no module depends on 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,28 @@ def engine(ckpt: Path, _engines: list[InferenceEngine]) -> InferenceEngine:
     if not _engines or not _engines[-1].healthy:
         _engines.append(asyncio.run(InferenceEngine.create(_engine_config(ckpt))))
     return _engines[-1]
+
+
+@pytest.fixture
+def backend_compiles() -> Callable[[], contextlib.AbstractContextManager[list[str]]]:
+    """`with backend_compiles() as seen:` collects the XLA backend compilations that happen inside
+    the block (JAX's monitoring events; listeners cannot be removed, so each one goes inert after
+    its block)."""
+    import jax
+
+    @contextlib.contextmanager
+    def watch() -> Iterator[list[str]]:
+        seen: list[str] = []
+        active = [True]
+
+        def on_duration(event: str, secs: float, **_: object) -> None:
+            if active[0] and "backend_compile" in event:
+                seen.append(event)
+
+        jax.monitoring.register_event_duration_secs_listener(on_duration)  # type: ignore[arg-type]
+        try:
+            yield seen
+        finally:
+            active[0] = False
+
+    return watch

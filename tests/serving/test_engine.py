@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -281,20 +283,11 @@ def test_multi_step_decode_equals_reference(engine: InferenceEngine, ref: Refere
     _leak_free(engine)
 
 
-def test_requests_after_warmup_compile_nothing(engine: InferenceEngine, images: list[Path]) -> None:
+def test_requests_after_warmup_compile_nothing(engine: InferenceEngine, images: list[Path],
+                                               backend_compiles: Callable[[], Any]) -> None:
     """Start-up compiles every step and every small eager op the loop uses: a request (of any
     image size within the vision buckets) triggers no XLA compilation, which would add tens of
     milliseconds to the first request's TTFT on a GPU."""
-    import jax
-
-    compiles: list[str] = []
-    active = [True]
-
-    def on_duration(event: str, secs: float, **_: object) -> None:
-        if active[0] and "backend_compile" in event:
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(on_duration)  # type: ignore[arg-type]
     rng = np.random.default_rng(7)
 
     async def run() -> list[object]:
@@ -305,10 +298,8 @@ def test_requests_after_warmup_compile_nothing(engine: InferenceEngine, images: 
             engine.caption(b, length="short", settings={"temperature": 0.0, "max_tokens": 9}),
             engine.point(a, "sun", settings={"max_objects": 1})))
 
-    try:
+    with backend_compiles() as compiles:
         out = asyncio.run(run())
-    finally:
-        active[0] = False
     assert all(isinstance(r, Result) for r in out), out
     assert compiles == [], f"{len(compiles)} compilations while serving"
     _leak_free(engine)

@@ -4,7 +4,9 @@ loads them instead of tracing and lowering, with the same outputs; a broken file
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -158,10 +160,8 @@ def test_loading_an_export_makes_the_mosaic_gpu_runtime_findable(tmp_path: Path)
 
 
 @pytest.mark.parametrize("cache", [False, True], ids=["jit", "export"])
-def test_steps_compiled_ahead_on_threads_are_not_compiled_again(model: MoondreamModel, tmp_path: Path,
-                                                                 cache: bool) -> None:
-    import jax
-
+def test_steps_compiled_ahead_on_threads_are_not_compiled_again(model: MoondreamModel, tmp_path: Path, cache: bool,
+                                                                 backend_compiles: Callable[[], Any]) -> None:
     plain = _run(Runner(model, _config(None)))
     runner = Runner(model, _config(tmp_path if cache else None))
     p = runner.max_pages_per_seq
@@ -170,18 +170,8 @@ def test_steps_compiled_ahead_on_threads_are_not_compiled_again(model: Moondream
     variants += [("decode", (*bt.empty_decode(1, p), steps)) for steps in (1, 2)]
     done = runner.compile_ahead(variants, threads=3)
     assert list(done) == ["prefill0", "decode1", "decode2"]
-    compiles: list[str] = []
-    active = [True]
-
-    def on_duration(event: str, secs: float, **_: object) -> None:
-        if active[0] and "backend_compile" in event:
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(on_duration)  # type: ignore[arg-type]
-    try:
+    with backend_compiles() as compiles:
         got = _run(runner)
-    finally:
-        active[0] = False
     assert compiles == []
     for a, b in zip(plain, got, strict=True):
         np.testing.assert_array_equal(a, b)
