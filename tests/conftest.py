@@ -42,6 +42,8 @@ SLOW_FIRST = (
     "test_cli.py",
     "models/test_parity.py",
     "serving/test_engine_paths.py",
+    "serving/test_vision_thread.py",
+    "serving/test_runner_mixed.py",
     "pallas/test_paged_attention.py",
     "pallas/test_sampling.py",
     "models/test_generate.py",

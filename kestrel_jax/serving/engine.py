@@ -77,6 +77,11 @@ class EngineConfig:
     # Start-up compiles the decode, prefill and mixed step variants on this many threads before
     # running each once (1: one after another, as they are first run).
     compile_threads: int = 8
+    # Encode each new image on a worker thread as its request arrives, so that launching the vision
+    # step (hundreds of kernels, hundreds of parameter arrays) leaves the engine thread, which
+    # bounds W2 on the GPU machine (BENCHMARKS.md, ninth session). Off: encoded when its prefill
+    # step is launched. Requests on one image share one encoding; cached images are not encoded.
+    vision_thread: bool = False
 
     def mixed_buckets(self) -> tuple[int, ...]:
         if self.mixed_decode_buckets is None:

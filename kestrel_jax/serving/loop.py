@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -62,6 +63,10 @@ class EngineWorker:
         self._inbox: queue.Queue[Submission | tuple[str, int] | None] = queue.Queue()
         self._live: dict[int, Submission] = {}
         self._images: dict[int, jax.Array] = {}
+        # vision_thread: image digest -> (its encoding, on the worker thread; requests waiting for it)
+        self._encodes: dict[bytes, tuple[Future[jax.Array], set[int]]] = {}
+        self._vision_pool = (ThreadPoolExecutor(1, thread_name_prefix="kestrel-jax-vision")
+                             if config.vision_thread else None)
         self.stepper = Stepper(self.runner, self._live, prefix_len=t.prefix_attn, bos_id=model.cfg.tokenizer.bos_id,
                                max_images=max(1, self.scheduler.config.token_budget // t.prefix_attn),
                                image_tokens=self._image_tokens)
@@ -110,6 +115,8 @@ class EngineWorker:
         self._inbox.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout=60)
+        if self._vision_pool is not None:
+            self._vision_pool.shutdown(wait=True, cancel_futures=True)
 
     @property
     def alive(self) -> bool:
@@ -331,12 +338,37 @@ class EngineWorker:
             job.on_text = on_text
             sub.stream_decoder = dec  # type: ignore[attr-defined]
         self._live[job.request_id] = sub
+        if self._vision_pool is not None and sub.crops is not None and sub.digest is not None:
+            self._encode_ahead(sub)
+
+    def _encode_ahead(self, sub: Submission) -> None:
+        """Start encoding the request's image on the vision thread, unless the prefix cache holds it
+        or another live request's encoding of it is under way."""
+        assert self._vision_pool is not None and sub.digest is not None
+        rid = sub.job.request_id
+        entry = self._encodes.get(sub.digest)
+        if entry is not None:
+            entry[1].add(rid)
+        elif not self.scheduler.image_cached(rid):
+            fut = self._vision_pool.submit(self.runner.encode_image, sub.crops, sub.tiling)  # type: ignore[arg-type]
+            self._encodes[sub.digest] = (fut, {rid})
+
+    def _drop_encode(self, sub: Submission) -> None:
+        entry = self._encodes.get(sub.digest) if sub.digest is not None else None
+        if entry is not None:
+            entry[1].discard(sub.job.request_id)
+            if not entry[1]:
+                entry[0].cancel()
+                del self._encodes[sub.digest]  # type: ignore[arg-type]
 
     def _prompt_total(self, sub: Submission) -> int:
         return len(sub.tokens) + (self.prefix_len if sub.crops is not None else 0)
 
     def _image_tokens(self, sub: Submission) -> jax.Array:
         rid = sub.job.request_id
+        entry = self._encodes.get(sub.digest) if sub.digest is not None else None
+        if entry is not None and rid in entry[1]:
+            return entry[0].result()  # launched on the vision thread (an error there raises here)
         if rid not in self._images:
             assert sub.crops is not None and sub.tiling is not None
             self._images[rid] = self.runner.encode_image(sub.crops, sub.tiling)
@@ -384,6 +416,7 @@ class EngineWorker:
     def _resolve(self, sub: Submission, *, result: Result | None = None, exc: BaseException | None = None) -> None:
         self._live.pop(sub.job.request_id, None)
         self._images.pop(sub.job.request_id, None)
+        self._drop_encode(sub)
 
         def done() -> None:
             if sub.future.done():

@@ -128,6 +128,15 @@ class Scheduler:
     def is_live(self, request_id: Hashable) -> bool:
         return request_id in self._live or request_id in self._waiting_ids
 
+    def image_cached(self, request_id: Hashable) -> bool:
+        """Whether a waiting request's image prefix is in the prefix cache now (its admission would
+        then reuse it; the entry may still be evicted before that)."""
+        if self.prefix_cache is None:
+            return False
+        w = next((w for w in self._waiting if w.req.request_id == request_id), None)
+        key = w.keys.image_key if w is not None and w.keys is not None else None
+        return key is not None and self.prefix_cache.contains_image(key)
+
     def take_finished(self) -> list[FinishedRequest]:
         """Requests that ended since the last call (engine-reported, length, cancel, deadline)."""
         out, self._finished = self._finished, []
