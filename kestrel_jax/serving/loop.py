@@ -154,7 +154,11 @@ class EngineWorker:
                 ahead += [("mixed", (*bt.empty_decode(b, p), *bt.empty_prefill(t, bsz, p), self._no_images()))
                           for b in self.mixed_buckets]
             t0 = time.perf_counter()
-            self.runner.compile_ahead(ahead, self.config.compile_threads)
+            try:
+                self.runner.compile_ahead(ahead, self.config.compile_threads)
+            except Exception as e:  # noqa: BLE001 - the runs below compile whatever is missing, in order
+                log.warning("compiling the steps side by side failed (%s: %s); compiling them one by one",
+                            type(e).__name__, e)
             self.compile_s["ahead"] = round(time.perf_counter() - t0, 2)
         for b in self.config.decode_buckets:
             ints, floats = bt.empty_decode(b, p)

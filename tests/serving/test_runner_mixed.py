@@ -127,3 +127,25 @@ def test_output_rows_hold_the_widest_step(model: MoondreamModel, decode: tuple[i
     worker = EngineWorker(cfg, model, tok)
     assert worker.runner.out_rows == rows
     assert worker.scheduler.config.mixed_decode_buckets == (cfg.mixed_buckets())
+
+
+def test_a_failed_compile_ahead_leaves_the_warm_up_to_compile(model: MoondreamModel, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from kestrel_jax.serving.engine import EngineConfig
+    from kestrel_jax.serving.loop import EngineWorker
+    from kestrel_jax.tokenizer import Tokenizer, build_synthetic_tokenizer
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("no threads today")
+
+    cfg = EngineConfig(runner=RunnerConfig(num_pages=16, kv_dtype="f32", max_seq_len=128, page_size=PAGE,
+                                           vision_buckets=(2,)),
+                       decode_buckets=(2,), decode_steps=1, prefill_token_buckets=(1024,), max_prefill_seqs=2)
+    worker = EngineWorker(cfg, model, Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size)))
+    monkeypatch.setattr(worker.runner, "compile_ahead", broken)
+    with caplog.at_level(logging.WARNING):
+        worker.warmup()
+    assert "one by one" in caplog.text
+    assert {"decode_b2_k1", "prefill_t1024", "mixed_t1024_b2"} <= set(worker.compile_s)
