@@ -3,7 +3,10 @@
 A daemon thread reads the target thread's current frame every `interval_s` and counts where it
 is: the innermost frame, and the innermost frame inside the `kestrel_jax` package (which of our
 calls the time belongs to). Sampling costs the target thread nothing but the GIL hand-offs, so
-unlike cProfile it does not change where the time goes. Stdlib only.
+unlike cProfile it does not change where the time goes. Each sample is weighted by the time since
+the previous one: while the target runs Python it holds the GIL and the sampler waits up to the
+interpreter's switch interval (5 ms) for its next look, so counting samples alone would
+under-weight Python code against calls that release the GIL. Stdlib only.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections import Counter
+from collections import defaultdict
 from types import FrameType
 from typing import Any
 
@@ -28,9 +31,10 @@ class ThreadSampler:
         self.thread = thread
         self.interval_s = interval_s
         self.package = package
-        self.leaf: Counter[str] = Counter()
-        self.ours: Counter[str] = Counter()
+        self.leaf: defaultdict[str, float] = defaultdict(float)  # seconds attributed to each place
+        self.ours: defaultdict[str, float] = defaultdict(float)
         self.samples = 0
+        self.seconds = 0.0
         self._stop = threading.Event()
         self._runner = threading.Thread(target=self._run, name="host-sampler", daemon=True)
 
@@ -44,21 +48,27 @@ class ThreadSampler:
 
     def _run(self) -> None:
         tid = self.thread.ident
+        last = time.perf_counter()
         while not self._stop.is_set():
             frame = sys._current_frames().get(tid) if tid is not None else None
+            now = time.perf_counter()
+            weight, last = now - last, now
             if frame is not None:
                 self.samples += 1
-                self.leaf[_where(frame)] += 1
+                self.seconds += weight
+                self.leaf[_where(frame)] += weight
                 f: FrameType | None = frame
                 while f is not None and f"/{self.package}/" not in f.f_code.co_filename:
                     f = f.f_back
-                self.ours[_where(f) if f is not None else "(outside the package)"] += 1
+                self.ours[_where(f) if f is not None else "(outside the package)"] += weight
             time.sleep(self.interval_s)
 
     def summary(self, top: int = 25) -> dict[str, Any]:
-        n = max(self.samples, 1)
+        """Fractions of the sampled time, largest first."""
+        total = self.seconds or 1.0
 
-        def table(c: Counter[str]) -> list[tuple[str, float]]:
-            return [(k, round(v / n, 4)) for k, v in c.most_common(top)]
+        def table(c: dict[str, float]) -> list[tuple[str, float]]:
+            return [(k, round(v / total, 4)) for k, v in sorted(c.items(), key=lambda kv: -kv[1])[:top]]
 
-        return {"samples": self.samples, "innermost": table(self.leaf), "innermost_in_package": table(self.ours)}
+        return {"samples": self.samples, "seconds": round(self.seconds, 3), "innermost": table(self.leaf),
+                "innermost_in_package": table(self.ours)}

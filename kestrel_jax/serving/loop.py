@@ -62,7 +62,6 @@ class EngineWorker:
             enable_prefix_cache=config.enable_prefix_cache, mixed_decode_buckets=self.mixed_buckets, **sched_kw))
         self._inbox: queue.Queue[Submission | tuple[str, int] | None] = queue.Queue()
         self._live: dict[int, Submission] = {}
-        self._images: dict[int, jax.Array] = {}
         # vision_thread: image digest -> (its encoding, on the worker thread; requests waiting for it)
         self._encodes: dict[bytes, tuple[Future[jax.Array], set[int]]] = {}
         self._vision_pool = (ThreadPoolExecutor(1, thread_name_prefix="kestrel-jax-vision")
@@ -144,31 +143,26 @@ class EngineWorker:
             jax.block_until_ready(fn(*args))
             self.compile_s[name] = round(time.perf_counter() - t0, 2)
 
+        # decode, prefill and mixed variants: (name, runner method, its arguments)
         bsz = self.config.max_prefill_seqs
-        if self.config.compile_threads > 1:  # compile the expensive variants side by side first
-            ahead: list[tuple[str, tuple[Any, ...]]] = []
-            for b in self.config.decode_buckets:
-                ahead += [("decode", (*bt.empty_decode(b, p), steps)) for steps in self._step_variants(b)]
-            for t in self.config.prefill_token_buckets:
-                ahead.append(("prefill", (*bt.empty_prefill(t, bsz, p), self._no_images())))
-                ahead += [("mixed", (*bt.empty_decode(b, p), *bt.empty_prefill(t, bsz, p), self._no_images()))
-                          for b in self.mixed_buckets]
+        variants: list[tuple[str, str, tuple[Any, ...]]] = []
+        for b in self.config.decode_buckets:
+            ints, floats = bt.empty_decode(b, p)
+            variants += [(f"decode_b{b}_k{k}", "decode", (ints, floats, None, k)) for k in self._step_variants(b)]
+        for t in self.config.prefill_token_buckets:
+            variants.append((f"prefill_t{t}", "prefill", (*bt.empty_prefill(t, bsz, p), self._no_images())))
+            variants += [(f"mixed_t{t}_b{b}", "mixed", (*bt.empty_decode(b, p), None, *bt.empty_prefill(t, bsz, p),
+                                                       self._no_images())) for b in self.mixed_buckets]
+        if self.config.compile_threads > 1:  # compile them side by side first
             t0 = time.perf_counter()
             try:
-                self.runner.compile_ahead(ahead, self.config.compile_threads)
+                self.runner.compile_ahead([(kind, args) for _, kind, args in variants], self.config.compile_threads)
             except Exception as e:  # noqa: BLE001 - the runs below compile whatever is missing, in order
                 log.warning("compiling the steps side by side failed (%s: %s); compiling them one by one",
                             type(e).__name__, e)
             self.compile_s["ahead"] = round(time.perf_counter() - t0, 2)
-        for b in self.config.decode_buckets:
-            ints, floats = bt.empty_decode(b, p)
-            for steps in self._step_variants(b):
-                timed(f"decode_b{b}_k{steps}", self.runner.decode, ints, floats, None, steps)
-        for t in self.config.prefill_token_buckets:
-            timed(f"prefill_t{t}", self.runner.prefill, *bt.empty_prefill(t, bsz, p), self._no_images())
-            for b in self.mixed_buckets:
-                timed(f"mixed_t{t}_b{b}", self.runner.mixed, *bt.empty_decode(b, p), None, *bt.empty_prefill(t, bsz, p),
-                      self._no_images())
+        for name, kind, args in variants:
+            timed(name, getattr(self.runner, kind), *args)
         jax.block_until_ready(self.stepper.image_block([]))  # one shape whatever the image count
         for rows in self.runner.copy_buckets(self.scheduler.config.max_copies):
             self.runner.copy_pages(np.full((rows, 2), -1, np.int32))
@@ -369,14 +363,11 @@ class EngineWorker:
         return len(sub.tokens) + (self.prefix_len if sub.crops is not None else 0)
 
     def _image_tokens(self, sub: Submission) -> jax.Array:
-        rid = sub.job.request_id
         entry = self._encodes.get(sub.digest) if sub.digest is not None else None
-        if entry is not None and rid in entry[1]:
+        if entry is not None and sub.job.request_id in entry[1]:
             return entry[0].result()  # launched on the vision thread (an error there raises here)
-        if rid not in self._images:
-            assert sub.crops is not None and sub.tiling is not None
-            self._images[rid] = self.runner.encode_image(sub.crops, sub.tiling)
-        return self._images.pop(rid)
+        assert sub.crops is not None and sub.tiling is not None
+        return self.runner.encode_image(sub.crops, sub.tiling)
 
     # ------------------------------------------------------------------------------ results
     def _deliver_finished(self, pending: Pending | None) -> None:
@@ -418,9 +409,8 @@ class EngineWorker:
             self._resolve(sub, exc=exc)
 
     def _resolve(self, sub: Submission, *, result: Result | None = None, exc: BaseException | None = None) -> None:
+        self._drop_encode(sub)  # first: a request not in _live holds nothing
         self._live.pop(sub.job.request_id, None)
-        self._images.pop(sub.job.request_id, None)
-        self._drop_encode(sub)
 
         def done() -> None:
             if sub.future.done():

