@@ -79,9 +79,12 @@ class EngineConfig:
     compile_threads: int = 8
     # Encode each new image on a worker thread as its request arrives, so that launching the vision
     # step (hundreds of kernels, hundreds of parameter arrays) leaves the engine thread, which
-    # bounds W2 on the GPU machine (BENCHMARKS.md, ninth session). Off: encoded when its prefill
-    # step is launched. Requests on one image share one encoding; cached images are not encoded.
-    vision_thread: bool = False
+    # otherwise bounds 64 concurrent image queries on the GPU machine (+5% output tokens/s, TTFT
+    # p50 -10% there: BENCHMARKS.md, tenth session). Off: encoded when its prefill step is launched.
+    # Requests on one image share one encoding; cached images are not encoded; at most
+    # `vision_ahead` images are encoded and not yet prefilled (later arrivals wait their turn).
+    vision_thread: bool = True
+    vision_ahead: int = 8
 
     def mixed_buckets(self) -> tuple[int, ...]:
         if self.mixed_decode_buckets is None:

@@ -14,7 +14,6 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -25,6 +24,7 @@ from kestrel_jax.models.device_crops import empty_plan
 from kestrel_jax.models.loader import load_model
 from kestrel_jax.serving import batch as bt
 from kestrel_jax.serving.buckets import pick_bucket
+from kestrel_jax.serving.encode_ahead import EncodeAhead
 from kestrel_jax.serving.engine import EngineConfig, EngineError, Metrics, Result, Submission, model_path_or_demo
 from kestrel_jax.serving.request import FinishedRequest, Request, RequestRejected
 from kestrel_jax.serving.runner import Runner
@@ -62,10 +62,8 @@ class EngineWorker:
             enable_prefix_cache=config.enable_prefix_cache, mixed_decode_buckets=self.mixed_buckets, **sched_kw))
         self._inbox: queue.Queue[Submission | tuple[str, int] | None] = queue.Queue()
         self._live: dict[int, Submission] = {}
-        # vision_thread: image digest -> (its encoding, on the worker thread; requests waiting for it)
-        self._encodes: dict[bytes, tuple[Future[jax.Array], set[int]]] = {}
-        self._vision_pool = (ThreadPoolExecutor(1, thread_name_prefix="kestrel-jax-vision")
-                             if config.vision_thread else None)
+        self._ahead = (EncodeAhead(self._encode, self.scheduler.image_cached, config.vision_ahead)
+                       if config.vision_thread else None)
         self.stepper = Stepper(self.runner, self._live, prefix_len=t.prefix_attn, bos_id=model.cfg.tokenizer.bos_id,
                                max_images=max(1, self.scheduler.config.token_budget // t.prefix_attn),
                                image_tokens=self._image_tokens)
@@ -114,8 +112,8 @@ class EngineWorker:
         self._inbox.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout=60)
-        if self._vision_pool is not None:
-            self._vision_pool.shutdown(wait=True, cancel_futures=True)
+        if self._ahead is not None:
+            self._ahead.shutdown()
 
     @property
     def alive(self) -> bool:
@@ -336,36 +334,18 @@ class EngineWorker:
             job.on_text = on_text
             sub.stream_decoder = dec  # type: ignore[attr-defined]
         self._live[job.request_id] = sub
-        if self._vision_pool is not None and sub.crops is not None and sub.digest is not None:
-            self._encode_ahead(sub)
-
-    def _encode_ahead(self, sub: Submission) -> None:
-        """Start encoding the request's image on the vision thread, unless the prefix cache holds it
-        or another live request's encoding of it is under way."""
-        assert self._vision_pool is not None and sub.digest is not None
-        rid = sub.job.request_id
-        entry = self._encodes.get(sub.digest)
-        if entry is not None:
-            entry[1].add(rid)
-        elif not self.scheduler.image_cached(rid):
-            fut = self._vision_pool.submit(self.runner.encode_image, sub.crops, sub.tiling)  # type: ignore[arg-type]
-            self._encodes[sub.digest] = (fut, {rid})
-
-    def _drop_encode(self, sub: Submission) -> None:
-        entry = self._encodes.get(sub.digest) if sub.digest is not None else None
-        if entry is not None:
-            entry[1].discard(sub.job.request_id)
-            if not entry[1]:
-                entry[0].cancel()
-                del self._encodes[sub.digest]  # type: ignore[arg-type]
+        if self._ahead is not None and sub.crops is not None and sub.digest is not None:
+            self._ahead.add(sub)
 
     def _prompt_total(self, sub: Submission) -> int:
         return len(sub.tokens) + (self.prefix_len if sub.crops is not None else 0)
 
-    def _image_tokens(self, sub: Submission) -> jax.Array:
-        entry = self._encodes.get(sub.digest) if sub.digest is not None else None
-        if entry is not None and sub.job.request_id in entry[1]:
-            return entry[0].result()  # launched on the vision thread (an error there raises here)
+    def _image_tokens(self, sub: Submission, last: bool) -> jax.Array:
+        """The request's image encoding for a prefill chunk (`last`: the chunk ends its image)."""
+        got = self._ahead.take(sub, last) if self._ahead is not None and sub.digest is not None else None
+        return self._encode(sub) if got is None else got
+
+    def _encode(self, sub: Submission) -> jax.Array:
         assert sub.crops is not None and sub.tiling is not None
         return self.runner.encode_image(sub.crops, sub.tiling)
 
@@ -409,7 +389,8 @@ class EngineWorker:
             self._resolve(sub, exc=exc)
 
     def _resolve(self, sub: Submission, *, result: Result | None = None, exc: BaseException | None = None) -> None:
-        self._drop_encode(sub)  # first: a request not in _live holds nothing
+        if self._ahead is not None and sub.digest is not None:
+            self._ahead.drop(sub)  # first: a request not in _live holds nothing
         self._live.pop(sub.job.request_id, None)
 
         def done() -> None:

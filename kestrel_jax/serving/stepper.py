@@ -46,7 +46,7 @@ class Pending:
 
 class Stepper:
     def __init__(self, runner: Runner, live: dict[int, Submission], *, prefix_len: int, bos_id: int,
-                 max_images: int, image_tokens: Callable[[Submission], jax.Array]):
+                 max_images: int, image_tokens: Callable[[Submission, bool], jax.Array]):
         self.runner = runner
         self.live = live
         self.prefix_len = prefix_len
@@ -137,7 +137,7 @@ class Stepper:
                 kind[lo:hi][in_img] = IN_IMAGE
                 img_row[lo:hi][in_img] = len(images) * (pre - 1) + pos[in_img] - 1
                 token[lo:hi][pos == 0] = self.bos_id
-                images.append(self.image_tokens(sub))
+                images.append(self.image_tokens(sub, int(pos[-1]) >= pre - 1))  # last chunk of it?
             ptok = pos >= pre
             token[lo:hi][ptok] = np.asarray(sub.tokens, np.int32)[pos[ptok] - pre]
             offset = 0 if sub.crops is not None else 1  # text-only: BOS leads the token list

@@ -28,7 +28,8 @@ def setup() -> Iterator[tuple[InferenceEngine, ReferenceMoondream]]:
     model = random_model(tiny_config("md2"), dtype=jnp.float32, seed=9)
     tok = Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size))
     cfg = EngineConfig(runner=RunnerConfig(num_pages=64, kv_dtype="f32", max_seq_len=1024, vision_buckets=(2,)),
-                       decode_buckets=(1, 4), prefill_token_buckets=(1024,), max_prefill_seqs=2, vision_thread=True)
+                       decode_buckets=(1, 4), prefill_token_buckets=(1024,), max_prefill_seqs=2, vision_thread=True,
+                       vision_ahead=1)  # the window: the second image waits for the first one's prefill
     eng = asyncio.run(InferenceEngine.create(cfg, model=model, tokenizer=tok))
     yield eng, ReferenceMoondream(model, tok)
     asyncio.run(eng.shutdown())
@@ -77,8 +78,8 @@ def test_outputs_equal_the_reference_and_one_image_is_encoded_once(
     np.testing.assert_allclose([[p["x"], p["y"]] for p in pt.output["points"]],
                                [[p["x"], p["y"]] for p in ref.point(b, "sun", max_objects=1).output], atol=1e-6)
     assert _encoded(eng) == before + 2  # a once for its three requests, b once
-    worker = eng._worker
-    assert worker._encodes == {}
+    ahead = eng._worker._ahead
+    assert ahead is not None and ahead.pending == 0 and ahead.waiting == 0
     # a cached image is not encoded again
     r = asyncio.run(eng.query(b, "What is this?", reasoning=False, settings=GREEDY))
     assert isinstance(r, Result) and r.metrics.cached_tokens > 0 and _encoded(eng) == before + 2
@@ -103,7 +104,7 @@ def test_cancelled_requests_leave_no_encoding_behind(setup: tuple[InferenceEngin
 
     asyncio.run(run())
     worker = eng._worker
-    assert worker._live == {} and worker._encodes == {}
+    assert worker._live == {} and worker._ahead is not None and worker._ahead.pending == worker._ahead.waiting == 0
     worker.scheduler.check_invariants()
     r = asyncio.run(eng.query(_img(3), "What?", reasoning=False, settings=GREEDY))  # still serving
     assert isinstance(r, Result)

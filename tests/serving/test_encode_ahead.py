@@ -1,0 +1,142 @@
+"""EncodeAhead (the vision thread's bookkeeping) without a model: the window bounds the images
+encoded and not yet prefilled, later arrivals start in arrival order as earlier ones are
+prefilled or dropped, one image is encoded once for all its requests, cached images never, and
+a request that reaches its prefill first is encoded in place."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+
+from kestrel_jax.serving.encode_ahead import EncodeAhead
+
+
+@dataclass
+class Job:
+    request_id: int
+
+
+@dataclass
+class Sub:
+    rid: int
+    digest: bytes
+    job: Job = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.job = Job(self.rid)
+
+
+class Recorder:
+    def __init__(self, cached: set[int] | None = None, fail: set[bytes] | None = None):
+        self.calls: list[tuple[int, str]] = []
+        self.cached = cached if cached is not None else set()
+        self.fail = fail or set()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def encode(self, sub: Sub) -> str:
+        self.gate.wait(10)
+        self.calls.append((sub.rid, threading.current_thread().name))
+        if sub.digest in self.fail:
+            raise RuntimeError(f"bad image {sub.digest!r}")
+        return f"enc-{sub.digest.decode()}"
+
+    def ahead(self, window: int) -> EncodeAhead:
+        return EncodeAhead(self.encode, lambda rid: rid in self.cached, window)
+
+
+def test_window_bounds_encodings_and_later_arrivals_start_in_order() -> None:
+    rec = Recorder()
+    ea = rec.ahead(2)
+    subs = [Sub(i, f"img{i}".encode()) for i in range(5)]
+    for s in subs:
+        ea.add(s)
+    assert (ea.pending, ea.waiting, ea.started) == (2, 3, 2)
+    assert ea.take(subs[0], last=True) == "enc-img0"  # prefilled: request 2 starts
+    assert (ea.pending, ea.waiting, ea.started) == (2, 2, 3) and ea.holds(subs[2])
+    ea.drop(subs[1])  # cancelled before its prefill: request 3 starts
+    assert ea.holds(subs[3]) and not ea.holds(subs[4]) and ea.waiting == 1
+    # request 4 reaches its prefill before its turn: encoded in place by the caller, not ahead
+    assert ea.take(subs[4], last=True) is None and ea.waiting == 0
+    assert ea.take(subs[2], last=True) == "enc-img2" and ea.take(subs[3], last=True) == "enc-img3"
+    assert (ea.pending, ea.waiting, ea.started) == (0, 0, 4)
+    ea.shutdown()
+    got = sorted(r for r, _ in rec.calls)  # request 1's encoding may have been cancelled before it ran
+    assert got in ([0, 2, 3], [0, 1, 2, 3]), got
+    assert all(t.startswith("kestrel-jax-vision") for _, t in rec.calls)
+
+
+def test_chunked_image_keeps_its_encoding_until_the_last_chunk() -> None:
+    rec = Recorder()
+    ea = rec.ahead(1)
+    a, b = Sub(1, b"a"), Sub(2, b"b")
+    ea.add(a)
+    ea.add(b)
+    assert ea.take(a, last=False) == "enc-a" and ea.holds(a) and ea.waiting == 1
+    assert ea.take(a, last=False) == "enc-a"
+    assert ea.take(a, last=True) == "enc-a" and not ea.holds(a) and ea.holds(b)
+    assert ea.take(a, last=True) is None  # nothing held any more: the caller would encode
+    assert ea.take(b, last=True) == "enc-b"
+    ea.shutdown()
+    assert [r for r, _ in rec.calls] == [1, 2]
+
+
+def test_one_image_is_encoded_once_and_leaves_the_window_when_prefilled() -> None:
+    rec = Recorder()
+    ea = rec.ahead(1)
+    a1, a2, a3, c = Sub(1, b"a"), Sub(2, b"a"), Sub(3, b"a"), Sub(4, b"c")
+    for s in (a1, a2, c):
+        ea.add(s)
+    assert ea.pending == 1 and ea.waiting == 1  # a1 and a2 share one slot; c waits
+    ea.drop(a1)  # cancelled: a2 still needs the encoding
+    assert ea.holds(a2) and ea.waiting == 1
+    # a2's prefill: the image is prefilled, its slot frees and c starts; another request on it
+    # (a3) would find its pages in the prefix cache, or else be encoded in place
+    assert ea.take(a2, last=True) == "enc-a" and ea.holds(c) and ea.waiting == 0
+    ea.add(a3)
+    assert ea.waiting == 1 and ea.take(a3, last=True) is None
+    ea.drop(a2)  # no-op: it holds nothing any more
+    assert ea.take(c, last=True) == "enc-c"
+    ea.shutdown()
+    assert [r for r, _ in rec.calls] == [1, 4]
+
+
+def test_cached_images_are_not_encoded_also_when_their_turn_comes() -> None:
+    rec = Recorder(cached={2, 3})
+    ea = rec.ahead(1)
+    subs = [Sub(1, b"x"), Sub(2, b"y"), Sub(3, b"z"), Sub(4, b"w")]
+    for s in subs:
+        ea.add(s)
+    assert ea.pending == 1 and ea.waiting == 1  # 2 and 3 cached: not queued at all
+    rec.cached.add(4)  # cached by the time its turn comes
+    assert ea.take(subs[0], last=True) == "enc-x"
+    assert ea.pending == 0 and ea.waiting == 0
+    ea.shutdown()
+    assert [r for r, _ in rec.calls] == [1]
+
+
+def test_worker_errors_reach_the_request_and_free_its_slot() -> None:
+    rec = Recorder(fail={b"bad"})
+    ea = rec.ahead(1)
+    bad, ok = Sub(1, b"bad"), Sub(2, b"ok")
+    ea.add(bad)
+    ea.add(ok)
+    with pytest.raises(RuntimeError, match="bad image"):
+        ea.take(bad, last=True)
+    assert ea.holds(ok) and ea.take(ok, last=True) == "enc-ok"
+    ea.shutdown()
+
+
+def test_shutdown_cancels_queued_work_and_a_bad_window_is_refused() -> None:
+    rec = Recorder()
+    rec.gate.clear()  # the worker blocks in the first encoding
+    ea = rec.ahead(3)
+    for i in range(3):
+        ea.add(Sub(i, bytes([i])))
+    rec.gate.set()
+    ea.shutdown()
+    assert len(rec.calls) <= 3
+    with pytest.raises(ValueError, match="window"):
+        rec.ahead(0)
