@@ -103,3 +103,47 @@ def empty_prefill(t: int, b: int, pages: int) -> tuple[np.ndarray, np.ndarray, n
 
 def prefill_seq_sampling(seq_ints: np.ndarray, seq_floats: np.ndarray, b: int, spec: RowSpec) -> None:
     _fill_sampling(seq_ints, seq_floats, b, spec, S_TOP_K, S_SEED, S_STEP, S_SUP, S_FLAGS, 0, 1)
+
+
+def text_prefill(seqs: list[tuple[int, list[int]]], *, tokens: int, max_seqs: int, pages: int, page_size: int,
+                 specs: tuple[RowSpec, ...] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A prefill step of fresh text prompts, each in contiguous pages (the rest of its page-table
+    row 0): `seqs` = (first page, token ids), packed in order into a `tokens`-token bucket of `max_seqs` sequences; each
+    sequence samples its next token with `specs[b]` (default greedy). For tests and tools."""
+    tok_ints, tok_floats, seq_ints, seq_floats = empty_prefill(tokens, max_seqs, pages)
+    off = 0
+    for b, (page, toks) in enumerate(seqs):
+        n = len(toks)
+        if off + n > tokens or b >= max_seqs or -(-n // page_size) > pages:
+            raise ValueError(f"sequence {b} ({n} tokens) does not fit the step")
+        tok_ints[off: off + n, T_POS] = np.arange(n)
+        tok_ints[off: off + n, T_SLOT] = page * page_size + np.arange(n)
+        tok_ints[off: off + n, T_TOKEN] = toks
+        seq_ints[b:, S_CU_END] = off + n
+        seq_ints[b, S_KV_LEN] = n
+        seq_ints[b, S_LOGITS_ROW] = off + n - 1
+        seq_ints[b, SI: SI + -(-n // page_size)] = page + np.arange(-(-n // page_size))
+        prefill_seq_sampling(seq_ints, seq_floats, b, specs[b] if b < len(specs) else RowSpec())
+        off += n
+    tok_ints[:, T_NUM_VALID] = off
+    return tok_ints, tok_floats, seq_ints, seq_floats
+
+
+def text_decode(rows: list[tuple[int, int, int, int]], *, bucket: int, pages: int, page_size: int,
+                specs: tuple[RowSpec, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """One decode iteration of text rows in contiguous pages: `rows` = (first page, position of
+    the new token, its id or -1, src row of the previous step's outputs or -1). For tests and
+    tools."""
+    ints, floats = empty_decode(bucket, pages)
+    for i, (page, pos, token, src) in enumerate(rows):
+        ints[i, D_POS] = pos
+        ints[i, D_SLOT] = (page + pos // page_size) * page_size + pos % page_size
+        ints[i, D_KV_LEN] = pos + 1
+        used = pos // page_size + 1
+        if used > pages:
+            raise ValueError(f"row {i} (position {pos}) does not fit {pages} pages")
+        ints[i, DI: DI + used] = page + np.arange(used)
+        decode_row(ints, floats, i, kind=0, token=max(token, 0), value=(0.0, 0.0), src=src,
+                   spec=specs[i] if i < len(specs) else RowSpec())
+    ints[:, D_NUM_VALID] = len(rows)
+    return ints, floats

@@ -28,40 +28,16 @@ def _runner(model: MoondreamModel) -> Runner:
 def _prefill_inputs(runner: Runner, seqs: list[tuple[int, list[int]]], t: int = 32,
                     temps: tuple[float, ...] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Text prompts (first page, tokens) as one prefill batch of 2 sequences."""
-    p = runner.max_pages_per_seq
-    tok_ints, tok_floats, seq_ints, seq_floats = bt.empty_prefill(t, 2, p)
-    off = 0
-    for b, (page, toks) in enumerate(seqs):
-        n = len(toks)
-        tok_ints[off: off + n, bt.T_POS] = np.arange(n)
-        tok_ints[off: off + n, bt.T_SLOT] = page * PAGE + np.arange(n)
-        tok_ints[off: off + n, bt.T_TOKEN] = toks
-        seq_ints[b, bt.S_CU_END] = off + n
-        seq_ints[b + 1:, bt.S_CU_END] = off + n
-        seq_ints[b, bt.S_KV_LEN] = n
-        seq_ints[b, bt.S_LOGITS_ROW] = off + n - 1
-        seq_ints[b, bt.SI: bt.SI + 2] = [page, page + 1]
-        temp = temps[b] if b < len(temps) else 0.0
-        bt.prefill_seq_sampling(seq_ints, seq_floats, b, bt.RowSpec(temperature=temp, seed=100 + b))
-        off += n
-    tok_ints[:, bt.T_NUM_VALID] = off
-    return tok_ints, tok_floats, seq_ints, seq_floats
+    return bt.text_prefill(seqs, tokens=t, max_seqs=2, pages=runner.max_pages_per_seq, page_size=PAGE,
+                           specs=tuple(bt.RowSpec(temperature=temp, seed=100 + b) for b, temp in enumerate(temps)))
 
 
 def _decode_inputs(runner: Runner, rows: list[tuple[int, int, int, int]], bucket: int = 2,
                    temps: tuple[float, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
     """Decode rows (first page, position, token or -1, src or -1)."""
-    ints, floats = bt.empty_decode(bucket, runner.max_pages_per_seq)
-    for i, (page, pos, token, src) in enumerate(rows):
-        ints[i, bt.D_POS] = pos
-        ints[i, bt.D_SLOT] = (page + pos // PAGE) * PAGE + pos % PAGE
-        ints[i, bt.D_KV_LEN] = pos + 1
-        ints[i, bt.DI: bt.DI + 2] = [page, page + 1]
-        temp = temps[i] if i < len(temps) else 0.0
-        bt.decode_row(ints, floats, i, kind=0, token=max(token, 0), value=(0.0, 0.0), src=src,
-                      spec=bt.RowSpec(temperature=temp, top_p=0.9, seed=7 + i, step=3))
-    ints[:, bt.D_NUM_VALID] = len(rows)
-    return ints, floats
+    specs = tuple(bt.RowSpec(temperature=temps[i] if i < len(temps) else 0.0, top_p=0.9, seed=7 + i, step=3)
+                  for i in range(len(rows)))
+    return bt.text_decode(rows, bucket=bucket, pages=runner.max_pages_per_seq, page_size=PAGE, specs=specs)
 
 
 def _kv(runner: Runner, pages: list[int]) -> np.ndarray:
