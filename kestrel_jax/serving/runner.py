@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import math
 import os
@@ -441,6 +442,12 @@ class Runner:
 
     def _pages_from_memory(self) -> int:
         dev = jax.devices()[0]
+        # What is in use must not depend on timing: computations still running (random weights
+        # made on the device hold their temporaries until done) and unreachable arrays awaiting
+        # the garbage collector made two processes size 5056 vs 4800 pages (tenth session), and
+        # the second one compiled every step again.
+        jax.block_until_ready((self.lm_params, self.vision_params))
+        gc.collect()
         stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
         need = self.max_pages_per_seq * 8  # a floor: room for 8 full-length sequences
         if not stats or "bytes_limit" not in stats:
