@@ -420,7 +420,7 @@ def _expert_gemms(
     if experts.is_fp8 and cfg.w8a8:
         xq, xs = quantize_rows(x_rows)  # per token, before any gather: T rows, not C
         if row_token is not None:
-            xq, xs = xq[row_token], xs[row_token]
+            xq, xs = _gather_rows(xq, row_token), xs[row_token]
         act = gemm(meta_up, experts.up_w, experts.up_scale, xq, xs, glu=True)  # [NB*Nt, I]
         aq, a_s = quantize_rows(act if compact_act is None else act[compact_act])
         return gemm(meta_down, experts.down_w, experts.down_scale, aq, a_s, glu=False, row_tiles=cfg.down_row_tiles)
@@ -431,6 +431,15 @@ def _expert_gemms(
     act = gemm(meta_up, experts.up_w, experts.up_scale, b, None, glu=True,
                out_dtype=jnp.float16 if f16 else jnp.bfloat16)
     return gemm(meta_down, experts.down_w, experts.down_scale, act, None, glu=False, row_tiles=cfg.down_row_tiles)
+
+
+def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x[idx] for rows of 1-byte values, moved as 32-bit words (XLA gathers element by element: a
+    byte-wise gather of the compact FP8 token rows ran at ~1.6 TB/s, tenth session)."""
+    if x.dtype.itemsize != 1 or x.shape[1] % 4:
+        return x[idx]
+    words = lax.bitcast_convert_type(x.reshape(x.shape[0], x.shape[1] // 4, 4), jnp.uint32)
+    return lax.bitcast_convert_type(words[idx], x.dtype).reshape(idx.shape[0], x.shape[1])
 
 
 def _combine(y: jax.Array, dest: jax.Array, weights: jax.Array, valid: jax.Array, dtype) -> jax.Array:

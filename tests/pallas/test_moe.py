@@ -49,7 +49,7 @@ from kestrel_jax.pallas.moe import (
     route_ref,
     router_logits,
 )
-from kestrel_jax.pallas.moe_grouping import ROW_ALIGN, group_by_expert, group_dense, grouping_sizes
+from kestrel_jax.pallas.moe_grouping import ROW_ALIGN, _ranks, group_by_expert, group_dense, grouping_sizes
 from kestrel_jax.pallas.moe_mgpu import (
     MoEKernelConfig,
     MoEKernelError,
@@ -222,7 +222,8 @@ def test_gelu_erf_polynomial_matches_exact_gelu(rng):
     assert (np.abs(got - exact) <= 1e-6 * (1 + np.abs(np.asarray(h)))).all()
 
 
-@pytest.mark.parametrize("T,k,nt,n_valid", [(1, 8, 8, None), (3, 4, 8, None), (17, 4, 24, 11), (300, 4, 128, 290)])
+@pytest.mark.parametrize("T,k,nt,n_valid", [(1, 8, 8, None), (3, 4, 8, None), (17, 4, 24, 11), (300, 4, 128, 290),
+                                             (257, 8, 64, None)])
 def test_grouping_layout_invariants(rng, T, k, nt, n_valid):
     routing = random_routing(rng, T, k)
     g = jax.jit(lambda e, n: group_by_expert(e, E, nt, n))(routing.experts, T if n_valid is None else n_valid)
@@ -250,6 +251,23 @@ def test_grouping_layout_invariants(rng, T, k, nt, n_valid):
         toks = [row_token[block_row[b] + i] for b in range(nb) if block_expert[b] == e
                 for i in range(min(nt, counts[e] - nt * sum(1 for bb in range(b) if block_expert[bb] == e)))]
         assert toks == sorted(toks) and len(toks) == counts[e]
+
+
+@pytest.mark.parametrize("A,skew", [(1, False), (127, False), (128, True), (129, False), (1000, True), (2307, False)])
+def test_sort_free_ranks_equal_a_stable_sort(rng, A, skew):
+    """`_ranks` (chunked counting) gives each assignment the position a stable sort by expert
+    would, across chunk boundaries; keys == E (padding) count nowhere."""
+    key = rng.integers(0, 3 if skew else E + 1, A).astype(np.int32)  # skew: three experts take all
+    key[rng.random(A) < 0.1] = E
+    counts, rank = jax.jit(lambda k: _ranks(k, E))(jnp.asarray(key))
+    order = np.argsort(key, kind="stable")
+    want = np.empty(A, np.int64)
+    for e in range(E + 1):
+        idx = order[key[order] == e]
+        want[idx] = np.arange(len(idx))
+    valid = key < E
+    np.testing.assert_array_equal(np.asarray(rank)[valid], want[valid])
+    np.testing.assert_array_equal(np.asarray(counts), np.bincount(key[valid], minlength=E))
 
 
 @pytest.mark.parametrize("T,k,n_valid", [(1, 8, None), (5, 8, 3), (32, 4, 30)])
