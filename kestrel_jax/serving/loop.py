@@ -129,7 +129,9 @@ class EngineWorker:
                 "page_size": self.runner.page_size, "kv_dtype": str(jnp.dtype(self.runner.kv_dtype)),
                 "startup_s": self.startup_s, "load_s": self.load_s, "compile_s": dict(self.compile_s),
                 "host_s": {**self.host_s, "wait_outputs": self.stepper.wait_s}, "scheduler": self.scheduler.stats,
-                "images": dict(self.runner.images), "export": self.runner.export_counts}
+                "images": dict(self.runner.images), "export": self.runner.export_counts,
+                "encode_ahead": None if self._ahead is None else {
+                    "started": self._ahead.started, "pending": self._ahead.pending, "waiting": self._ahead.waiting}}
 
     def warmup(self) -> None:
         """Compile every decode and prefill bucket, the page copy and the vision buckets with

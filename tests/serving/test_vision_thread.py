@@ -78,6 +78,7 @@ def test_outputs_equal_the_reference_and_one_image_is_encoded_once(
     np.testing.assert_allclose([[p["x"], p["y"]] for p in pt.output["points"]],
                                [[p["x"], p["y"]] for p in ref.point(b, "sun", max_objects=1).output], atol=1e-6)
     assert _encoded(eng) == before + 2  # a once for its three requests, b once
+    assert eng.stats["encode_ahead"]["started"] >= 2 and eng.stats["encode_ahead"]["pending"] == 0
     ahead = eng._worker._ahead
     assert ahead is not None and ahead.pending == 0 and ahead.waiting == 0
     # a cached image is not encoded again
