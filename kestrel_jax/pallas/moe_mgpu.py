@@ -4,9 +4,11 @@ One layer (`moe_layer`, T static), two regimes chosen by `default_config(T)`:
 
   dense (T <= 64, decode):   router GEMM (XLA) -> ROUTE tables (`moe_route_triton`: top-k,
                              softmax, block table) -> UP -> DOWN -> combine (jnp)
-  sorted (T > 64, prefill):  route_ref + group_by_expert (jnp: sort, block table, compact rows)
-                             -> gather (+ FP8 quantise) -> UP -> (W8A8: quantise act) -> DOWN
-                             -> combine (jnp)
+  sorted (T > 64, prefill):  route_ref + group_by_expert (jnp: ranks by counting, no sort;
+                             block table, compact rows) -> gather (+ FP8 quantise; rows moved
+                             as 32-bit words) -> UP -> (W8A8: quantise act) -> DOWN -> combine
+                             (jnp). H100, FP8, per layer: T=740 270 us, T=1544 396 us, of
+                             which the two GEMM kernels 200 / 289 (tenth session)
 
   UP:   act[row, I] = GELU_erf(h) * (g + 1), [h; g] = up_w[e] @ x[row]   (f32 epilogue, bf16 out)
   DOWN: y[row, D]   = down_w[e] @ act[row]                                  (bf16 out)
