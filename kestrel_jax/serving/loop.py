@@ -38,9 +38,11 @@ log = logging.getLogger(__name__)
 
 class EngineWorker:
     def __init__(self, config: EngineConfig, model: Any, tokenizer: Tokenizer):
-        if config.decode_steps < 1 or config.multi_step_max_batch < 1 or config.compile_threads < 1:
-            raise ValueError(f"decode_steps, multi_step_max_batch and compile_threads must be >= 1, got "
-                             f"{config.decode_steps}, {config.multi_step_max_batch} and {config.compile_threads}")
+        counts = {"decode_steps": config.decode_steps, "multi_step_max_batch": config.multi_step_max_batch,
+                  "compile_threads": config.compile_threads, "vision_ahead": config.vision_ahead}
+        bad = {k: v for k, v in counts.items() if v < 1}
+        if bad:
+            raise ValueError(f"these engine settings must be >= 1: {bad}")
         self.config = config
         self.model = model
         self.tokenizer = tokenizer

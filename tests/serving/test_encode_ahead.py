@@ -140,3 +140,12 @@ def test_shutdown_cancels_queued_work_and_a_bad_window_is_refused() -> None:
     assert len(rec.calls) <= 3
     with pytest.raises(ValueError, match="window"):
         rec.ahead(0)
+
+
+@pytest.mark.parametrize("field", ["vision_ahead", "decode_steps", "compile_threads", "multi_step_max_batch"])
+def test_engine_refuses_a_count_below_one_before_loading_anything(field: str) -> None:
+    from kestrel_jax.serving.engine import EngineConfig
+    from kestrel_jax.serving.loop import EngineWorker
+
+    with pytest.raises(ValueError, match=field):
+        EngineWorker(EngineConfig(**{field: 0}), model=None, tokenizer=None)  # type: ignore[arg-type]
