@@ -55,7 +55,9 @@ def main() -> int:
             (out_dir / f"moe_t{t}.hlo.txt").write_text(compiled.as_text() or "")
         jax.block_until_ready(f(x, router_w, router_b, experts))
         try:
-            _, runs = profiler.measure(f, aggregate=False, iterations=a.iters)(x, router_w, router_b, experts)
+            _, measured = profiler.measure(f, aggregate=False, iterations=a.iters)(x, router_w, router_b, experts)
+            # one iteration gives one list of (kernel, ms); several give a list of them
+            runs = [measured] if a.iters == 1 else measured
         except Exception as err:  # noqa: BLE001 - a probe: record and go on
             print(f"T={t}: CUPTI measurement failed: {type(err).__name__}: {err}", flush=True)
             res["cases"][t] = {"error": str(err)}

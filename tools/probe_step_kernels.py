@@ -1,0 +1,156 @@
+#!/usr/bin/env python3
+"""Where one engine step's device time goes, kernel by kernel (GPU): the runner's prefill, mixed
+or decode step at production size (random weights), timed with CUPTI per kernel (median over
+iterations), grouped into kernel families, with the step's optimized HLO written beside it so
+that fusion names map to the ops they run. The W2 traces show which steps matter (prefill and
+mixed steps of ~1,500 tokens, decode at batch 64); this says what inside them costs.
+
+  PYTHONPATH=. python3 tools/probe_step_kernels.py --model md3 --kinds prefill,mixed,decode --out-dir $OUT
+  PYTHONPATH=. python3 tools/probe_step_kernels.py --model md3 --tiny --kinds prefill   # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kestrel_jax.models.config import md2_config, md3_config, tiny_config  # noqa: E402
+from kestrel_jax.models.moondream import random_model  # noqa: E402
+from kestrel_jax.serving import batch as bt  # noqa: E402
+from kestrel_jax.serving.runner import Runner, RunnerConfig  # noqa: E402
+
+
+def family(kernel: str) -> str:
+    """A kernel name without XLA's numeric suffix (loop_add_fusion_17 -> loop_add_fusion)."""
+    return re.sub(r"[._]\d+$", "", kernel)
+
+
+def per_kernel(call: Any, iters: int) -> tuple[list[dict[str, Any]], str]:
+    """[(kernel, median us over iterations, launches per call)] with CUPTI, else one host-timed
+    total (CPU, or where CUPTI is unavailable)."""
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+
+        _, measured = profiler.measure(lambda: jax.block_until_ready(call()), aggregate=False, iterations=iters)()
+        if not measured:
+            raise RuntimeError("CUPTI saw no kernels")
+        # one iteration gives one list of (kernel, ms); several give a list of them
+        runs: list[list[tuple[str, float]]] = [measured] if isinstance(measured[0], tuple) else list(measured)
+    except Exception as e:  # noqa: BLE001 - a probe: fall back to host timing
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            jax.block_until_ready(call())
+            times.append((time.perf_counter() - t0) * 1e6)
+        return [{"kernel": "(host-timed step)", "us": round(float(np.median(times)), 1), "launches": 1}], \
+            f"host timing ({type(e).__name__}: {e})"
+    per: dict[str, list[float]] = defaultdict(list)
+    order: list[str] = []
+    for run in runs:
+        seen: dict[str, float] = defaultdict(float)
+        for name, ms in run:
+            if name not in order:
+                order.append(name)
+            seen[name] += ms * 1e3
+        for name, us in seen.items():
+            per[name].append(us)
+    launches: dict[str, int] = defaultdict(int)
+    for name, _ in runs[0]:
+        launches[name] += 1
+    rows = [{"kernel": n, "us": round(float(np.median(per[n])), 2), "launches": launches[n]} for n in order]
+    return rows, "cupti"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="md3", choices=["md2", "md3"])
+    ap.add_argument("--tiny", action="store_true", help="the tests' tiny model (a CPU smoke run)")
+    ap.add_argument("--kinds", default="prefill,mixed,decode", help="comma list of prefill, mixed, decode")
+    ap.add_argument("--tokens", type=int, default=2048, help="prefill token bucket")
+    ap.add_argument("--prompt", type=int, default=740, help="tokens of each of the two prefilled prompts")
+    ap.add_argument("--batch", type=int, default=64, help="decode rows (decode and mixed steps)")
+    ap.add_argument("--context", type=int, default=800, help="position of each decode row's new token")
+    ap.add_argument("--steps", type=int, default=1, help="decode iterations per decode launch")
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--top", type=int, default=40, help="kernel families printed per step")
+    ap.add_argument("--out-dir", default=None)
+    a = ap.parse_args()
+    md3 = a.model == "md3"
+    if a.tiny:
+        model = random_model(tiny_config(a.model), dtype=jnp.float32, seed=3)
+    else:
+        model = random_model(md3_config() if md3 else md2_config(), fp8_experts=md3, kv_scale=0.05 if md3 else None)
+    page = a.page
+    per_row = a.context // page + 1  # pages of a decode row
+    per_seq = -(-a.prompt // page)
+    max_seq = max(a.context + 1, a.prompt, a.tokens)
+    cfg = RunnerConfig(num_pages=a.batch * per_row + 2 * per_seq, page_size=page,
+                       max_seq_len=-(-max_seq // page) * page, vision_buckets=(2,))
+    runner = Runner(model, cfg, out_rows=a.batch + 2)
+    p = runner.max_pages_per_seq
+    rng = np.random.default_rng(0)
+    vocab = model.cfg.text.vocab_size
+    seqs = [(a.batch * per_row + i * per_seq, rng.integers(1, vocab, a.prompt).tolist()) for i in range(2)]
+    pre = bt.text_prefill(seqs, tokens=a.tokens, max_seqs=2, pages=p, page_size=page)
+    rows = [(i * per_row, a.context, int(rng.integers(1, vocab)), -1) for i in range(a.batch)]
+    dec = bt.text_decode(rows, bucket=a.batch, pages=p, page_size=page)
+    images = jnp.zeros((1, model.cfg.text.prefix_attn - 1, model.cfg.text.dim), model.dtype)
+    out_dir = Path(a.out_dir) if a.out_dir else None
+    res: dict[str, Any] = {"device": jax.devices()[0].device_kind, "model": a.model, "tiny": a.tiny,
+                           "settings": {k: v for k, v in vars(a).items() if k != "out_dir"}, "steps": {}}
+    for kind in [k.strip() for k in a.kinds.split(",") if k.strip()]:
+        call: Any
+        args: tuple[Any, ...]
+        if kind == "prefill":
+            fn, args = runner._prefill.jitted, (runner.lm_params, runner.cache, *pre, images)
+            call = lambda: runner.prefill(*pre, images)  # noqa: E731
+        elif kind == "mixed":
+            fn, args = runner._mixed.jitted, (runner.lm_params, runner.cache, *dec, runner._feed(None), *pre, images)
+            call = lambda: runner.mixed(*dec, None, *pre, images)  # noqa: E731
+        elif kind == "decode":
+            fn = runner._decode_fn(a.steps).jitted
+            args = (runner.lm_params, runner.cache, *dec, runner._feed(None))
+            call = lambda: runner.decode(*dec, None, a.steps)[0]  # noqa: E731
+        else:
+            raise SystemExit(f"unknown step kind {kind!r}")
+        if out_dir is not None:
+            text = fn.lower(*args).compile().as_text() or ""
+            with gzip.open(out_dir / f"step_{kind}.hlo.txt.gz", "wt") as f:
+                f.write(text)
+        jax.block_until_ready(call())  # compile and warm
+        kernels, how = per_kernel(call, a.iters)
+        fam: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        r: dict[str, Any]
+        for r in kernels:
+            fam[family(r["kernel"])][0] += r["launches"]
+            fam[family(r["kernel"])][1] += r["us"]
+        total = sum(r["us"] for r in kernels)
+        fams: list[dict[str, Any]] = [{"family": k, "launches": int(v[0]), "us": round(v[1], 1)} for k, v in
+                sorted(fam.items(), key=lambda kv: -kv[1][1])]
+        step: dict[str, Any] = {"timing": how, "total_us": round(total, 1),
+                                "launches": sum(r["launches"] for r in kernels), "families": fams, "kernels": kernels}
+        res["steps"][kind] = step
+        print(f"{kind}: {total:.1f} us in {step['launches']} launches ({how})", flush=True)
+        for f_ in fams[:a.top]:
+            print(f"   {f_['us']:9.1f} us  x{f_['launches']:<4d} {f_['family'][:100]}", flush=True)
+    if out_dir is not None:
+        (out_dir / "step_kernels.json").write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
