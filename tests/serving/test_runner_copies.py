@@ -92,3 +92,39 @@ def test_pool_size_from_memory_is_stable_and_quantised(runner: Runner, monkeypat
     n = runner._pages_from_memory()
     monkeypatch.undo()
     assert n * page <= 300 * page * runner.config.kv_memory_fraction and n % runner_mod.PAGE_QUANTUM == 0
+
+
+def test_pool_size_ignores_memory_held_by_unreachable_objects(runner: Runner, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Random weights made on the device left temporaries whose release depended on the garbage
+    # collector's timing, and two processes sized 5056 vs 4800 pages (tenth session): the sizing
+    # collects garbage before it reads the memory statistics.
+    import gc
+    import weakref
+
+    from kestrel_jax.serving import runner as runner_mod
+
+    class Garbage:  # a reference cycle: only the cycle collector frees it
+        def __init__(self) -> None:
+            self.me = self
+
+    page = runner.kv_bytes_per_page()
+    params = sum(int(a.nbytes) for a in (*runner.lm_params, *runner.vision_params))
+    limit = params + 1000 * page
+    held = Garbage()
+    alive = weakref.ref(held)
+    del held
+
+    class Device:
+        def memory_stats(self) -> dict[str, int]:  # 600 pages in use while the garbage lives
+            return {"bytes_limit": limit, "bytes_in_use": params + (600 * page if alive() is not None else 0)}
+
+    gc.disable()  # no automatic collection between here and the sizing
+    try:
+        assert alive() is not None
+        monkeypatch.setattr(runner_mod.jax, "devices", lambda: [Device()])
+        n = runner._pages_from_memory()
+    finally:
+        gc.enable()
+        monkeypatch.undo()
+    assert alive() is None
+    assert n == int(1000 * runner.config.kv_memory_fraction) // runner_mod.PAGE_QUANTUM * runner_mod.PAGE_QUANTUM
