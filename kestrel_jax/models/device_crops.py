@@ -59,6 +59,12 @@ class CropPlan(NamedTuple):
     def num_crops(self) -> int:
         return int(self.flip.shape[0])
 
+    def take(self, n: int) -> CropPlan:
+        """The plan of its first `n` crops."""
+        if not 1 <= n <= self.num_crops:
+            raise ValueError(f"cannot take {n} of {self.num_crops} crops")
+        return CropPlan(self.canvas, self.flip[:n], self.idx1[:n], self.w1[:n], self.idx2[:n], self.w2[:n])
+
     def padded(self, n: int) -> CropPlan:
         """The same plan with crops appended up to `n` (all-zero weights: all-zero crops)."""
         extra = n - self.num_crops

@@ -184,10 +184,13 @@ class VisionEncoder(nnx.Module):
                       dtype: jnp.dtype, attn_impl: str | None = None) -> jax.Array:
         """Fixed-shape image encoding for the engine: crops [n, S, S, 3] (global first, then
         tiles, zero-padded to a bucket) with `tile_pool_matrices` weights [n-1, g, g] ->
-        image tokens [g*g, D]. Equals `__call__` for the real crops."""
+        image tokens [g*g, D]. Equals `__call__` for the real crops. With n = 1 (a 1x1 tiling,
+        whose tile is the global crop's pixels) the global crop's features are also the tile's
+        (weights [1, g, g])."""
         feats = self.encode_crops(crops_u8, dtype, attn_impl)
         g = self.cfg.grid_size
-        tiles = feats[1:].reshape(-1, g, g, feats.shape[-1]).astype(jnp.float32)
+        local = feats[1:] if feats.shape[0] > 1 else feats
+        tiles = local.reshape(-1, g, g, feats.shape[-1]).astype(jnp.float32)
         pooled = jnp.einsum("tar,trce,tbc->abe", pool_rows, tiles, pool_cols,
                             precision=jax.lax.Precision.HIGHEST)
         x = jnp.concatenate([feats[0], pooled.reshape(g * g, -1).astype(feats.dtype)], axis=-1)

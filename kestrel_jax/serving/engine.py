@@ -307,7 +307,7 @@ class InferenceEngine:
             crops, tiling = plan, image_tiling(pixels.shape[0], pixels.shape[1], self.cfg.vision)
         else:
             crops, tiling = overlap_crops(pixels, self.cfg.vision)
-        n = crops.num_crops if isinstance(crops, CropPlan) else crops.shape[0]
+        n = runner.crops_to_encode(crops, tiling)[1]
         limit = runner.vision_buckets[-1]
         if n > limit:
             raise ImageError(f"this image needs {n} crops (tiling {tiling[0]}x{tiling[1]}, an "

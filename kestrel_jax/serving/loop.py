@@ -9,6 +9,7 @@ step fails the requests of that step, resets nothing else, and the loop goes on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import queue
@@ -171,10 +172,12 @@ class EngineWorker:
         vis = self.model.cfg.vision
         for n in self.runner.vision_buckets:
             crops = np.zeros((n, vis.crop_size, vis.crop_size, 3), np.uint8)
-            timed(f"vision_n{n}", self.runner.encode_image, crops, (1, n - 1))
+            tiling = (1, max(1, n - 1))  # bucket 1: a 1x1 tiling
+            encode = functools.partial(self.runner.encode_image, share_tile=False)  # this very bucket
+            timed(f"vision_n{n}", encode, crops, tiling)
             if self.runner.device_crops:  # large images still take the host path
                 plan = empty_plan(n, vis.crop_size, canvas=self.runner.config.crop_canvas)
-                timed(f"crops_n{n}", self.runner.encode_image, plan, (1, n - 1))
+                timed(f"crops_n{n}", encode, plan, tiling)
         self.runner.images = dict.fromkeys(self.runner.images, 0)  # count served images only
         self.runner.freeze()
 

@@ -53,7 +53,10 @@ log = logging.getLogger(__name__)
 
 # Row input kinds.
 IN_TOKEN, IN_COORD, IN_SIZE, IN_IMAGE = 0, 1, 2, 3
-VISION_CROP_BUCKETS = (2, 5, 7, 10, 13)
+# Bucket 1: a 1x1 tiling, whose only tile is the global crop's pixels, encodes that crop once
+# (`Runner.encode_image`).
+# Two crops always mean a 1x1 tiling, so bucket 2 is not compiled by default.
+VISION_CROP_BUCKETS = (1, 5, 7, 10, 13)
 
 
 class RecompileError(RuntimeError):
@@ -473,11 +476,27 @@ class Runner:
         return pages
 
     # ------------------------------------------------------------------------------- vision
-    def encode_image(self, crops: np.ndarray | CropPlan, tiling: tuple[int, int]) -> jax.Array:
+    def crops_to_encode(self, crops: np.ndarray | CropPlan, tiling: tuple[int, int], *,
+                        share_tile: bool = True) -> tuple[np.ndarray | CropPlan, int]:
+        """(the crops the image step encodes, their count): the global crop alone for a 1x1
+        tiling whose tile has its pixels, when vision bucket 1 is compiled (see `encode_image`)."""
+        n = crops.num_crops if isinstance(crops, CropPlan) else crops.shape[0]
+        if share_tile and n == 2 and tuple(tiling) == (1, 1) and 1 in self.vision_buckets and _same_crops(crops):
+            return (crops.take(1) if isinstance(crops, CropPlan) else crops[:1]), 1
+        return crops, n
+
+    def encode_image(self, crops: np.ndarray | CropPlan, tiling: tuple[int, int], *,
+                     share_tile: bool = True) -> jax.Array:
         """uint8 crops [n, S, S, 3], or a `CropPlan` whose crops the device makes first, -> image
         tokens [729, D] on the device (one fixed-shape step per crop-count bucket; the tiling
-        enters as pooling weights, not as a shape)."""
-        n = crops.num_crops if isinstance(crops, CropPlan) else crops.shape[0]
+        enters as pooling weights, not as a shape).
+
+        An image with a 1x1 tiling (any image up to about 400 px a side) has two crops with the
+        same pixels: the global crop and its only tile are the same resize. With a bucket of 1
+        compiled, that crop is encoded once and its features serve as both (half the encoder's
+        work for such images; the outputs are the two-crop encoding's, up to GEMM rounding).
+        `share_tile=False` encodes both (the warm-up compiles every bucket that way)."""
+        crops, n = self.crops_to_encode(crops, tiling, share_tile=share_tile)
         bucket = next((b for b in self.vision_buckets if b >= n), None)
         if bucket is None:
             # The reference's tiling rule allows more than 13 crops for extreme aspect ratios.
@@ -490,7 +509,8 @@ class Runner:
             self.images["host_crops"] += 1
             pad = np.zeros((bucket - n, *crops.shape[1:]), np.uint8)
             batch = jnp.asarray(np.concatenate([crops, pad]))
-        rows, cols = tile_pool_matrices(tiling, self.cfg.vision, bucket - 1)
+        # bucket 1: the global crop is also the one tile (`VisionEncoder.encode_padded`)
+        rows, cols = tile_pool_matrices(tiling, self.cfg.vision, max(1, bucket - 1))
         return self._guarded("vision", self._vision, self.vision_params, batch, rows, cols)
 
     # ------------------------------------------------------------------------------- steps
@@ -612,6 +632,13 @@ def _committed(tree: Any) -> Any:
     memory kind (a stream-annotated call does; seventh session): feeding them back into a step
     compiled with uncommitted inputs would compile it again while serving."""
     return jax.device_put(tree, jax.devices()[0])
+
+
+def _same_crops(crops: np.ndarray | CropPlan) -> bool:
+    """Whether crops 0 and 1 are the same pixels (host crops) or the same resize (a plan's tables)."""
+    if isinstance(crops, CropPlan):
+        return all(np.array_equal(a[0], a[1]) for a in (crops.flip, crops.idx1, crops.w1, crops.idx2, crops.w2))
+    return bool(np.array_equal(crops[0], crops[1]))
 
 
 def pages_needed(tokens: int, page_size: int) -> int:

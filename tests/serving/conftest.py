@@ -31,7 +31,7 @@ def _engine_config(ckpt: Path) -> EngineConfig:
                         # crops made on the device: its outputs are checked against the reference, whose
                         # crops are PIL's on the host (test_engine_paths keeps the host path)
                         runner=RunnerConfig(num_pages=96, kv_dtype="f32", max_seq_len=1024, page_size=64,
-                                            vision_buckets=(2, 10), device_crops="on"),
+                                            vision_buckets=(1, 10), device_crops="on"),
                         decode_buckets=(1, 4), prefill_token_buckets=(64, 1024), max_prefill_seqs=4)
 
 

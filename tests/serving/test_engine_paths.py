@@ -34,7 +34,8 @@ def setup(request: pytest.FixtureRequest) -> Iterator[tuple[InferenceEngine, Ref
     token, bias = request.param
     model = _biased(token, bias)
     tok = Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size))
-    cfg = EngineConfig(runner=RunnerConfig(num_pages=64, kv_dtype="f32", max_seq_len=1024, vision_buckets=(2,)),
+    # vision bucket 1: a 378 px image (1x1 tiling) encodes its one distinct crop once (host crops)
+    cfg = EngineConfig(runner=RunnerConfig(num_pages=64, kv_dtype="f32", max_seq_len=1024, vision_buckets=(1,)),
                        decode_buckets=(1, 4), prefill_token_buckets=(1024,), max_prefill_seqs=2)
     eng = asyncio.run(InferenceEngine.create(cfg, model=model, tokenizer=tok))
     yield eng, ReferenceMoondream(model, tok)

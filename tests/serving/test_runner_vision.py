@@ -1,0 +1,74 @@
+"""The runner's image step: an image with a 1x1 tiling (its only tile is the global crop's pixels)
+is encoded from one crop in vision bucket 1, and gives what encoding both crops gives: on host
+crops and on crops made on the device, against the two-crop bucket and against the model's own
+(unbucketed) encoder."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kestrel_jax.models.config import tiny_config
+from kestrel_jax.models.device_crops import plan_crops
+from kestrel_jax.models.image_crops import overlap_crops
+from kestrel_jax.models.moondream import MoondreamModel, random_model
+from kestrel_jax.serving.runner import Runner, RunnerConfig
+
+
+@pytest.fixture(scope="module")
+def model() -> MoondreamModel:
+    return random_model(tiny_config("md2"), dtype=jnp.float32, seed=21)
+
+
+def _runner(model: MoondreamModel, buckets: tuple[int, ...]) -> Runner:
+    return Runner(model, RunnerConfig(num_pages=8, kv_dtype="f32", max_seq_len=256, page_size=64,
+                                      vision_buckets=buckets, device_crops="on"), out_rows=4)
+
+
+def _spy(runner: Runner) -> list[int]:
+    seen: list[int] = []
+    vision = runner._vision
+
+    def spy(params: object, batch: jnp.ndarray, rows: object, cols: object) -> object:
+        seen.append(int(batch.shape[0]))
+        return vision(params, batch, rows, cols)
+
+    runner._vision = spy  # type: ignore[assignment]
+    return seen
+
+
+@pytest.mark.parametrize("shape", [(378, 378), (300, 340), (41, 377)])
+def test_one_by_one_tiling_encodes_one_crop_and_equals_two(model: MoondreamModel, shape: tuple[int, int]) -> None:
+    img = np.random.default_rng(sum(shape)).integers(0, 255, (*shape, 3), dtype=np.uint8)
+    crops, tiling = overlap_crops(img, model.cfg.vision)
+    assert tiling == (1, 1) and crops.shape[0] == 2
+    shared, both = _runner(model, (1, 5)), _runner(model, (2,))
+    seen = _spy(shared)
+    one = np.asarray(shared.encode_image(crops, tiling))
+    two = np.asarray(both.encode_image(crops, tiling))
+    plan = plan_crops(img, model.cfg.vision, canvas=shared.config.crop_canvas)
+    assert plan is not None
+    from_plan = np.asarray(shared.encode_image(plan, tiling))
+    assert seen == [1, 1]  # host crops and the device's: one crop each
+    want = np.asarray(model.vision(jnp.asarray(crops), tiling, jnp.float32))  # the unbucketed encoder
+    scale = np.abs(want).max()
+    for got in (one, two, from_plan):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * scale)
+    # asked not to share (the warm-up), the two crops go to the next bucket
+    np.testing.assert_allclose(np.asarray(shared.encode_image(crops, tiling, share_tile=False)), want, rtol=0,
+                               atol=1e-5 * scale)
+    assert seen[-1] == 5
+
+
+def test_two_different_crops_are_not_shared(model: MoondreamModel) -> None:
+    # (cannot come from overlap_crops, whose 1x1 tile is always the global crop: the guard itself)
+    rng = np.random.default_rng(3)
+    size = model.cfg.vision.crop_size
+    crops = rng.integers(0, 255, (2, size, size, 3), dtype=np.uint8)
+    runner = _runner(model, (1, 2))
+    seen = _spy(runner)
+    got = np.asarray(runner.encode_image(crops, (1, 1)))
+    want = np.asarray(model.vision(jnp.asarray(crops), (1, 1), jnp.float32))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    assert seen == [2]
