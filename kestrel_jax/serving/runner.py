@@ -491,7 +491,7 @@ class Runner:
         tokens [729, D] on the device (one fixed-shape step per crop-count bucket; the tiling
         enters as pooling weights, not as a shape).
 
-        An image with a 1x1 tiling (any image up to about 400 px a side) has two crops with the
+        An image with a 1x1 tiling (small images: every one up to 378 px a side) has two crops with the
         same pixels: the global crop and its only tile are the same resize. With a bucket of 1
         compiled, that crop is encoded once and its features serve as both (half the encoder's
         work for such images; the outputs are the two-crop encoding's, up to GEMM rounding).
