@@ -12,18 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kestrel_jax.pallas.moe import ExpertWeights, quantize_experts  # noqa: E402
 from kestrel_jax.pallas.moe_mgpu import moe_layer  # noqa: E402
+from tools.probe_step_kernels import per_kernel  # noqa: E402
 
 
 def main() -> int:
@@ -32,8 +30,6 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--out-dir", default=None)
     a = ap.parse_args()
-    from jax.experimental.mosaic.gpu import profiler
-
     d, inner, e, k = 2048, 1024, 64, 8
     key = jax.random.key(0)
     k1, k2, k3, k4 = jax.random.split(key, 4)
@@ -54,28 +50,11 @@ def main() -> int:
         if out_dir is not None:
             (out_dir / f"moe_t{t}.hlo.txt").write_text(compiled.as_text() or "")
         jax.block_until_ready(f(x, router_w, router_b, experts))
-        try:
-            _, measured = profiler.measure(f, aggregate=False, iterations=a.iters)(x, router_w, router_b, experts)
-            # one iteration gives one list of (kernel, ms); several give a list of them
-            runs = [measured] if a.iters == 1 else measured
-        except Exception as err:  # noqa: BLE001 - a probe: record and go on
-            print(f"T={t}: CUPTI measurement failed: {type(err).__name__}: {err}", flush=True)
-            res["cases"][t] = {"error": str(err)}
-            continue
-        per: dict[str, list[float]] = defaultdict(list)
-        order: list[str] = []
-        for run in runs:
-            seen: dict[str, float] = defaultdict(float)
-            for name, ms in run:
-                if name not in order:
-                    order.append(name)
-                seen[name] += ms * 1e3
-            for name, us_ in seen.items():
-                per[name].append(us_)
-        rows: list[dict[str, Any]] = [{"kernel": n, "us": round(float(np.median(per[n])), 2),
-                 "launches": sum(1 for nm, _ in runs[0] if nm == n)} for n in order]
+        rows, how = per_kernel(lambda f=f, x=x: f(x, router_w, router_b, experts), a.iters)
+        if how != "cupti":
+            print(f"T={t}: no per-kernel timing: {how}", flush=True)
         total = sum(r["us"] for r in rows)
-        res["cases"][t] = {"total_us": round(total, 1), "kernels": rows}
+        res["cases"][t] = {"timing": how, "total_us": round(total, 1), "kernels": rows}
         print(f"T={t}: {total:.1f} us in {sum(r['launches'] for r in rows)} launches", flush=True)
         for r in rows:
             print(f"   {r['us']:8.2f} us  x{r['launches']}  {r['kernel']}", flush=True)
