@@ -234,13 +234,18 @@ class InferenceEngine:
         return r
 
     async def generate(self, requests: Sequence[dict[str, Any]], *, progress: bool = True,
-                       return_exceptions: bool = True) -> list[Result | BaseException]:
-        """Offline batch: each dict has `skill` plus that skill's arguments. All are submitted at
-        once (the scheduler batches them); results come back in order. A failing request yields
-        its exception in place (or raises, with return_exceptions=False)."""
+                       return_exceptions: bool = True, max_in_flight: int | None = 512) -> list[Result | BaseException]:
+        """Offline batch: each dict has `skill` plus that skill's arguments; results come back in
+        order. At most `max_in_flight` requests are submitted at a time (the scheduler batches
+        them; a new one goes in as each ends), so a job over millions of images never holds more
+        than that many decoded images and queued requests (None: all at once). A failing request
+        yields its exception in place (or raises, with return_exceptions=False)."""
         from tqdm import tqdm
 
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1 or None, got {max_in_flight}")
         bar = tqdm(total=len(requests), disable=not progress, desc="generate", unit="req")
+        window = asyncio.Semaphore(max_in_flight) if max_in_flight is not None else None
 
         async def one(r: dict[str, Any]) -> Result:
             args = dict(r)
@@ -252,7 +257,11 @@ class InferenceEngine:
                 raise ValueError(f"unknown skill {skill!r}")
             args.pop("stream", None)
             try:
-                res = await fn(**args)
+                if window is None:
+                    res = await fn(**args)
+                else:
+                    async with window:  # the image is decoded inside: at most max_in_flight at once
+                        res = await fn(**args)
             finally:
                 bar.update(1)
             assert isinstance(res, Result)

@@ -243,6 +243,35 @@ def test_demo_image_and_offline_generate(engine: InferenceEngine) -> None:
     assert isinstance(out[2], PromptError)
 
 
+def test_generate_keeps_at_most_max_in_flight_requests_submitted(engine: InferenceEngine) -> None:
+    active, peak = [0], [0]
+    submit = engine._submit
+
+    async def counted(*args: Any, **kw: Any) -> Any:  # one request, from image decoding to its result
+        active[0] += 1
+        peak[0] = max(peak[0], active[0])
+        try:
+            return await submit(*args, **kw)  # waits for the request's result
+        finally:
+            active[0] -= 1
+
+    reqs = [{"skill": "caption", "image": DEMO_IMAGE_PATH, "length": "short", "settings": {"max_tokens": 2}}
+            for _ in range(7)]
+    engine._submit = counted  # type: ignore[method-assign]
+    try:
+        out = asyncio.run(engine.generate(reqs, progress=False, max_in_flight=2))
+        bounded = peak[0]
+        peak[0] = 0
+        asyncio.run(engine.generate(reqs[:4], progress=False, max_in_flight=None))
+    finally:
+        del engine._submit
+    assert all(isinstance(r, Result) for r in out)
+    assert bounded == 2 and peak[0] == 4, (bounded, peak[0])
+    with pytest.raises(ValueError, match="max_in_flight"):
+        asyncio.run(engine.generate(reqs, progress=False, max_in_flight=0))
+    _leak_free(engine)
+
+
 def test_sampled_outputs_equal_reference_with_the_same_seed(engine: InferenceEngine, ref: ReferenceMoondream,
                                                             images: list[Path]) -> None:
     settings = {"temperature": 0.8, "top_p": 0.9, "max_tokens": 6, "seed": 1234}
