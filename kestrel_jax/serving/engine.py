@@ -244,33 +244,47 @@ class InferenceEngine:
 
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1 or None, got {max_in_flight}")
+        fns: dict[str, Any] = {"query": self.query, "caption": self.caption, "detect": self.detect,
+                               "point": self.point}
+        results: list[Result | BaseException | None] = [None] * len(requests)
+        todo = iter(enumerate(requests))  # shared by the workers: each takes the next request
         bar = tqdm(total=len(requests), disable=not progress, desc="generate", unit="req")
-        window = asyncio.Semaphore(max_in_flight) if max_in_flight is not None else None
 
         async def one(r: dict[str, Any]) -> Result:
             args = dict(r)
             skill = args.pop("skill")
-            fns: dict[str, Any] = {"query": self.query, "caption": self.caption, "detect": self.detect,
-                                   "point": self.point}
             fn = fns.get(skill)
             if fn is None:
                 raise ValueError(f"unknown skill {skill!r}")
             args.pop("stream", None)
-            try:
-                if window is None:
-                    res = await fn(**args)
-                else:
-                    async with window:  # the image is decoded inside: at most max_in_flight at once
-                        res = await fn(**args)
-            finally:
-                bar.update(1)
+            res = await fn(**args)
             assert isinstance(res, Result)
             return res
 
+        async def worker() -> None:  # one request at a time, from image decoding to its result
+            for i, r in todo:
+                try:
+                    results[i] = await one(r)
+                except Exception as e:  # noqa: BLE001 - returned in place, or raised below
+                    if not return_exceptions:
+                        raise
+                    results[i] = e
+                finally:
+                    bar.update(1)
+
+        # Workers, not one task per request: a list of millions costs a few hundred tasks.
+        n = len(requests) if max_in_flight is None else min(max_in_flight, len(requests))
+        tasks = [asyncio.create_task(worker()) for _ in range(n)]
         try:
-            return list(await asyncio.gather(*(one(r) for r in requests), return_exceptions=return_exceptions))
+            await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:  # the rest of the list is not run (their requests are cancelled)
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         finally:
             bar.close()
+        return results  # type: ignore[return-value]
 
     # ------------------------------------------------------------------------------ internals
     def _max_prompt(self, image: ImageInput | None) -> int:

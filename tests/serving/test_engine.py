@@ -269,6 +269,12 @@ def test_generate_keeps_at_most_max_in_flight_requests_submitted(engine: Inferen
     assert bounded == 2 and peak[0] == 4, (bounded, peak[0])
     with pytest.raises(ValueError, match="max_in_flight"):
         asyncio.run(engine.generate(reqs, progress=False, max_in_flight=0))
+    # raising instead: the first failure ends the job, the rest of the list is not run
+    mixed = [*reqs[:2], {"skill": "sing", "image": DEMO_IMAGE_PATH}, *reqs[:2]]
+    out = asyncio.run(engine.generate(mixed, progress=False, max_in_flight=2))
+    assert isinstance(out[2], ValueError) and all(isinstance(r, Result) for i, r in enumerate(out) if i != 2)
+    with pytest.raises(ValueError, match="unknown skill"):
+        asyncio.run(engine.generate(mixed, progress=False, max_in_flight=1, return_exceptions=False))
     _leak_free(engine)
 
 
