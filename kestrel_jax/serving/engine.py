@@ -330,7 +330,7 @@ class InferenceEngine:
             crops, tiling = plan, image_tiling(pixels.shape[0], pixels.shape[1], self.cfg.vision)
         else:
             crops, tiling = overlap_crops(pixels, self.cfg.vision)
-        n = runner.crops_to_encode(crops, tiling)[1]
+        crops, n = runner.crops_to_encode(crops, tiling)  # a 1x1 tiling's crop once, decided here once
         limit = runner.vision_buckets[-1]
         if n > limit:
             raise ImageError(f"this image needs {n} crops (tiling {tiling[0]}x{tiling[1]}, an "

@@ -54,8 +54,7 @@ log = logging.getLogger(__name__)
 # Row input kinds.
 IN_TOKEN, IN_COORD, IN_SIZE, IN_IMAGE = 0, 1, 2, 3
 # Bucket 1: a 1x1 tiling, whose only tile is the global crop's pixels, encodes that crop once
-# (`Runner.encode_image`).
-# Two crops always mean a 1x1 tiling, so bucket 2 is not compiled by default.
+# (`Runner.encode_image`); two crops always mean a 1x1 tiling, so bucket 2 is not in the defaults.
 VISION_CROP_BUCKETS = (1, 5, 7, 10, 13)
 
 
