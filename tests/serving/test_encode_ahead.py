@@ -35,8 +35,10 @@ class Recorder:
         self.fail = fail or set()
         self.gate = threading.Event()
         self.gate.set()
+        self.entered = threading.Event()  # an encoding has started
 
     def encode(self, sub: Sub) -> str:
+        self.entered.set()
         self.gate.wait(10)
         self.calls.append((sub.rid, threading.current_thread().name))
         if sub.digest in self.fail:
@@ -131,13 +133,14 @@ def test_worker_errors_reach_the_request_and_free_its_slot() -> None:
 
 def test_shutdown_cancels_queued_work_and_a_bad_window_is_refused() -> None:
     rec = Recorder()
-    rec.gate.clear()  # the worker blocks in the first encoding
+    rec.gate.clear()  # the worker blocks in the first encoding; the other two queue behind it
     ea = rec.ahead(3)
     for i in range(3):
         ea.add(Sub(i, bytes([i])))
-    rec.gate.set()
+    assert rec.entered.wait(10)
+    threading.Timer(0.3, rec.gate.set).start()  # released while shutdown waits for it
     ea.shutdown()
-    assert len(rec.calls) <= 3
+    assert [r for r, _ in rec.calls] == [0]  # the queued encodings were cancelled, not run
     with pytest.raises(ValueError, match="window"):
         rec.ahead(0)
 

@@ -98,8 +98,14 @@ def test_cancelled_requests_leave_no_encoding_behind(setup: tuple[InferenceEngin
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for _ in range(1200):  # the engine thread sees the cancellations (slow under a loaded CPU)
-            if not eng._worker._live:
+        # The engine thread sees the cancellations (slow under a loaded CPU). Empty must hold for a
+        # while: a submission still in the engine's inbox is not live yet, and is admitted (and
+        # its encoding started) before its cancellation is read.
+        w, quiet = eng._worker, 0
+        for _ in range(1200):
+            idle = not w._live and w._inbox.empty() and w._ahead is not None and w._ahead.pending == 0
+            quiet = quiet + 1 if idle else 0
+            if quiet >= 10:
                 break
             await asyncio.sleep(0.05)
 
