@@ -8,10 +8,12 @@ variant's serialized export from `directory` or exports and saves it, and from t
 `jax.jit(exported.call)`: tracing that is one call, and lowering embeds the saved module. XLA's
 own cache then supplies the compiled program.
 
-An export file is named by hashes of everything that shapes the program: the caller's `salt`
-(model and runner configuration, device kind, jax version, and a hash of this package's source
-files), then the step's name, input tree and input avals. Writing a step's export removes that
-step's files of other salts (older code or configurations), so the directory does not grow.
+An export file is named by hashes of everything that shapes the program: the caller's `version`
+(this package's source files and the jax version), its `salt` (model and the configuration that
+shapes the steps, device kind), then the step's name, input tree and input avals. Writing a step's
+export removes that step's files of other versions (older code), so the directory does not grow
+across upgrades; files of other salts stay, so processes of different configurations (or
+alternating runs) sharing one cache directory do not evict each other.
 Any failure to export, save, load or compile the loaded program falls back to the plain jitted
 function (logged once per step): slower start-up, same results.
 """
@@ -79,12 +81,13 @@ def _quick_sig(args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 class ExportedStep:
     def __init__(self, name: str, fn: Callable[..., Any], *, donate_argnums: tuple[int, ...] = (),
-                 directory: str | os.PathLike[str] | None = None, salt: str = ""):
+                 directory: str | os.PathLike[str] | None = None, salt: str = "", version: str = ""):
         self.name = name
         self.jitted = jax.jit(fn, donate_argnums=donate_argnums)
         self.donate_argnums = donate_argnums
         self.directory = Path(directory) if directory is not None else None
         self.salt = salt
+        self.version = version
         self.counts = {"loaded": 0, "exported": 0, "fallback": 0}
         self._variants: dict[tuple[Any, ...], Any] = {}
         self._warned = False
@@ -136,9 +139,10 @@ class ExportedStep:
         if self.directory is None:
             return self.jitted
         try:
+            version = hashlib.sha256(self.version.encode()).hexdigest()[:12]
             salt = hashlib.sha256(self.salt.encode()).hexdigest()[:16]
             key = hashlib.sha256(f"{self.name}|{_avals_key(args)}".encode()).hexdigest()[:24]
-            path = self.directory / f"{salt}-{self.name}-{key}.jaxexport"
+            path = self.directory / f"{version}-{salt}-{self.name}-{key}.jaxexport"
             if path.is_file():
                 _load_kernel_runtimes()
                 exp = export.deserialize(bytearray(path.read_bytes()))
@@ -151,8 +155,8 @@ class ExportedStep:
                     f.write(exp.serialize())
                 os.replace(f.name, path)  # atomic: a concurrent reader never sees half a file
                 self.counts["exported"] += 1
-                for old in self.directory.glob(f"*-{self.name}-*.jaxexport"):  # other code or config
-                    if not old.name.startswith(salt):
+                for old in self.directory.glob(f"*-{self.name}-*.jaxexport"):  # older code
+                    if not old.name.startswith(f"{version}-"):
                         old.unlink(missing_ok=True)
             return jax.jit(exp.call, donate_argnums=self.donate_argnums)
         except Exception as e:  # noqa: BLE001 - any failure: the plain jitted step, same results

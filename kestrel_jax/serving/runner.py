@@ -23,6 +23,7 @@ The KV pool (`KVCache`) is donated to every step and updated in place.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import logging
@@ -404,7 +405,7 @@ class Runner:
         export_dir = (os.path.join(self.config.compilation_cache_dir, "kestrel_jax_export")
                       if self.config.compilation_cache_dir and self.config.export_steps else None)
         self._step = functools.partial(ExportedStep, donate_argnums=(1,), directory=export_dir,
-                                       salt=self._export_salt())
+                                       salt=self._export_salt(), version=f"{source_hash()}|{jax.__version__}")
         self._prefill = self._step("prefill", functools.partial(_prefill_step, self._parts, backend=backend,
                                                                 out_rows=out_rows))
         self._mixed = self._step("mixed", functools.partial(_mixed_step, self._parts, backend=backend,
@@ -421,11 +422,19 @@ class Runner:
         self.images = {"device_crops": 0, "host_crops": 0}  # images encoded, by where their crops were made
         self._frozen: dict[str, int] | None = None
 
+    # RunnerConfig fields that do not shape the text steps (the vision step is not exported; the pool's
+    # size is in the steps' input shapes): left out of the export salt, so that runs differing only
+    # in these share the exported steps. Any other field, including one added later, is in the salt.
+    _NOT_IN_STEPS = frozenset({"num_pages", "kv_memory_fraction", "vision_buckets", "compilation_cache_dir",
+                               "vision_attention", "device_crops", "crop_canvas", "export_steps"})
+
     def _export_salt(self) -> str:
-        """Everything besides input shapes that shapes a step's program (see export_cache)."""
+        """Everything besides input shapes and code that shapes a step's program (see export_cache)."""
         dev = jax.devices()[0]
-        return "|".join(map(str, (source_hash(), jax.__version__, dev.platform, dev.device_kind, self.cfg,
-                                  self.config, self.out_rows, jnp.dtype(self.kv_dtype), jnp.dtype(self.model.dtype))))
+        fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)
+                  if f.name not in self._NOT_IN_STEPS}
+        return "|".join(map(str, (dev.platform, dev.device_kind, self.cfg, sorted(fields.items()), self.out_rows,
+                                  jnp.dtype(self.kv_dtype), jnp.dtype(self.model.dtype))))
 
     @property
     def export_counts(self) -> dict[str, int]:

@@ -24,8 +24,9 @@ def model() -> MoondreamModel:
 
 
 def _config(cache: Path | None, **kw: object) -> RunnerConfig:
-    return RunnerConfig(num_pages=8, kv_dtype="f32", max_seq_len=256, page_size=64, vision_buckets=(2,),
-                        compilation_cache_dir=None if cache is None else str(cache), **kw)  # type: ignore[arg-type]
+    settings: dict[str, Any] = dict(num_pages=8, kv_dtype="f32", max_seq_len=256, page_size=64, vision_buckets=(2,),
+                                    compilation_cache_dir=None if cache is None else str(cache))
+    return RunnerConfig(**{**settings, **kw})
 
 
 def _run(runner: Runner) -> list[np.ndarray]:
@@ -130,11 +131,40 @@ def test_a_loaded_program_that_fails_to_run_falls_back(model: MoondreamModel, tm
         np.testing.assert_array_equal(a, b)
 
 
-def test_exports_of_another_configuration_are_replaced(model: MoondreamModel, tmp_path: Path) -> None:
+def _exports(cache: Path) -> set[str]:
+    return {f.name for f in (cache / "kestrel_jax_export").glob("*.jaxexport")}
+
+
+def test_exports_are_shared_by_configurations_that_do_not_shape_the_steps(model: MoondreamModel,
+                                                                         tmp_path: Path) -> None:
+    # W2 A/B runs alternated vision buckets 1 and 2: each run deleted the other's exports and traced
+    # every step again. Settings outside the text steps now share them; settings that shape the steps
+    # keep their own files side by side.
     _run(Runner(model, _config(tmp_path)))
-    first = {f.name for f in (tmp_path / "kestrel_jax_export").glob("*.jaxexport")}
-    _run(Runner(model, _config(tmp_path, kv_memory_fraction=0.5)))  # another salt, same shapes
-    second = {f.name for f in (tmp_path / "kestrel_jax_export").glob("*.jaxexport")}
+    first = _exports(tmp_path)
+    other = Runner(model, _config(tmp_path, kv_memory_fraction=0.5, vision_buckets=(1, 2), vision_attention="xla"))
+    _run(other)
+    assert other.export_counts == {"loaded": 3, "exported": 0, "fallback": 0}
+    paged = Runner(model, _config(tmp_path, backend="reference"))  # another kernel backend: its own programs
+    _run(paged)
+    assert paged.export_counts == {"loaded": 0, "exported": 3, "fallback": 0}
+    assert len(_exports(tmp_path)) == 6 and first < _exports(tmp_path)
+    again = Runner(model, _config(tmp_path))  # the first configuration's files are still there
+    _run(again)
+    assert again.export_counts == {"loaded": 3, "exported": 0, "fallback": 0}
+
+
+def test_exports_of_older_code_are_replaced(model: MoondreamModel, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from kestrel_jax.serving import runner as runner_mod
+
+    _run(Runner(model, _config(tmp_path)))
+    first = _exports(tmp_path)
+    monkeypatch.setattr(runner_mod, "source_hash", lambda: "edited sources")
+    newer = Runner(model, _config(tmp_path))
+    _run(newer)
+    assert newer.export_counts == {"loaded": 0, "exported": 3, "fallback": 0}
+    second = _exports(tmp_path)
     assert len(first) == len(second) == 3 and not first & second
 
 
