@@ -49,8 +49,7 @@ def main() -> int:
         compiled = f.lower(x, router_w, router_b, experts).compile()
         if out_dir is not None:
             (out_dir / f"moe_t{t}.hlo.txt").write_text(compiled.as_text() or "")
-        jax.block_until_ready(f(x, router_w, router_b, experts))
-        rows, how = per_kernel(lambda f=f, x=x: f(x, router_w, router_b, experts), a.iters)
+        rows, how = per_kernel(compiled, (x, router_w, router_b, experts), a.iters)
         if how != "cupti":
             print(f"T={t}: no per-kernel timing: {how}", flush=True)
         total = sum(r["us"] for r in rows)

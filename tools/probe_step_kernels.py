@@ -38,22 +38,27 @@ def family(kernel: str) -> str:
     return re.sub(r"[._]\d+$", "", kernel)
 
 
-def per_kernel(call: Any, iters: int) -> tuple[list[dict[str, Any]], str]:
-    """[(kernel, median us over iterations, launches per call)] with CUPTI, else one host-timed
-    total (CPU, or where CUPTI is unavailable)."""
+def per_kernel(fn: Any, args: tuple[Any, ...], iters: int) -> tuple[list[dict[str, Any]], str]:
+    """[(kernel, median us over iterations, launches per call)] of `fn(*args)` with CUPTI, else one
+    host-timed total (CPU, or where CUPTI is unavailable). `fn` is a jitted function or a compiled
+    one; it must not donate its arguments (they are passed again every iteration). The arrays go in
+    as arguments: the profiler jits whatever callable it is given, and a closure over the weights
+    would bake them into the program as constants (15 GB for MD3: minutes of compile)."""
+    compiled = fn if isinstance(fn, jax.stages.Compiled) else fn.lower(*args).compile()
     try:
         from jax.experimental.mosaic.gpu import profiler
 
-        _, measured = profiler.measure(lambda: jax.block_until_ready(call()), aggregate=False, iterations=iters)()
+        _, measured = profiler.measure(compiled, aggregate=False, iterations=iters)(*args)
         if not measured:
             raise RuntimeError("CUPTI saw no kernels")
         # one iteration gives one list of (kernel, ms); several give a list of them
         runs: list[list[tuple[str, float]]] = [measured] if isinstance(measured[0], tuple) else list(measured)
     except Exception as e:  # noqa: BLE001 - a probe: fall back to host timing
+        jax.block_until_ready(compiled(*args))
         times = []
         for _ in range(iters):
             t0 = time.perf_counter()
-            jax.block_until_ready(call())
+            jax.block_until_ready(compiled(*args))
             times.append((time.perf_counter() - t0) * 1e6)
         return [{"kernel": "(host-timed step)", "us": round(float(np.median(times)), 1), "launches": 1}], \
             f"host timing ({type(e).__name__}: {e})"
@@ -113,26 +118,24 @@ def main() -> int:
     res: dict[str, Any] = {"device": jax.devices()[0].device_kind, "model": a.model, "tiny": a.tiny,
                            "settings": {k: v for k, v in vars(a).items() if k != "out_dir"}, "steps": {}}
     for kind in [k.strip() for k in a.kinds.split(",") if k.strip()]:
-        call: Any
+        step_fn: Any
         args: tuple[Any, ...]
         if kind == "prefill":
-            fn, args = runner._prefill.jitted, (runner.lm_params, runner.cache, *pre, images)
-            call = lambda: runner.prefill(*pre, images)  # noqa: E731
+            step_fn, args = runner._prefill.jitted, (runner.lm_params, runner.cache, *pre, images)
         elif kind == "mixed":
-            fn, args = runner._mixed.jitted, (runner.lm_params, runner.cache, *dec, runner._feed(None), *pre, images)
-            call = lambda: runner.mixed(*dec, None, *pre, images)  # noqa: E731
+            step_fn = runner._mixed.jitted
+            args = (runner.lm_params, runner.cache, *dec, runner._feed(None), *pre, images)
         elif kind == "decode":
-            fn = runner._decode_fn(a.steps).jitted
+            step_fn = runner._decode_fn(a.steps).jitted
             args = (runner.lm_params, runner.cache, *dec, runner._feed(None))
-            call = lambda: runner.decode(*dec, None, a.steps)[0]  # noqa: E731
         else:
             raise SystemExit(f"unknown step kind {kind!r}")
+        # the runner's step donates the KV pool; the probe runs it again and again on the same pool
+        compiled = jax.jit(step_fn.__wrapped__).lower(*args).compile()
         if out_dir is not None:
-            text = fn.lower(*args).compile().as_text() or ""
             with gzip.open(out_dir / f"step_{kind}.hlo.txt.gz", "wt") as f:
-                f.write(text)
-        jax.block_until_ready(call())  # compile and warm
-        kernels, how = per_kernel(call, a.iters)
+                f.write(compiled.as_text() or "")
+        kernels, how = per_kernel(compiled, args, a.iters)
         fam: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
         r: dict[str, Any]
         for r in kernels:
