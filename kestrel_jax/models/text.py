@@ -134,10 +134,8 @@ class Attention(nnx.Module):
         if fused is not None:
             q, k_pages, v_pages = fused
         else:
-            # the tau products as one kernel on a GPU (prefill, decode batches past the fused epilogue)
-            dots = ops.tau_dots(u, tau.wq, tau.wv) if tau is not None and aux is None else None
             q, k, v = qkv_heads_ref(u, batch.positions, tau, n_heads=h, n_kv_heads=hkv, rotary_dim=rot, theta=theta,
-                                    aux=aux, dots=dots)
+                                    aux=aux)
             if aux is not None:
                 aux.update(k=k, v=v)
             k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, batch.slots, k_scale, v_scale)

@@ -208,19 +208,6 @@ def moe_layer(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: E
 # Decode QKV epilogue (tau, rotary, KV write)
 
 
-def tau_dots(u: jax.Array, wq: jax.Array, wv: jax.Array) -> tuple[jax.Array, jax.Array] | None:
-    """MD3 tau products (GELU(u) @ wq.T, GELU(u) @ wv.T) in one Pallas Triton launch
-    (`tau_dots.tau_dots_kernel`: the GELU never goes to memory) when the kernel path is on and
-    supports the shapes; None otherwise (the caller computes `tau_dots_ref`)."""
-    if not _want_kernel() or os.environ.get("KESTREL_JAX_TAU_DOTS_KERNEL", "1") == "0":  # "0": A/B runs
-        return None
-    from kestrel_jax.pallas import tau_dots as kern
-
-    if kern.tau_dots_problem(u, wq, wv) is not None:
-        return None
-    return kern.tau_dots_kernel(u, wq, wv)
-
-
 def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                k_scale: jax.Array, v_scale: jax.Array, tau: Any, *, n_heads: int, rotary_dim: int,
                theta: float) -> tuple[jax.Array, jax.Array, jax.Array] | None:

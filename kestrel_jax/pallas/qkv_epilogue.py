@@ -32,10 +32,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from kestrel_jax.models.layers import apply_rope, rope_cos_sin, rope_inv_freq, tau_position_term
+from kestrel_jax.models.layers import apply_rope, gelu_erf, rope_cos_sin, rope_inv_freq, tau_position_term
 from kestrel_jax.pallas.moe import gelu_erf_poly
 from kestrel_jax.pallas.paged_attention import FP8_MAX, check_pool, is_fp8, write_kv_ref
-from kestrel_jax.pallas.tau_dots import tau_dots_ref
 
 MAX_TAU_ROWS = 8  # decode rows up to which the model runs the kernel when tau is on
 # Warps per program. H100, sixth session (tools/bench_qkv_epilogue.py, 24 cold layers, us per
@@ -70,16 +69,14 @@ def qkv_heads_ref(
     rotary_dim: int,
     theta: float,
     aux: dict[str, jax.Array] | None = None,  # filled with tau_q, tau_v, tau_pos (f32 [T, H]) when tau
-    dots: tuple[jax.Array, jax.Array] | None = None,  # (GELU(u) @ wq.T, GELU(u) @ wv.T) if already formed
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """-> q [T, H, Dh], k [T, Hkv, Dh] (post-rotary), v [T, Hkv, Dh] (post-tau), all u.dtype.
-    `dots`: the tau products from `ops.tau_dots` (the kernel); None: `tau_dots_ref`."""
+    """-> q [T, H, Dh], k [T, Hkv, Dh] (post-rotary), v [T, Hkv, Dh] (post-tau), all u.dtype."""
     head_dim = u.shape[1] // (n_heads + 2 * n_kv_heads)
     q, k, v = split_heads(u, n_heads, n_kv_heads, head_dim)
     if tau is not None:
-        sq, sv = tau_dots_ref(u, tau.wq, tau.wv) if dots is None else dots
-        tok_q = jnp.tanh(sq.astype(jnp.float32))
-        tok_v = jnp.tanh(sv.astype(jnp.float32))
+        g = gelu_erf(u)
+        tok_q = jnp.tanh(jnp.dot(g, tau.wq.astype(u.dtype).T).astype(jnp.float32))
+        tok_v = jnp.tanh(jnp.dot(g, tau.wv.astype(u.dtype).T).astype(jnp.float32))
         pos = tau_position_term(positions, tau.alpha)
         tau_q, tau_v = tok_q + pos, tok_v + pos
         q = q * tau_q[:, :, None].astype(q.dtype)
