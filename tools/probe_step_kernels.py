@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kestrel_jax.models.config import md2_config, md3_config, tiny_config  # noqa: E402
 from kestrel_jax.models.moondream import random_model  # noqa: E402
+from kestrel_jax.models.vision import tile_pool_matrices  # noqa: E402
 from kestrel_jax.serving import batch as bt  # noqa: E402
 from kestrel_jax.serving.runner import Runner, RunnerConfig  # noqa: E402
 
@@ -83,7 +84,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="md3", choices=["md2", "md3"])
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny model (a CPU smoke run)")
-    ap.add_argument("--kinds", default="prefill,mixed,decode", help="comma list of prefill, mixed, decode")
+    ap.add_argument("--kinds", default="prefill,mixed,decode", help="comma list of prefill, mixed, decode, vision")
+    ap.add_argument("--crops", type=int, default=1,
+                    help="vision bucket (crops per image; 1: the one-crop encoding of a 1x1 tiling)")
     ap.add_argument("--tokens", type=int, default=2048, help="prefill token bucket")
     ap.add_argument("--prompt", type=int, default=740, help="tokens of each of the two prefilled prompts")
     ap.add_argument("--batch", type=int, default=64, help="decode rows (decode and mixed steps)")
@@ -104,7 +107,7 @@ def main() -> int:
     per_seq = -(-a.prompt // page)
     max_seq = max(a.context + 1, a.prompt, a.tokens)
     cfg = RunnerConfig(num_pages=a.batch * per_row + 2 * per_seq, page_size=page,
-                       max_seq_len=-(-max_seq // page) * page, vision_buckets=(2,))
+                       max_seq_len=-(-max_seq // page) * page, vision_buckets=(a.crops,))
     runner = Runner(model, cfg, out_rows=a.batch + 2)
     p = runner.max_pages_per_seq
     rng = np.random.default_rng(0)
@@ -128,10 +131,16 @@ def main() -> int:
         elif kind == "decode":
             step_fn = runner._decode_fn(a.steps).jitted
             args = (runner.lm_params, runner.cache, *dec, runner._feed(None))
+        elif kind == "vision":
+            step_fn = runner._vision
+            vc = model.cfg.vision
+            crops = jnp.asarray(rng.integers(0, 256, (a.crops, vc.crop_size, vc.crop_size, 3), np.uint8))
+            tiling = (1, 1) if a.crops <= 2 else (1, a.crops - 1)
+            args = (runner.vision_params, crops, *map(jnp.asarray, tile_pool_matrices(tiling, vc, max(1, a.crops - 1))))
         else:
             raise SystemExit(f"unknown step kind {kind!r}")
         # the runner's step donates the KV pool; the probe runs it again and again on the same pool
-        compiled = jax.jit(step_fn.__wrapped__).lower(*args).compile()
+        compiled = jax.jit(getattr(step_fn, "__wrapped__", step_fn)).lower(*args).compile()
         if out_dir is not None:
             with gzip.open(out_dir / f"step_{kind}.hlo.txt.gz", "wt") as f:
                 f.write(compiled.as_text() or "")
