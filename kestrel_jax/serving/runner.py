@@ -433,8 +433,10 @@ class Runner:
         dev = jax.devices()[0]
         fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)
                   if f.name not in self._NOT_IN_STEPS}
+        # the KESTREL_JAX_* switches that pick kernels at trace time (A/B runs) shape the programs too
+        switches = sorted((k, v) for k, v in os.environ.items() if k.startswith("KESTREL_JAX_"))
         return "|".join(map(str, (dev.platform, dev.device_kind, self.cfg, sorted(fields.items()), self.out_rows,
-                                  jnp.dtype(self.kv_dtype), jnp.dtype(self.model.dtype))))
+                                  jnp.dtype(self.kv_dtype), jnp.dtype(self.model.dtype), switches)))
 
     @property
     def export_counts(self) -> dict[str, int]:
