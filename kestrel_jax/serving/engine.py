@@ -59,7 +59,10 @@ class EngineConfig:
     fp8_experts: bool | None = None  # None: as stored in the checkpoint
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
-    prefill_token_buckets: tuple[int, ...] = (128, 256, 768, 1024, 2048)
+    # Prefill step sizes in tokens. An image query is the 730-token image prefix plus its prompt: one
+    # fits 768, two fit 1536 (two in the 2048 step left 28% of it padding: +4% W2 tokens/s and TTFT
+    # p50 -8% on the H100 with 1536, BENCHMARKS.md, eleventh session). The largest is the token budget.
+    prefill_token_buckets: tuple[int, ...] = (128, 256, 768, 1024, 1536, 2048)
     max_prefill_seqs: int = 8
     enable_prefix_cache: bool = True
     warmup: bool = True  # compile every bucket at start-up, then forbid recompiles
