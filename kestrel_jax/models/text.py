@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kestrel_jax.models.config import TextConfig
-from kestrel_jax.models.layers import MLP, LayerNorm, Linear
+from kestrel_jax.models.layers import MLP, LayerNorm, Linear, gelu_erf
 from kestrel_jax.pallas import ops
 from kestrel_jax.pallas.decode_residual import ExpertRows, ProjParts, combine_rows, finish_proj
 from kestrel_jax.pallas.moe import ExpertWeights
@@ -135,7 +135,7 @@ class Attention(nnx.Module):
             q, k_pages, v_pages = fused
         else:
             q, k, v = qkv_heads_ref(u, batch.positions, tau, n_heads=h, n_kv_heads=hkv, rotary_dim=rot, theta=theta,
-                                    aux=aux)
+                                    aux=aux, gelu=ops.tau_gelu() if aux is None else gelu_erf)
             if aux is not None:
                 aux.update(k=k, v=v)
             k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, batch.slots, k_scale, v_scale)

@@ -25,6 +25,7 @@ below bf16 resolution), since Pallas Triton has no erf.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -69,12 +70,13 @@ def qkv_heads_ref(
     rotary_dim: int,
     theta: float,
     aux: dict[str, jax.Array] | None = None,  # filled with tau_q, tau_v, tau_pos (f32 [T, H]) when tau
+    gelu: Callable[[jax.Array], jax.Array] = gelu_erf,  # tau's GELU (`ops.tau_gelu`: an A/B switch)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """-> q [T, H, Dh], k [T, Hkv, Dh] (post-rotary), v [T, Hkv, Dh] (post-tau), all u.dtype."""
     head_dim = u.shape[1] // (n_heads + 2 * n_kv_heads)
     q, k, v = split_heads(u, n_heads, n_kv_heads, head_dim)
     if tau is not None:
-        g = gelu_erf(u)
+        g = gelu(u)
         tok_q = jnp.tanh(jnp.dot(g, tau.wq.astype(u.dtype).T).astype(jnp.float32))
         tok_v = jnp.tanh(jnp.dot(g, tau.wv.astype(u.dtype).T).astype(jnp.float32))
         pos = tau_position_term(positions, tau.alpha)

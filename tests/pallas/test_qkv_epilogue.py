@@ -157,3 +157,36 @@ def test_lowers_at_md2_and_md3_decode_shapes():
             text = jax.jit(f).trace(_SDS((M, 6144), BF16), _SDS((M,), i32), _SDS((M,), i32), pool, pool,
                                     _SDS((), f32), _SDS((), f32), tw).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text and "output_operand_alias" in text
+
+
+def test_tau_gelu_switch_picks_the_polynomial_only_on_the_kernel_path(monkeypatch: pytest.MonkeyPatch):
+    from kestrel_jax.models.layers import gelu_erf
+
+    rng = fresh_rng()
+    u, positions, _, _, _, tw = _case(rng, 6, 4, 4, 16, 8, FP8, True)
+    monkeypatch.setenv("KESTREL_JAX_TAU_GELU", "poly")
+    with ops.use_backend("reference"):
+        assert ops.tau_gelu() is gelu_erf
+    with ops.use_backend("kernel"):
+        poly = ops.tau_gelu()
+    assert poly is not gelu_erf
+    monkeypatch.delenv("KESTREL_JAX_TAU_GELU")
+    with ops.use_backend("kernel"):
+        assert ops.tau_gelu() is gelu_erf
+    # the polynomial GELU agrees with the exact one to bf16 rounding, and tau with it moves q and v
+    # no more than the decode epilogue kernel's tolerance
+    # (XLA's bf16 GELU rounds its intermediates to bf16; the polynomial's float32 math is closer to
+    # the exact value, and both are within a bf16 step or two of each other)
+    from math import erf, sqrt
+
+    x = as_f32(u).astype(np.float64)
+    truth = x * 0.5 * (1.0 + np.vectorize(erf)(x / sqrt(2.0)))
+    exact, approx = as_f32(gelu_erf(u)), as_f32(poly(u))
+    assert np.abs(approx - truth).max() <= np.abs(exact - truth).max()
+    np.testing.assert_allclose(approx, exact, rtol=2.0**-7, atol=2.0**-10)  # tails: bf16 cancellation
+    kw = dict(n_heads=4, n_kv_heads=4, rotary_dim=8, theta=10000.0)
+    ref = qe.qkv_heads_ref(u, positions, tw, **kw)
+    got = qe.qkv_heads_ref(u, positions, tw, gelu=poly, **kw)
+    for a, b in zip(got, ref, strict=True):
+        assert a.dtype == b.dtype == BF16
+        np.testing.assert_allclose(as_f32(a), as_f32(b), rtol=0, atol=2.0**-6 * np.abs(as_f32(b)).max())
