@@ -184,9 +184,9 @@ def test_tau_gelu_switch_picks_the_polynomial_only_on_the_kernel_path(monkeypatc
     exact, approx = as_f32(gelu_erf(u)), as_f32(poly(u))
     assert np.abs(approx - truth).max() <= np.abs(exact - truth).max()
     np.testing.assert_allclose(approx, exact, rtol=2.0**-7, atol=2.0**-10)  # tails: bf16 cancellation
-    kw = dict(n_heads=4, n_kv_heads=4, rotary_dim=8, theta=10000.0)
-    ref = qe.qkv_heads_ref(u, positions, tw, **kw)
-    got = qe.qkv_heads_ref(u, positions, tw, gelu=poly, **kw)
+    heads = functools.partial(qe.qkv_heads_ref, n_heads=4, n_kv_heads=4, rotary_dim=8, theta=10000.0)
+    ref = heads(u, positions, tw)
+    got = heads(u, positions, tw, gelu=poly)
     for a, b in zip(got, ref, strict=True):
         assert a.dtype == b.dtype == BF16
         np.testing.assert_allclose(as_f32(a), as_f32(b), rtol=0, atol=2.0**-6 * np.abs(as_f32(b)).max())
