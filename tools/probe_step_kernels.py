@@ -39,6 +39,22 @@ def family(kernel: str) -> str:
     return re.sub(r"[._]\d+$", "", kernel)
 
 
+_INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) (?:fusion|custom-call)\((.*)$", re.M)
+
+
+def hlo_index(text: str) -> dict[str, str]:
+    """Fusions and custom calls of an optimized HLO module: instruction name -> "shape  op" (the
+    output shape and the tail of the op_name that made it), keyed as CUPTI names the kernels
+    (loop_add_fusion.18 runs as loop_add_fusion_18)."""
+    out: dict[str, str] = {}
+    for m in _INSTR.finditer(text):
+        name, shape, rest = m.groups()
+        op = re.search(r'op_name="([^"]*)"', rest)
+        where = op.group(1).split("/")[-2:] if op else []
+        out[re.sub(r"\.(\d+)$", r"_\1", name)] = f"{shape[:70]}  {'/'.join(where)}"
+    return out
+
+
 def per_kernel(fn: Any, args: tuple[Any, ...], iters: int) -> tuple[list[dict[str, Any]], str]:
     """[(kernel, median us over iterations, launches per call)] of `fn(*args)` with CUPTI, else one
     host-timed total (CPU, or where CUPTI is unavailable). `fn` is a jitted function or a compiled
@@ -95,6 +111,7 @@ def main() -> int:
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--top", type=int, default=40, help="kernel families printed per step")
+    ap.add_argument("--kernels", type=int, default=40, help="kernels printed per step, with their HLO shapes")
     ap.add_argument("--out-dir", default=None)
     a = ap.parse_args()
     md3 = a.model == "md3"
@@ -145,6 +162,9 @@ def main() -> int:
             with gzip.open(out_dir / f"step_{kind}.hlo.txt.gz", "wt") as f:
                 f.write(compiled.as_text() or "")
         kernels, how = per_kernel(compiled, args, a.iters)
+        index = hlo_index(compiled.as_text() or "")
+        for r in kernels:
+            r["hlo"] = index.get(r["kernel"], "")
         fam: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
         r: dict[str, Any]
         for r in kernels:
@@ -159,6 +179,10 @@ def main() -> int:
         print(f"{kind}: {total:.1f} us in {step['launches']} launches ({how})", flush=True)
         for f_ in fams[:a.top]:
             print(f"   {f_['us']:9.1f} us  x{f_['launches']:<4d} {f_['family'][:100]}", flush=True)
+        print(f"  {kind}: kernels by time (us per launch, launches, the HLO's output shape and op)", flush=True)
+        for r in sorted(kernels, key=lambda r: -r["us"])[:a.kernels]:
+            per = r["us"] / r["launches"]
+            print(f"   {per:8.2f} us x{r['launches']:<3d} {r['kernel'][:44]:44s} {r['hlo']}", flush=True)
     if out_dir is not None:
         (out_dir / "step_kernels.json").write_text(json.dumps(res, indent=1))
     return 0

@@ -1,0 +1,29 @@
+"""The step probe's HLO index: CUPTI kernel names mapped to their fusion's output shape and op."""
+
+from __future__ import annotations
+
+from tools.probe_step_kernels import family, hlo_index
+
+# one line per instruction, as XLA prints them
+HLO = """
+%fused_add.18 (param_0: bf16[8,4]) -> bf16[8,4] {
+  ROOT %add.1 = bf16[8,4]{1,0} add(%param_0, %param_0)
+}
+
+ENTRY %main.1 (p: bf16[8,4]) -> bf16[8,4] {
+  %p = bf16[8,4]{1,0} parameter(0)
+  %loop_add_fusion.18 = bf16[8,4]{1,0} fusion(%p), kind=kLoop, calls=%fused_add.18, \
+metadata={op_name="jit(_prefill_step)/jit(moe_layer)/add" scheduling_name="loop_add_fusion.18"}
+  %custom-call.3 = (f8e4m3fn[16,4]{1,0}, s8[64]{0}) custom-call(%loop_add_fusion.18), custom_call_target="mosaic_gpu"
+  ROOT %gemm_fusion_dot = bf16[8,4]{1,0} fusion(%loop_add_fusion.18), kind=kCustom, calls=%fused_add.18
+}
+"""
+
+
+def test_kernel_names_map_to_shapes_and_ops():
+    ix = hlo_index(HLO)
+    assert ix["loop_add_fusion_18"] == "bf16[8,4]{1,0}  jit(moe_layer)/add"
+    assert ix["gemm_fusion_dot"].startswith("bf16[8,4]{1,0}")
+    assert ix["custom-call_3"].startswith("(f8e4m3fn[16,4]{1,0}, s8[64]{0})")
+    assert "p" not in ix and "add_1" not in ix  # parameters and fused instructions are not kernels
+    assert family("loop_add_fusion_18") == "loop_add_fusion" and family("sort_1_1") == "sort_1"
