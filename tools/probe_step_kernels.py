@@ -163,11 +163,10 @@ def main() -> int:
                 f.write(compiled.as_text() or "")
         kernels, how = per_kernel(compiled, args, a.iters)
         index = hlo_index(compiled.as_text() or "")
-        for r in kernels:
-            r["hlo"] = index.get(r["kernel"], "")
         fam: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
         r: dict[str, Any]
         for r in kernels:
+            r["hlo"] = index.get(r["kernel"], "")
             fam[family(r["kernel"])][0] += r["launches"]
             fam[family(r["kernel"])][1] += r["us"]
         total = sum(r["us"] for r in kernels)
