@@ -309,12 +309,22 @@ class TextModel(nnx.Module):
             if rows is not None:
                 m = combine_rows(rows, t, x.dtype)
             else:
-                m = block.mlp(n[:t], aux, batch.num_valid, logits) if isinstance(block.mlp, MoE) else block.mlp(n[:t])
+                m = block.mlp(n[:t], aux, batch.num_valid, logits) if isinstance(block.mlp, MoE) else \
+                    block.mlp(self._dense_input(n[:t], batch))
             x = (x + a) + m
             if aux is not None:
                 captured.append(aux)
         new_cache = KVCache(tuple(ks), tuple(vs), cache.k_scale, cache.v_scale)
         return x, new_cache, captured
+
+    @staticmethod
+    def _dense_input(n: jax.Array, batch: AttentionBatch) -> jax.Array:
+        """A dense layer's MLP input: behind an optimization barrier in prefill steps when
+        `ops.split_dense_prefill_gemms` (the QKV and fc1 products then stay two GEMMs instead of
+        one over weights concatenated at run time)."""
+        if batch.cu_q_lens is not None and ops.split_dense_prefill_gemms():
+            return jax.lax.optimization_barrier(n)
+        return n
 
     def logits(self, hidden: jax.Array) -> jax.Array:  # [N, D] -> [N, V] float32
         return self.lm_head(self.post_ln(hidden)).astype(jnp.float32)

@@ -153,6 +153,16 @@ def decode_residual_wanted() -> bool:
     return _want_kernel() and os.environ.get("KESTREL_JAX_DECODE_RESIDUAL", "0") == "1"
 
 
+def split_dense_prefill_gemms() -> bool:
+    """Whether a dense layer's MLP input in prefill and mixed steps passes an optimization barrier,
+    so that XLA's dot merger cannot fuse the QKV and fc1 products (they read the same LayerNorm
+    output) into one GEMM. On the H100 that merger concatenated the two weights ([2048, 6144] and
+    [2048, 8192] bf16, 58 MB) into a new array in every dense layer of every prefill step: 42 us
+    per layer, whatever the token count (eleventh session, 2048-token MD3 prefill: 4 dense layers;
+    MD2 has 24). Opt-in with KESTREL_JAX_SPLIT_DENSE_GEMMS=1 until measured; read at trace time."""
+    return _want_kernel() and os.environ.get("KESTREL_JAX_SPLIT_DENSE_GEMMS", "0") == "1"
+
+
 def decode_residual(x: jax.Array, proj: ProjParts, moe: ExpertRows, ln: tuple[jax.Array, jax.Array] | None, *,
                     eps: float, pad_rows: int) -> tuple[jax.Array, jax.Array | None] | None:
     """(x + proj) + moe and the next layer's LayerNorm of it, padded to `pad_rows` rows, in one
