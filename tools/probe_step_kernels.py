@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import re
 import sys
 import time
@@ -112,7 +113,8 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--top", type=int, default=40, help="kernel families printed per step")
     ap.add_argument("--kernels", type=int, default=40, help="kernels printed per step, with their HLO shapes")
-    ap.add_argument("--out-dir", default=None)
+    ap.add_argument("--out-dir", default=None, help="step_kernels.json and each step's optimized HLO (gzip)")
+    ap.add_argument("--json", default=None, help="the results alone, to this path (tools/diff_step_kernels.py)")
     a = ap.parse_args()
     md3 = a.model == "md3"
     if a.tiny:
@@ -136,7 +138,9 @@ def main() -> int:
     images = jnp.zeros((1, model.cfg.text.prefix_attn - 1, model.cfg.text.dim), model.dtype)
     out_dir = Path(a.out_dir) if a.out_dir else None
     res: dict[str, Any] = {"device": jax.devices()[0].device_kind, "model": a.model, "tiny": a.tiny,
-                           "settings": {k: v for k, v in vars(a).items() if k != "out_dir"}, "steps": {}}
+                           "settings": {k: v for k, v in vars(a).items() if k not in ("out_dir", "json")},
+                           "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KESTREL_JAX_")},
+                           "steps": {}}
     for kind in [k.strip() for k in a.kinds.split(",") if k.strip()]:
         step_fn: Any
         args: tuple[Any, ...]
@@ -184,6 +188,8 @@ def main() -> int:
             print(f"   {per:8.2f} us x{r['launches']:<3d} {r['kernel'][:44]:44s} {r['hlo']}", flush=True)
     if out_dir is not None:
         (out_dir / "step_kernels.json").write_text(json.dumps(res, indent=1))
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
     return 0
 
 
