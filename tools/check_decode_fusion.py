@@ -21,11 +21,10 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kestrel_jax.models.config import md2_config, md3_config  # noqa: E402
-from kestrel_jax.models.moondream import random_model  # noqa: E402
 from kestrel_jax.models.text import AttentionBatch, KVCache  # noqa: E402
 from kestrel_jax.pallas import ops  # noqa: E402
 from kestrel_jax.pallas.paged_attention import init_kv_pool  # noqa: E402
+from tools.probe_step_kernels import synthetic_model  # noqa: E402
 
 
 def main() -> int:
@@ -37,8 +36,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     md3 = a.model == "md3"
-    cfg = md3_config() if md3 else md2_config()
-    model = random_model(cfg, fp8_experts=md3, kv_scale=0.05 if md3 else None).text
+    model = synthetic_model(a.model).text
     t = model.cfg
     page, maxp = 64, -(-(a.context + 1) // 64)
     pages = maxp * max(a.batches)

@@ -25,10 +25,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kestrel_jax.models.config import md2_config, md3_config, tiny_config  # noqa: E402
-from kestrel_jax.models.moondream import random_model  # noqa: E402
 from kestrel_jax.serving import batch as bt  # noqa: E402
 from kestrel_jax.serving.runner import Runner, RunnerConfig  # noqa: E402
+from tools.probe_step_kernels import synthetic_model  # noqa: E402
 
 
 def main() -> int:
@@ -43,11 +42,7 @@ def main() -> int:
     ap.add_argument("--compile-cache", default=None, help="persistent compile cache (the second runner reuses it)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    md3 = a.model == "md3"
-    if a.tiny:
-        model = random_model(tiny_config(a.model), dtype=jnp.float32, seed=11)
-    else:
-        model = random_model(md3_config() if md3 else md2_config(), fp8_experts=md3, kv_scale=0.05 if md3 else None)
+    model = synthetic_model(a.model, tiny=a.tiny, seed=11)
     page = a.page
     rng = np.random.default_rng(0)
     vocab = model.cfg.text.vocab_size

@@ -20,7 +20,7 @@ import sys
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -29,10 +29,19 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kestrel_jax.models.config import md2_config, md3_config, tiny_config  # noqa: E402
-from kestrel_jax.models.moondream import random_model  # noqa: E402
+from kestrel_jax.models.moondream import MoondreamModel, random_model  # noqa: E402
 from kestrel_jax.models.vision import tile_pool_matrices  # noqa: E402
 from kestrel_jax.serving import batch as bt  # noqa: E402
 from kestrel_jax.serving.runner import Runner, RunnerConfig  # noqa: E402
+
+
+def synthetic_model(name: Literal["md2", "md3"], *, tiny: bool = False, seed: int = 3) -> MoondreamModel:
+    """The probes' random-weight models: the tests' tiny config in float32 (a CPU smoke run), or the
+    full-size model as the benchmarks serve it (MD3: FP8 experts and FP8 KV scales)."""
+    if tiny:
+        return random_model(tiny_config(name), dtype=jnp.float32, seed=seed)
+    md3 = name == "md3"
+    return random_model(md3_config() if md3 else md2_config(), fp8_experts=md3, kv_scale=0.05 if md3 else None)
 
 
 def family(kernel: str) -> str:
@@ -116,11 +125,7 @@ def main() -> int:
     ap.add_argument("--out-dir", default=None, help="step_kernels.json and each step's optimized HLO (gzip)")
     ap.add_argument("--json", default=None, help="the results alone, to this path (tools/diff_step_kernels.py)")
     a = ap.parse_args()
-    md3 = a.model == "md3"
-    if a.tiny:
-        model = random_model(tiny_config(a.model), dtype=jnp.float32, seed=3)
-    else:
-        model = random_model(md3_config() if md3 else md2_config(), fp8_experts=md3, kv_scale=0.05 if md3 else None)
+    model = synthetic_model(a.model, tiny=a.tiny)
     page = a.page
     per_row = a.context // page + 1  # pages of a decode row
     per_seq = -(-a.prompt // page)
