@@ -75,11 +75,15 @@ def per_kernel(fn: Any, args: tuple[Any, ...], iters: int) -> tuple[list[dict[st
     try:
         from jax.experimental.mosaic.gpu import profiler
 
-        _, measured = profiler.measure(compiled, aggregate=False, iterations=iters)(*args)
-        if not measured:
-            raise RuntimeError("CUPTI saw no kernels")
-        # one iteration gives one list of (kernel, ms); several give a list of them
-        runs: list[list[tuple[str, float]]] = [measured] if isinstance(measured[0], tuple) else list(measured)
+        # one iteration per measurement: measure(iterations=n) holds all n outputs at once, and a
+        # step's output is its whole KV pool (MD2's bf16 pool for 64 rows of 1024: 14 GB)
+        runs: list[list[tuple[str, float]]] = []
+        for _ in range(iters):
+            out, measured = profiler.measure(compiled, aggregate=False, iterations=1)(*args)
+            del out
+            if not measured:
+                raise RuntimeError("CUPTI saw no kernels")
+            runs.append(list(measured))
     except Exception as e:  # noqa: BLE001 - a probe: fall back to host timing
         jax.block_until_ready(compiled(*args))
         times = []

@@ -158,9 +158,12 @@ def split_dense_prefill_gemms() -> bool:
     so that XLA's dot merger cannot fuse the QKV and fc1 products (they read the same LayerNorm
     output) into one GEMM. On the H100 that merger concatenated the two weights ([2048, 6144] and
     [2048, 8192] bf16, 58 MB) into a new array in every dense layer of every prefill step: 42 us
-    per layer, whatever the token count (eleventh session, 2048-token MD3 prefill: 4 dense layers;
-    MD2 has 24). Opt-in with KESTREL_JAX_SPLIT_DENSE_GEMMS=1 until measured; read at trace time."""
-    return _want_kernel() and os.environ.get("KESTREL_JAX_SPLIT_DENSE_GEMMS", "0") == "1"
+    per layer, whatever the token count (eleventh session). Kept apart, the 2048-token MD3 prefill
+    step measured 265 us faster (-1.8%, 4 dense layers) and W2 at 64 clients gained 1.9% (MD3,
+    A/B/A) and 2.9% (MD2, 24 dense layers) together with the polynomial tau GELU (twelfth
+    session). On by default on the kernel path; KESTREL_JAX_SPLIT_DENSE_GEMMS=0 turns it off (an
+    A/B switch, read at trace time)."""
+    return _want_kernel() and os.environ.get("KESTREL_JAX_SPLIT_DENSE_GEMMS", "1") != "0"
 
 
 def decode_residual(x: jax.Array, proj: ProjParts, moe: ExpertRows, ln: tuple[jax.Array, jax.Array] | None, *,
@@ -222,12 +225,12 @@ def moe_layer(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: E
 
 def tau_gelu() -> Callable[[jax.Array], jax.Array]:
     """The GELU of MD3's tau pass where the decode epilogue kernel does not run (prefill, decode
-    batches above its rows): XLA's exact erf (`gelu_erf`, the reference), or, with
-    KESTREL_JAX_TAU_GELU=poly on the kernel path, the kernels' polynomial erf in float32
-    (`moe.gelu_erf_poly`, 1.5e-7, rounded to u's dtype). An experiment switch: XLA's erf pass took
-    39.7 us per layer at a 2048-token prefill on the H100 (50 MB moved: ~2.3x the copy time), the
-    polynomial has one exp and one division per value."""
-    if _want_kernel() and os.environ.get("KESTREL_JAX_TAU_GELU", "") == "poly":
+    batches above its rows). On the kernel path: the kernels' polynomial erf in float32
+    (`moe.gelu_erf_poly`, 1.5e-7, rounded to u's dtype); XLA's exact-erf pass took 39.7 us per
+    layer at a 2048-token prefill on the H100 (eleventh session), and the polynomial made the
+    whole step 338 us faster (-2.3%, twelfth session). KESTREL_JAX_TAU_GELU=exact (read at trace
+    time) keeps XLA's erf there, as the reference path always does (`gelu_erf`)."""
+    if _want_kernel() and os.environ.get("KESTREL_JAX_TAU_GELU", "poly") != "exact":
         return _gelu_poly
     return gelu_erf
 

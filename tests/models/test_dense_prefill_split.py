@@ -1,7 +1,8 @@
-"""The opt-in split of a dense layer's QKV and fc1 products in prefill steps
-(`ops.split_dense_prefill_gemms`): an optimization barrier on the MLP's input, so XLA cannot merge
-the two GEMMs over weights concatenated at run time. The barrier changes no value: prefill outputs
-and the KV pool are bit-identical with it, and it appears in prefill steps only."""
+"""The split of a dense layer's QKV and fc1 products in prefill steps
+(`ops.split_dense_prefill_gemms`, on by default on the kernel path): an optimization barrier on the
+MLP's input, so XLA cannot merge the two GEMMs over weights concatenated at run time. The barrier
+changes no value: prefill outputs and the KV pool are bit-identical with it, and it appears in
+prefill steps only."""
 
 from __future__ import annotations
 
@@ -44,11 +45,11 @@ def test_the_barrier_changes_nothing_but_the_program(monkeypatch: pytest.MonkeyP
         np.testing.assert_array_equal(a, b)
 
 
-def test_the_switch_is_opt_in_on_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KESTREL_JAX_SPLIT_DENSE_GEMMS", "1")
+def test_the_split_is_on_by_default_on_the_kernel_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KESTREL_JAX_SPLIT_DENSE_GEMMS", raising=False)
     with ops.use_backend("reference"):
         assert not ops.split_dense_prefill_gemms()
     with ops.use_backend("kernel"):
         assert ops.split_dense_prefill_gemms()
-        monkeypatch.delenv("KESTREL_JAX_SPLIT_DENSE_GEMMS")
+        monkeypatch.setenv("KESTREL_JAX_SPLIT_DENSE_GEMMS", "0")
         assert not ops.split_dense_prefill_gemms()
