@@ -8,6 +8,7 @@ decoders read) and the updated KV cache; `logits()` applies `post_ln` + `lm_head
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import jax
@@ -25,9 +26,27 @@ from kestrel_jax.pallas.qkv_epilogue import TauWeights, qkv_heads_ref
 # (`kestrel_jax.pallas.gemv_mgpu`) instead of XLA's GEMM. H100, fifth session, 24 cold weights:
 # proj [2048, 2048] 6.0 vs 15.8 us at 1 row, 6.2 vs 10.2 at 8; QKV [2048, 6144] 11.4 vs 12.1 us at
 # 1 row but 11.8 vs 10.6 at 8 (both including the kernel's split-sum, which fuses into the
-# consumer inside the model).
+# consumer inside the model). KESTREL_JAX_GEMV_QKV_ROWS / KESTREL_JAX_GEMV_PROJ_ROWS (read at
+# trace time, at most the kernel's 64) override them for A/B runs.
 QKV_KERNEL_ROWS = 1
 PROJ_KERNEL_ROWS = 8
+
+
+def _kernel_rows(name: str, default: int) -> int:
+    value = os.environ.get(f"KESTREL_JAX_GEMV_{name}_ROWS")
+    if value is None:
+        return default
+    if not value.isdigit() or int(value) > 64:
+        raise ValueError(f"KESTREL_JAX_GEMV_{name}_ROWS must be an integer in [0, 64], got {value!r}")
+    return int(value)
+
+
+def qkv_kernel_rows() -> int:
+    return _kernel_rows("QKV", QKV_KERNEL_ROWS)
+
+
+def proj_kernel_rows() -> int:
+    return _kernel_rows("PROJ", PROJ_KERNEL_ROWS)
 
 
 class KVCache(NamedTuple):
@@ -167,11 +186,11 @@ class Attention(nnx.Module):
         if decode and router is not None:
             pair = ops.small_linear_pair(
                 x, self.qkv.kernel[...], self.qkv.bias[...] if self.qkv.bias is not None else None,
-                router.kernel[...], router.bias[...] if router.bias is not None else None, max_rows=QKV_KERNEL_ROWS,
+                router.kernel[...], router.bias[...] if router.bias is not None else None, max_rows=qkv_kernel_rows(),
                 rows=t)
             if pair is not None:
                 return pair
-        y = self._linear(self.qkv, x, QKV_KERNEL_ROWS, rows=t) if decode else None
+        y = self._linear(self.qkv, x, qkv_kernel_rows(), rows=t) if decode else None
         return (self.qkv(x[:t]) if y is None else y), None
 
     def _project(self, o: jax.Array, decode: bool, want_parts: bool = False) -> jax.Array | ProjParts:
@@ -182,10 +201,10 @@ class Attention(nnx.Module):
         from being pushed back into the dot."""
         if decode and want_parts:
             bias = self.proj.bias[...] if self.proj.bias is not None else None
-            parts = ops.small_linear_parts(o, self.proj.kernel[...], bias, max_rows=PROJ_KERNEL_ROWS)
+            parts = ops.small_linear_parts(o, self.proj.kernel[...], bias, max_rows=proj_kernel_rows())
             if parts is not None:
                 return parts
-        y = self._linear(self.proj, o, PROJ_KERNEL_ROWS) if decode else None
+        y = self._linear(self.proj, o, proj_kernel_rows()) if decode else None
         if y is not None:
             return y
         if o.shape[0] != 1:
@@ -292,7 +311,7 @@ class TextModel(nnx.Module):
             moe = isinstance(block.mlp, MoE)
             # Decode MoE layers on a GPU end in one kernel (`ops.decode_residual`): both residual
             # adds from the unreduced projection and expert rows, and the next layer's LayerNorm.
-            fuse = (moe and aux is None and batch.cu_q_lens is None and t <= PROJ_KERNEL_ROWS
+            fuse = (moe and aux is None and batch.cu_q_lens is None and t <= proj_kernel_rows()
                     and ops.decode_residual_wanted())
             router = block.mlp.router if isinstance(block.mlp, MoE) else None
             a, ks[i], vs[i], logits = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux,

@@ -97,6 +97,23 @@ def test_small_linear_dispatch():
         assert ops.small_linear(x, jnp.ones((128, 96), BF16), None, max_rows=8) is None  # unsupported N
 
 
+
+def test_kernel_row_limits_default_and_override(monkeypatch: pytest.MonkeyPatch):
+    """The MoE layers' decode projections take the kernel up to 1 (QKV) and 8 (proj) rows unless
+    the A/B variables say otherwise; a bad value is an error, not a silent default."""
+    from kestrel_jax.models import text
+
+    monkeypatch.delenv("KESTREL_JAX_GEMV_QKV_ROWS", raising=False)
+    monkeypatch.delenv("KESTREL_JAX_GEMV_PROJ_ROWS", raising=False)
+    assert (text.qkv_kernel_rows(), text.proj_kernel_rows()) == (text.QKV_KERNEL_ROWS, text.PROJ_KERNEL_ROWS)
+    monkeypatch.setenv("KESTREL_JAX_GEMV_QKV_ROWS", "64")
+    monkeypatch.setenv("KESTREL_JAX_GEMV_PROJ_ROWS", "0")
+    assert (text.qkv_kernel_rows(), text.proj_kernel_rows()) == (64, 0)
+    for bad in ("65", "-1", "eight"):
+        monkeypatch.setenv("KESTREL_JAX_GEMV_QKV_ROWS", bad)
+        with pytest.raises(ValueError, match="KESTREL_JAX_GEMV_QKV_ROWS"):
+            text.qkv_kernel_rows()
+
 def test_gemv_lowers_at_decoder_shapes():
     """Pallas -> Mosaic GPU lowering for an H100 (layout inference, SMEM, TMA/tiling legality), as
     tests/pallas/test_paged_attention.py does it; LLVM/ptxas run only on the GPU."""
