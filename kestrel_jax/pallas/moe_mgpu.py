@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Literal, get_args
 
 import jax
@@ -69,6 +70,7 @@ from kestrel_jax.pallas.moe_grouping import ROW_ALIGN, group_by_expert, group_de
 from kestrel_jax.pallas.moe_route_mgpu import route_dense, route_dense_supported
 from kestrel_jax.pallas.moe_route_triton import route_tables, route_tables_supported
 from kestrel_jax.pallas.paged_attention_mgpu import own_buffer
+from kestrel_jax.pallas.quantize_triton import quantize_rows_kernel, quantize_rows_problem
 
 FP8 = jnp.float8_e4m3fn
 F16_MAX = 65504.0
@@ -420,11 +422,11 @@ def _expert_gemms(
                              num_ctas=cfg.num_ctas, max_stages=cfg.max_stages,
                              staging_buffers=cfg.staging_buffers, interpret=interpret)
     if experts.is_fp8 and cfg.w8a8:
-        xq, xs = quantize_rows(x_rows)  # per token, before any gather: T rows, not C
+        xq, xs = _quantize(x_rows, None, interpret)  # per token, before any gather: T rows, not C
         if row_token is not None:
             xq, xs = _gather_rows(xq, row_token), xs[row_token]
         act = gemm(meta_up, experts.up_w, experts.up_scale, xq, xs, glu=True)  # [NB*Nt, I]
-        aq, a_s = quantize_rows(act if compact_act is None else act[compact_act])
+        aq, a_s = _quantize(act, compact_act, interpret)
         return gemm(meta_down, experts.down_w, experts.down_scale, aq, a_s, glu=False, row_tiles=cfg.down_row_tiles)
     b = x_rows if row_token is None else x_rows[row_token]
     f16 = experts.is_fp8 and cfg.f16_operands
@@ -433,6 +435,20 @@ def _expert_gemms(
     act = gemm(meta_up, experts.up_w, experts.up_scale, b, None, glu=True,
                out_dtype=jnp.float16 if f16 else jnp.bfloat16)
     return gemm(meta_down, experts.down_w, experts.down_scale, act, None, glu=False, row_tiles=cfg.down_row_tiles)
+
+
+def quantize_kernel_wanted() -> bool:
+    """Whether the W8A8 activations are quantised by the one-pass Triton kernel
+    (`quantize_triton.quantize_rows_kernel`) instead of XLA's reduction + convert passes: an A/B
+    switch, KESTREL_JAX_QUANT_KERNEL=1, read at trace time; off until measured on the GPU."""
+    return os.environ.get("KESTREL_JAX_QUANT_KERNEL", "0") == "1"
+
+
+def _quantize(x: jax.Array, idx: jax.Array | None, interpret: object) -> tuple[jax.Array, jax.Array]:
+    """`quantize_rows(x if idx is None else x[idx])`, through the one-pass kernel when wanted."""
+    if quantize_kernel_wanted() and quantize_rows_problem(x, idx) is None:
+        return quantize_rows_kernel(x, idx, interpret=bool(interpret))
+    return quantize_rows(x if idx is None else x[idx])
 
 
 def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:

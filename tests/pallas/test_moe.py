@@ -548,6 +548,24 @@ def test_supported_and_validation():
 H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
 
 
+
+@pytest.mark.parametrize("T", [8, 100], ids=["dense", "sorted"])
+def test_quantize_kernel_switch_changes_no_result(rng, T, monkeypatch):
+    """KESTREL_JAX_QUANT_KERNEL=1: the W8A8 token and activation rows quantised by the one-pass
+    Triton kernel (interpreted: the same codes and scales as `quantize_rows`), so the layer's
+    output is bit-identical in both regimes, and the program holds the two kernels."""
+    ex = make_experts(rng, True)
+    x = jnp.asarray(rng.standard_normal((T, dim(True))), jnp.bfloat16)
+    routing = random_routing(rng, T, 4)
+    cfg = small_config(T, w8a8=True)
+    monkeypatch.delenv("KESTREL_JAX_QUANT_KERNEL", raising=False)
+    off = run_kernel(x, routing, ex, cfg)
+    monkeypatch.setenv("KESTREL_JAX_QUANT_KERNEL", "1")
+    on = run_kernel(x, routing, ex, cfg)
+    np.testing.assert_array_equal(on, off)
+    jaxpr = str(jax.make_jaxpr(lambda x: moe(x, routing, ex, config=cfg, interpret=INTERPRET))(x))
+    assert jaxpr.count("name=kestrel_quantize_rows") == 2
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_cross_lowering_production_shapes_h100(fp8):
     """bf16: the whole `moe_layer` (routing tables kernel in the dense regime, up and down GEMMs) for
