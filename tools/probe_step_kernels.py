@@ -65,6 +65,24 @@ def hlo_index(text: str) -> dict[str, str]:
     return out
 
 
+def aggregate_runs(runs: list[list[tuple[str, float]]]) -> list[dict[str, Any]]:
+    """CUPTI runs of one step ([(kernel, ms)] each) -> per kernel name, in first-seen order: the
+    median over runs of its summed time (us) and its most launches in a run. A name missing from a
+    run counts 0 there (separately measured runs need not list the same kernels: a one-off copy)."""
+    order: list[str] = []
+    per_run: list[dict[str, tuple[float, int]]] = []
+    for run in runs:
+        seen: dict[str, tuple[float, int]] = {}
+        for name, ms in run:
+            if name not in order:
+                order.append(name)
+            us, n = seen.get(name, (0.0, 0))
+            seen[name] = (us + ms * 1e3, n + 1)
+        per_run.append(seen)
+    return [{"kernel": n, "us": round(float(np.median([r.get(n, (0.0, 0))[0] for r in per_run])), 2),
+             "launches": max(r.get(n, (0.0, 0))[1] for r in per_run)} for n in order]
+
+
 def per_kernel(fn: Any, args: tuple[Any, ...], iters: int) -> tuple[list[dict[str, Any]], str]:
     """[(kernel, median us over iterations, launches per call)] of `fn(*args)` with CUPTI, else one
     host-timed total (CPU, or where CUPTI is unavailable). `fn` is a jitted function or a compiled
@@ -93,21 +111,7 @@ def per_kernel(fn: Any, args: tuple[Any, ...], iters: int) -> tuple[list[dict[st
             times.append((time.perf_counter() - t0) * 1e6)
         return [{"kernel": "(host-timed step)", "us": round(float(np.median(times)), 1), "launches": 1}], \
             f"host timing ({type(e).__name__}: {e})"
-    per: dict[str, list[float]] = defaultdict(list)
-    order: list[str] = []
-    for run in runs:
-        seen: dict[str, float] = defaultdict(float)
-        for name, ms in run:
-            if name not in order:
-                order.append(name)
-            seen[name] += ms * 1e3
-        for name, us in seen.items():
-            per[name].append(us)
-    launches: dict[str, int] = defaultdict(int)
-    for name, _ in runs[0]:
-        launches[name] += 1
-    rows = [{"kernel": n, "us": round(float(np.median(per[n])), 2), "launches": launches[n]} for n in order]
-    return rows, "cupti"
+    return aggregate_runs(runs), "cupti"
 
 
 def main() -> int:
@@ -193,7 +197,7 @@ def main() -> int:
             print(f"   {f_['us']:9.1f} us  x{f_['launches']:<4d} {f_['family'][:100]}", flush=True)
         print(f"  {kind}: kernels by time (us per launch, launches, the HLO's output shape and op)", flush=True)
         for r in sorted(kernels, key=lambda r: -r["us"])[:a.kernels]:
-            per = r["us"] / r["launches"]
+            per = r["us"] / max(1, r["launches"])
             print(f"   {per:8.2f} us x{r['launches']:<3d} {r['kernel'][:44]:44s} {r['hlo']}", flush=True)
     if out_dir is not None:
         (out_dir / "step_kernels.json").write_text(json.dumps(res, indent=1))

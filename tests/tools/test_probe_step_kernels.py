@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tools.probe_step_kernels import family, hlo_index
+from tools.probe_step_kernels import aggregate_runs, family, hlo_index
 
 # one line per instruction, as XLA prints them
 HLO = """
@@ -27,3 +27,14 @@ def test_kernel_names_map_to_shapes_and_ops():
     assert ix["custom-call_3"].startswith("(f8e4m3fn[16,4]{1,0}, s8[64]{0})")
     assert "p" not in ix and "add_1" not in ix  # parameters and fused instructions are not kernels
     assert family("loop_add_fusion_18") == "loop_add_fusion" and family("sort_1_1") == "sort_1"
+
+
+def test_aggregate_runs_takes_medians_and_tolerates_a_kernel_missing_from_a_run():
+    runs = [[("gemm", 0.010), ("add", 0.001), ("gemm", 0.010)],
+            [("gemm", 0.012), ("add", 0.002), ("gemm", 0.012), ("copy", 0.005)],
+            [("gemm", 0.011), ("add", 0.003), ("gemm", 0.011)]]
+    rows = {r["kernel"]: r for r in aggregate_runs(runs)}
+    assert list(rows) == ["gemm", "add", "copy"]
+    assert rows["gemm"] == {"kernel": "gemm", "us": 22.0, "launches": 2}
+    assert rows["add"]["us"] == 2.0 and rows["add"]["launches"] == 1
+    assert rows["copy"] == {"kernel": "copy", "us": 0.0, "launches": 1}  # median of 0, 5, 0
