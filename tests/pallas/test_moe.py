@@ -548,19 +548,19 @@ def test_supported_and_validation():
 H100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
 
 
-
 @pytest.mark.parametrize("T", [8, 100], ids=["dense", "sorted"])
 def test_quantize_kernel_switch_changes_no_result(rng, T, monkeypatch):
-    """KESTREL_JAX_QUANT_KERNEL=1: the W8A8 token and activation rows quantised by the one-pass
+    """The W8A8 token and activation rows quantised by the one-pass
     Triton kernel (interpreted: the same codes and scales as `quantize_rows`), so the layer's
-    output is bit-identical in both regimes, and the program holds the two kernels."""
+    output is bit-identical in both regimes to XLA's passes (KESTREL_JAX_QUANT_KERNEL=0), and the
+    program holds the two kernels."""
     ex = make_experts(rng, True)
     x = jnp.asarray(rng.standard_normal((T, dim(True))), jnp.bfloat16)
     routing = random_routing(rng, T, 4)
     cfg = small_config(T, w8a8=True)
-    monkeypatch.delenv("KESTREL_JAX_QUANT_KERNEL", raising=False)
+    monkeypatch.setenv("KESTREL_JAX_QUANT_KERNEL", "0")
     off = run_kernel(x, routing, ex, cfg)
-    monkeypatch.setenv("KESTREL_JAX_QUANT_KERNEL", "1")
+    monkeypatch.delenv("KESTREL_JAX_QUANT_KERNEL")  # on by default
     on = run_kernel(x, routing, ex, cfg)
     np.testing.assert_array_equal(on, off)
     jaxpr = str(jax.make_jaxpr(lambda x: moe(x, routing, ex, config=cfg, interpret=INTERPRET))(x))
@@ -605,5 +605,17 @@ def test_cross_lowering_production_shapes_h100(fp8):
             lowered = jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",))
         text = lowered.as_text()
         assert text.count("stablehlo.custom_call @mosaic_gpu") == kernels, (T, w8a8)
-        # The dense regime's routing tables: one Triton program (the sorted regime routes in jnp).
-        assert text.count("__gpu$xla.gpu.triton") == (1 if cfg.dense and not fp8 else 0), (T, w8a8)
+        # The dense regime's routing tables: one Triton program (the sorted regime routes in jnp);
+        # W8A8: the token and activation quantisation, one Triton program each.
+        triton = (1 if cfg.dense and not fp8 else 0) + (2 if fp8 and cfg.w8a8 else 0)
+        assert text.count("__gpu$xla.gpu.triton") == triton, (T, w8a8)
+
+
+def test_w8a8_threshold_of_the_dense_regime(monkeypatch):
+    monkeypatch.delenv("KESTREL_JAX_W8A8_MIN_TOKENS", raising=False)
+    assert [default_config(t).w8a8 for t in (1, 3, 4, 64, 65)] == [False, False, True, True, True]
+    monkeypatch.setenv("KESTREL_JAX_W8A8_MIN_TOKENS", "1")
+    assert default_config(1).w8a8
+    monkeypatch.setenv("KESTREL_JAX_W8A8_MIN_TOKENS", "-2")
+    with pytest.raises(ValueError, match="KESTREL_JAX_W8A8_MIN_TOKENS"):
+        default_config(1)
