@@ -244,14 +244,25 @@ def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: ja
                theta: float) -> tuple[jax.Array, jax.Array, jax.Array] | None:
     """(q, k_pages, v_pages) from the fused QKV rows of a decode step in one kernel launch (tau,
     rotary and the KV write: `qkv_epilogue.decode_qkv_kernel`) when the kernel path is on and
-    supports the shapes (with tau at most `MAX_TAU_ROWS` rows); None otherwise (the caller runs
-    `qkv_heads_ref` and `write_kv`)."""
+    supports the shapes; None otherwise (the caller runs `qkv_heads_ref` and `write_kv`). With tau
+    past `MAX_TAU_ROWS` rows the kernel forms no tau itself (every program would compute GELU over
+    its whole row): with KESTREL_JAX_TAU_FACTORS=1 (an A/B switch, off until measured) XLA forms
+    the factors (`qkv_epilogue.tau_factors`, the reference's expressions) and the kernel does the
+    rest; otherwise None."""
     if not _want_kernel() or os.environ.get("KESTREL_JAX_DECODE_QKV_KERNEL", "1") == "0":  # "0": A/B runs
         return None
     from kestrel_jax.pallas import qkv_epilogue as kern
 
     if tau is not None and u.shape[0] > kern.MAX_TAU_ROWS:
-        return None
+        if os.environ.get("KESTREL_JAX_TAU_FACTORS", "0") != "1":
+            return None
+        shapes = tuple(jax.ShapeDtypeStruct((u.shape[0], n_heads), u.dtype) for _ in range(2))
+        if kern.decode_qkv_problem(u, k_pages, None, n_heads=n_heads, rotary_dim=rotary_dim,
+                                   factors=shapes) is not None:  # type: ignore[arg-type]
+            return None
+        tau_q, tau_v, _ = kern.tau_factors(u, positions, tau, tau_gelu())
+        return kern.decode_qkv_kernel(u, positions, slots, k_pages, v_pages, k_scale, v_scale, None,
+                                      n_heads=n_heads, rotary_dim=rotary_dim, theta=theta, factors=(tau_q, tau_v))
     if kern.decode_qkv_problem(u, k_pages, tau, n_heads=n_heads, rotary_dim=rotary_dim) is not None:
         return None
     return kern.decode_qkv_kernel(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,

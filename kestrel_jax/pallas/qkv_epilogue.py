@@ -60,6 +60,16 @@ def split_heads(u: jax.Array, n_heads: int, n_kv_heads: int, head_dim: int) -> t
             u[:, hq + hk:].reshape(t, n_kv_heads, head_dim))
 
 
+def tau_factors(u: jax.Array, positions: jax.Array, tau: TauWeights,
+                gelu: Callable[[jax.Array], jax.Array] = gelu_erf) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """MD3's tau factors of each row and head: (tau_q, tau_v, the position term), f32 [T, H]."""
+    g = gelu(u)
+    tok_q = jnp.tanh(jnp.dot(g, tau.wq.astype(u.dtype).T).astype(jnp.float32))
+    tok_v = jnp.tanh(jnp.dot(g, tau.wv.astype(u.dtype).T).astype(jnp.float32))
+    pos = tau_position_term(positions, tau.alpha)
+    return tok_q + pos, tok_v + pos, pos
+
+
 def qkv_heads_ref(
     u: jax.Array,  # [T, (H + 2 Hkv) * Dh] fused QKV product (bias included)
     positions: jax.Array,  # [T] int32
@@ -76,11 +86,7 @@ def qkv_heads_ref(
     head_dim = u.shape[1] // (n_heads + 2 * n_kv_heads)
     q, k, v = split_heads(u, n_heads, n_kv_heads, head_dim)
     if tau is not None:
-        g = gelu(u)
-        tok_q = jnp.tanh(jnp.dot(g, tau.wq.astype(u.dtype).T).astype(jnp.float32))
-        tok_v = jnp.tanh(jnp.dot(g, tau.wv.astype(u.dtype).T).astype(jnp.float32))
-        pos = tau_position_term(positions, tau.alpha)
-        tau_q, tau_v = tok_q + pos, tok_v + pos
+        tau_q, tau_v, pos = tau_factors(u, positions, tau, gelu)
         q = q * tau_q[:, :, None].astype(q.dtype)
         v = v * tau_v[:, :, None].astype(v.dtype)
         if aux is not None:
@@ -113,8 +119,15 @@ def _chunk(n: int) -> int:
 
 
 def decode_qkv_problem(u: jax.Array, k_pages: jax.Array, tau: TauWeights | None, *, n_heads: int,
-                       rotary_dim: int) -> str | None:
+                       rotary_dim: int, factors: tuple[jax.Array, jax.Array] | None = None) -> str | None:
     """Why `decode_qkv_kernel` cannot take these shapes (None: it can)."""
+    if factors is not None:
+        if tau is not None:
+            return "tau weights and precomputed tau factors are exclusive"
+        if any(f.shape != (u.shape[0], n_heads) for f in factors):
+            return f"tau factors {[f.shape for f in factors]} must be [rows {u.shape[0]}, heads {n_heads}]"
+        if k_pages.ndim == 4 and k_pages.shape[1] != n_heads:
+            return f"tau needs as many KV heads as query heads, got {k_pages.shape[1]} and {n_heads}"
     if u.ndim != 2 or k_pages.ndim != 4:
         return f"u must be [M, N] and the pool [P, Hkv, S, Dh], got {u.shape} and {k_pages.shape}"
     P, hkv, S, dh = k_pages.shape
@@ -143,9 +156,12 @@ def _bf16(x: jax.Array) -> jax.Array:
 
 
 def _kernel(u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: int, n_kv: int, dh: int, rot: int,
-            has_tau: bool, chunk: int, fp8: bool, low: bool):
+            has_tau: bool, has_factors: bool, chunk: int, fp8: bool, low: bool):
+    tq_ref = tv_ref = None
     if has_tau:
         wq_ref, wv_ref, alpha_ref, _kp_in, _vp_in, q_ref, kp_ref, vp_ref = refs
+    elif has_factors:
+        tq_ref, tv_ref, _kp_in, _vp_in, q_ref, kp_ref, vp_ref = refs
     else:
         _kp_in, _vp_in, q_ref, kp_ref, vp_ref = refs
     f32 = jnp.float32
@@ -191,6 +207,8 @@ def _kernel(u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: i
         tau_q = rnd(jnp.tanh(rnd(jnp.sum(acc_q))) + p)
         tau_v = rnd(jnp.tanh(rnd(jnp.sum(acc_v))) + p)
         qh, vh = scaled(qh, tau_q), scaled(vh, tau_v)
+    elif tq_ref is not None and tv_ref is not None:  # the factors in u.dtype, formed outside
+        qh, vh = scaled(qh, tq_ref[m, h].astype(f32)), scaled(vh, tv_ref[m, hk].astype(f32))
 
     for off, width, x in zip((0, half, rot), (half, half, rest_w), rotated(qh), strict=True):
         if width:
@@ -224,12 +242,15 @@ def decode_qkv_kernel(
     n_heads: int,
     rotary_dim: int,
     theta: float,
+    factors: tuple[jax.Array, jax.Array] | None = None,  # (tau_q, tau_v) [M, H] in u.dtype, instead of tau
     interpret: bool = False,
     num_warps: int | None = None,  # None: TAU_WARPS with tau, else PLAIN_WARPS
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """-> (q [M, H, Dh] in u.dtype, k_pages, v_pages with the M new rows written)."""
+    """-> (q [M, H, Dh] in u.dtype, k_pages, v_pages with the M new rows written). With `factors`
+    the kernel scales q and v by tau factors formed outside (`tau_factors`, rounded to u.dtype)
+    instead of forming them from `tau` itself (for batches past `MAX_TAU_ROWS`)."""
     check_pool(k_pages, v_pages)
-    problem = decode_qkv_problem(u, k_pages, tau, n_heads=n_heads, rotary_dim=rotary_dim)
+    problem = decode_qkv_problem(u, k_pages, tau, n_heads=n_heads, rotary_dim=rotary_dim, factors=factors)
     if problem is not None:
         raise ValueError(f"decode_qkv_kernel: {problem}")
     M, N = u.shape
@@ -237,10 +258,13 @@ def decode_qkv_kernel(
     inv = jnp.asarray(rope_inv_freq(rotary_dim, theta))
     scales = [jnp.asarray(s, jnp.float32).reshape(1) for s in (k_scale, v_scale)]
     tau_args = [tau.wq, tau.wv, tau.alpha] if tau is not None else []
+    if factors is not None:
+        tau_args = [f.astype(u.dtype) for f in factors]
     ins = [u, positions.astype(jnp.int32), slots.astype(jnp.int32), *scales, inv, *tau_args, k_pages, v_pages]
     kern = functools.partial(
-        _kernel, n_heads=n_heads, n_kv=n_kv, dh=dh, rot=rotary_dim, has_tau=tau is not None, chunk=_chunk(N),
-        fp8=is_fp8(k_pages.dtype), low=jnp.dtype(u.dtype) == jnp.dtype(jnp.bfloat16))
+        _kernel, n_heads=n_heads, n_kv=n_kv, dh=dh, rot=rotary_dim, has_tau=tau is not None,
+        has_factors=factors is not None, chunk=_chunk(N), fp8=is_fp8(k_pages.dtype),
+        low=jnp.dtype(u.dtype) == jnp.dtype(jnp.bfloat16))
     q, kp, vp = pl.pallas_call(
         kern,
         out_shape=(jax.ShapeDtypeStruct((M, n_heads, dh), u.dtype),

@@ -13,6 +13,7 @@ written), and padding rows (slot -1) write nothing.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +88,40 @@ def test_kernel_matches_the_reference(M, H, Hkv, dh, rot, pool_dtype, tau):
             assert np.mean(a == b) > 0.9
 
 
+@pytest.mark.parametrize("M,pool_dtype", [(12, FP8), (9, BF16)])
+def test_factor_mode_matches_the_reference(M, pool_dtype):
+    """Tau factors formed outside (`tau_factors`, the reference's own expressions) and handed to the
+    kernel, as the model does past MAX_TAU_ROWS: q and the written rows within the bounds above (the
+    factors are the reference's expressions, but XLA may skip bf16 roundings inside a fused program
+    that an eager call keeps: the tau dot's output, the tau product before rotary or the FP8
+    divide), everything else in the pools bit-identical, padding rows write nothing."""
+    rng = fresh_rng()
+    H, dh, rot = 4, 16, 8
+    u, positions, slots, (kp, vp), (ks, vs), tw = _case(rng, M, H, H, dh, rot, pool_dtype, True)
+    kw: dict[str, Any] = dict(n_heads=H, rotary_dim=rot, theta=10000.0)
+    tq, tv, _ = qe.tau_factors(u, positions, tw)
+    q, kp2, vp2 = qe.decode_qkv_kernel(u, positions, slots, kp, vp, ks, vs, None, factors=(tq, tv), interpret=True,
+                                       **kw)
+    q_r, kp_r, vp_r = jax.jit(functools.partial(qe.decode_qkv_ref, **kw))(u, positions, slots, kp, vp, ks, vs, tw)
+    np.testing.assert_allclose(as_f32(q), as_f32(q_r), rtol=0, atol=2.0**-6 * np.abs(as_f32(q_r)).max())
+    written = np.zeros(kp.shape[0] * kp.shape[2], bool)
+    written[np.asarray(slots)[np.asarray(slots) >= 0]] = True
+    written = written.reshape(kp.shape[0], kp.shape[2])
+    for new, ref, old in ((kp2, kp_r, kp), (vp2, vp_r, vp)):
+        untouched = ~written[:, None, :, None] & np.ones(kp.shape, bool)
+        np.testing.assert_array_equal(_bits(new)[untouched], _bits(old)[untouched])
+        a = as_f32(new).transpose(0, 2, 1, 3)[written]
+        b = as_f32(ref).transpose(0, 2, 1, 3)[written]
+        assert np.isfinite(a).all()
+        tol = (2.0**-3 * np.abs(b) + 2.0**-6 * np.abs(b).max()) if pool_dtype == FP8 else 2.0**-6 * np.abs(b).max()
+        assert (np.abs(a - b) <= tol).all(), np.abs(a - b).max()
+        if pool_dtype == FP8:  # a quotient on an e4m3 rounding boundary may round the other way
+            assert np.mean(a == b) > 0.9
+    assert "exclusive" in (qe.decode_qkv_problem(u, kp, tw, n_heads=H, rotary_dim=rot, factors=(tq, tv)) or "")
+    assert "must be [rows" in (qe.decode_qkv_problem(u, kp, None, n_heads=H, rotary_dim=rot,
+                                                     factors=(tq[:1], tv)) or "")
+
+
 def test_padding_rows_write_nothing_and_q_is_still_computed():
     rng = fresh_rng()
     u, positions, _, (kp, vp), (ks, vs), tw = _case(rng, 2, 4, 4, 16, 8, FP8, True)
@@ -129,7 +164,13 @@ def test_dispatch_only_for_decode_rows_on_the_kernel_backend(monkeypatch: pytest
     with ops.use_backend("kernel"):
         big = jnp.zeros((qe.MAX_TAU_ROWS + 1, 192), BF16)
         rows = jnp.zeros((qe.MAX_TAU_ROWS + 1,), jnp.int32)
+        monkeypatch.delenv("KESTREL_JAX_TAU_FACTORS", raising=False)
         assert ops.decode_qkv(big, rows, rows, kp, kp, s1, s1, tw, n_heads=4, rotary_dim=8, theta=1e4) is None
+        monkeypatch.setenv("KESTREL_JAX_TAU_FACTORS", "1")  # past MAX_TAU_ROWS: XLA's tau factors + the kernel
+        traced = str(jax.make_jaxpr(lambda u: ops.decode_qkv(u, rows, rows, kp, kp, s1, s1, tw, n_heads=4,
+                                                             rotary_dim=8, theta=1e4))(big))
+        assert "name=kestrel_decode_qkv" in traced and "tanh" in traced
+        monkeypatch.delenv("KESTREL_JAX_TAU_FACTORS")
         assert ops.decode_qkv(u, i1, i1, kp, kp, s1, s1, None, n_heads=4, rotary_dim=12, theta=1e4) is None
 
         def shapes():  # traced only: the kernel cannot run un-interpreted on the CPU
