@@ -164,13 +164,12 @@ def test_dispatch_only_for_decode_rows_on_the_kernel_backend(monkeypatch: pytest
     with ops.use_backend("kernel"):
         big = jnp.zeros((qe.MAX_TAU_ROWS + 1, 192), BF16)
         rows = jnp.zeros((qe.MAX_TAU_ROWS + 1,), jnp.int32)
-        monkeypatch.delenv("KESTREL_JAX_TAU_FACTORS", raising=False)
+        monkeypatch.setenv("KESTREL_JAX_TAU_FACTORS", "0")
         assert ops.decode_qkv(big, rows, rows, kp, kp, s1, s1, tw, n_heads=4, rotary_dim=8, theta=1e4) is None
-        monkeypatch.setenv("KESTREL_JAX_TAU_FACTORS", "1")  # past MAX_TAU_ROWS: XLA's tau factors + the kernel
+        monkeypatch.delenv("KESTREL_JAX_TAU_FACTORS")  # default: past MAX_TAU_ROWS, XLA's tau factors + the kernel
         traced = str(jax.make_jaxpr(lambda u: ops.decode_qkv(u, rows, rows, kp, kp, s1, s1, tw, n_heads=4,
                                                              rotary_dim=8, theta=1e4))(big))
         assert "name=kestrel_decode_qkv" in traced and "tanh" in traced
-        monkeypatch.delenv("KESTREL_JAX_TAU_FACTORS")
         assert ops.decode_qkv(u, i1, i1, kp, kp, s1, s1, None, n_heads=4, rotary_dim=12, theta=1e4) is None
 
         def shapes():  # traced only: the kernel cannot run un-interpreted on the CPU
