@@ -258,11 +258,11 @@ def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: ja
     if tau is not None and u.shape[0] > kern.MAX_TAU_ROWS:
         if os.environ.get("KESTREL_JAX_TAU_FACTORS", "1") == "0":
             return None
-        shapes = tuple(jax.ShapeDtypeStruct((u.shape[0], n_heads), u.dtype) for _ in range(2))
-        if kern.decode_qkv_problem(u, k_pages, None, n_heads=n_heads, rotary_dim=rotary_dim,
-                                   factors=shapes) is not None:  # type: ignore[arg-type]
-            return None
+        # traced only: where the kernel refuses them, the unused factors leave the program
         tau_q, tau_v, _ = kern.tau_factors(u, positions, tau, tau_gelu())
+        if kern.decode_qkv_problem(u, k_pages, None, n_heads=n_heads, rotary_dim=rotary_dim,
+                                   factors=(tau_q, tau_v)) is not None:
+            return None
         return kern.decode_qkv_kernel(u, positions, slots, k_pages, v_pages, k_scale, v_scale, None,
                                       n_heads=n_heads, rotary_dim=rotary_dim, theta=theta, factors=(tau_q, tau_v))
     if kern.decode_qkv_problem(u, k_pages, tau, n_heads=n_heads, rotary_dim=rotary_dim) is not None:
