@@ -80,6 +80,9 @@ class EngineConfig:
     # Start-up compiles the decode, prefill and mixed step variants on this many threads before
     # running each once (1: one after another, as they are first run).
     compile_threads: int = 8
+    # With compile_threads > 1: compile the decode variants first, one at a time, so that XLA's
+    # autotuning times their kernels on an otherwise idle GPU (only a cold compile cache autotunes).
+    decode_alone: bool = True
     # Encode each new image on a worker thread as its request arrives, so that launching the vision
     # step (hundreds of kernels, hundreds of parameter arrays) leaves the engine thread, which
     # otherwise bounds 64 concurrent image queries on the GPU machine (+5% output tokens/s, TTFT

@@ -37,6 +37,18 @@ from kestrel_jax.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
+def compile_groups(calls: list[tuple[str, tuple[Any, ...]]], threads: int,
+                   decode_alone: bool) -> list[tuple[list[tuple[str, tuple[Any, ...]]], int]]:
+    """The start-up compiles as (step calls, threads) groups, run in order. XLA picks each fusion's
+    config by timing candidates on the GPU as it compiles (with a cold compile cache); timed beside
+    other compiles, the decode steps' short kernels got worse configs (batch-1 decode 8% slower,
+    BENCHMARKS.md, thirteenth session). With `decode_alone`, the decode variants go first, one at a
+    time, then the rest side by side."""
+    decode = [c for c in calls if c[0] == "decode"] if decode_alone else []
+    rest = [c for c in calls if not (decode and c[0] == "decode")]
+    return [(g, n) for g, n in ((decode, 1), (rest, threads)) if g]
+
+
 class EngineWorker:
     def __init__(self, config: EngineConfig, model: Any, tokenizer: Tokenizer):
         counts = {"decode_steps": config.decode_steps, "multi_step_max_batch": config.multi_step_max_batch,
@@ -159,7 +171,11 @@ class EngineWorker:
         if self.config.compile_threads > 1:  # compile them side by side first
             t0 = time.perf_counter()
             try:
-                self.runner.compile_ahead([(kind, args) for _, kind, args in variants], self.config.compile_threads)
+                for jobs, threads in compile_groups([(kind, args) for _, kind, args in variants],
+                                                    self.config.compile_threads, self.config.decode_alone):
+                    self.runner.compile_ahead(jobs, threads)
+                    if threads == 1:
+                        self.compile_s["decode_alone"] = round(time.perf_counter() - t0, 2)
             except Exception as e:  # noqa: BLE001 - the runs below compile whatever is missing, in order
                 log.warning("compiling the steps side by side failed (%s: %s); compiling them one by one",
                             type(e).__name__, e)

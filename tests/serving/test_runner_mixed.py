@@ -125,3 +125,15 @@ def test_a_failed_compile_ahead_leaves_the_warm_up_to_compile(model: MoondreamMo
         worker.warmup()
     assert "one by one" in caplog.text
     assert {"decode_b2_k1", "prefill_t1024", "mixed_t1024_b2"} <= set(worker.compile_s)
+
+
+
+def test_the_decode_variants_compile_first_each_alone() -> None:
+    from kestrel_jax.serving.loop import compile_groups
+
+    calls = [("decode", (1,)), ("decode", (2,)), ("prefill", (3,)), ("mixed", (4,)), ("decode", (5,))]
+    decode = [calls[0], calls[1], calls[4]]
+    assert compile_groups(calls, 8, True) == [(decode, 1), ([calls[2], calls[3]], 8)]
+    assert compile_groups(calls, 8, False) == [(calls, 8)]
+    assert compile_groups(decode, 4, True) == [(decode, 1)]  # nothing else: no empty group
+    assert compile_groups(calls[2:4], 4, True) == [(calls[2:4], 4)]
