@@ -407,6 +407,7 @@ class Bench:
         images = [self.images.new() for _ in range(n)]
         before = sched_stats(self.engine)
         host0 = dict(self.engine.stats["host_s"])
+        enc0 = dict((self.engine.stats.get("encode_ahead") or {}).get("calls_by_images", {}))
         sampler = None
         if self.a.host_profile:
             from tools.host_sampler import ThreadSampler
@@ -422,6 +423,8 @@ class Bench:
         s.update({"concurrency": c, "wall_s": rnd(wall, 3), "requests_per_s": rnd(len(recs) / wall, 3),
                   "output_tok_s": rnd(out_tok / wall, 1), "scheduler": sched_delta(before, sched_stats(self.engine)),
                   "engine_host_s": host})
+        enc1 = (self.engine.stats.get("encode_ahead") or {}).get("calls_by_images", {})
+        s["vision_calls_by_images"] = {k: v - enc0.get(k, 0) for k, v in enc1.items() if v != enc0.get(k, 0)}
         if sampler is not None:
             s["host_profile"] = sampler.summary()
             log(f"engine thread samples ({sampler.samples}): innermost in package "
@@ -438,7 +441,7 @@ class Bench:
             log(f"w2 C={c}: {s['requests_per_s']} req/s, {s['output_tok_s']} output tok/s, ttft p50/p90 "
                 f"{s['ttft_ms_p50']}/{s['ttft_ms_p90']} ms, decode/seq {s['decode_tok_s_per_seq_p50']} tok/s, "
                 f"batch {s['scheduler'].get('mean_decode_batch')}, cached max {s['cached_tokens_max']}; engine thread "
-                f"s {s['engine_host_s']} of {s['wall_s']}")
+                f"s {s['engine_host_s']} of {s['wall_s']}; vision calls by images {s['vision_calls_by_images']}")
             out[str(c)] = r
             self.results["w2"] = out
             self.dump()

@@ -196,6 +196,21 @@ class VisionEncoder(nnx.Module):
         x = jnp.concatenate([feats[0], pooled.reshape(g * g, -1).astype(feats.dtype)], axis=-1)
         return self.proj_mlp(x)
 
+    def encode_singles(self, crops_u8: jax.Array, pool_rows: jax.Array, pool_cols: jax.Array,
+                       dtype: jnp.dtype, attn_impl: str | None = None) -> jax.Array:
+        """Several one-crop images at once: crops [G, S, S, 3], one per image (each a global crop
+        that is also its image's only tile), with the one-tile pooling weights every such image
+        shares ([1, g, g] each) -> image tokens [G, g*g, D]. Image i's tokens are
+        `encode_padded(crops[i:i + 1], ...)`'s, up to GEMM rounding: the encoder's GEMMs run over
+        G * g*g rows instead of g*g, which keeps more of a large GPU busy."""
+        feats = self.encode_crops(crops_u8, dtype, attn_impl)
+        g = self.cfg.grid_size
+        tiles = feats.reshape(feats.shape[0], g, g, feats.shape[-1]).astype(jnp.float32)
+        pooled = jnp.einsum("ar,irce,bc->iabe", pool_rows[0], tiles, pool_cols[0],
+                            precision=jax.lax.Precision.HIGHEST)
+        pooled = pooled.reshape(feats.shape[0], g * g, -1).astype(feats.dtype)
+        return self.proj_mlp(jnp.concatenate([feats, pooled], axis=-1))
+
     def __call__(self, crops_u8: jax.Array, tiling: tuple[int, int], dtype: jnp.dtype) -> jax.Array:
         """uint8 crops [1 + rows*cols, S, S, 3] -> image tokens [g*g, D]."""
         return self.project(self.encode_crops(crops_u8, dtype), tiling)[0]

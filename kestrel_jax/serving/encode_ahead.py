@@ -15,27 +15,53 @@ when its prefill is launched, for all its requests. A request whose image the pr
 is not encoded; if its cache entry is gone by its prefill, or its
 encoding was never started, `take` returns None and the caller encodes it in place.
 
-All methods are called from the engine thread; only `encode` runs on the worker.
+With `encode_many`, the worker encodes up to `max_batch` queued images in one call (the runner
+encodes one-crop images together: more of the GPU busy per launch, BENCHMARKS.md, thirteenth
+session). It starts a call when `max_batch` images are queued, when the engine thread asks for a
+queued image (its prefill is being launched), or when the oldest queued image has waited
+`max_wait_s` (0: at once, with whatever is queued). If a call fails, each of its images is encoded
+on its own, so that a bad image fails its own requests only.
+
+All methods are called from the engine thread; only `encode` and `encode_many` run on the worker.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import threading
+import time
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 
 class EncodeAhead:
-    def __init__(self, encode: Callable[[Any], Any], cached: Callable[[int], bool], window: int):
+    def __init__(self, encode: Callable[[Any], Any], cached: Callable[[int], bool], window: int,
+                 encode_many: Callable[[list[Any]], list[Any]] | None = None, max_batch: int = 1,
+                 max_wait_s: float = 0.0):
         """encode(sub) -> the image's encoding (a device array; runs on the worker thread);
-        cached(request_id) -> whether the prefix cache holds the request's image."""
+        cached(request_id) -> whether the prefix cache holds the request's image;
+        encode_many(subs) -> their encodings, in order (2 to `max_batch` images)."""
         if window < 1:
             raise ValueError(f"the encode-ahead window must be >= 1 image, got {window}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1 image, got {max_batch}")
+        if not max_wait_s >= 0:
+            raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
         self._encode = encode
+        self._encode_many = encode_many
+        self._max_batch = max_batch if encode_many is not None else 1
+        self._max_wait_s = max_wait_s if self._max_batch > 1 else 0.0
         self._cached = cached
         self.window = window
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kestrel-jax-vision")
+        self._cv = threading.Condition()
+        # started, not yet taken by the worker: (submission, its future, when queued)
+        self._queue: deque[tuple[Any, Future[Any], float]] = deque()
+        self._demanded: set[int] = set()  # id() of queued futures the engine thread waits for
+        self._closing = False
+        self.calls: Counter[int] = Counter()  # encoding calls on the worker by image count
+        self._thread = threading.Thread(target=self._run, name="kestrel-jax-vision", daemon=True)
+        self._thread.start()
         # digest -> (encoding, requests that still need it)
         self._entries: dict[bytes, tuple[Future[Any], set[int]]] = {}
         self._waiting: OrderedDict[int, Any] = OrderedDict()  # request id -> submission, arrival order
@@ -79,8 +105,14 @@ class EncodeAhead:
         entry = self._entries.get(sub.digest)
         if entry is None or rid not in entry[1]:
             return None
+        fut = entry[0]
+        if not fut.done():
+            with self._cv:
+                if any(f is fut for _, f, _ in self._queue):
+                    self._demanded.add(id(fut))
+                    self._cv.notify()
         try:
-            return entry[0].result()
+            return fut.result()
         finally:
             if last:
                 entry[1].clear()
@@ -95,12 +127,77 @@ class EncodeAhead:
             self._release(rid, sub.digest)
 
     def shutdown(self) -> None:
+        """Cancel the queued encodings and wait for the one running."""
         self._waiting.clear()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._cv:
+            self._closing = True
+            for _, fut, _ in self._queue:
+                fut.cancel()
+            self._queue.clear()
+            self._cv.notify()
+        self._thread.join()
 
     def _start(self, sub: Any) -> None:
-        self._entries[sub.digest] = (self._pool.submit(self._encode, sub), {sub.job.request_id})
+        fut: Future[Any] = Future()
+        self._entries[sub.digest] = (fut, {sub.job.request_id})
+        with self._cv:
+            self._queue.append((sub, fut, time.monotonic()))
+            self._cv.notify()
         self.started += 1
+
+    def _next_batch(self) -> list[tuple[Any, Future[Any]]] | None:
+        """On the worker: wait until a call is due, then take its images (the demanded ones
+        first, then in queue order). None: shutting down."""
+        with self._cv:
+            while True:
+                if self._closing:
+                    return None
+                while self._queue and self._queue[0][1].cancelled():  # released while queued
+                    self._queue.popleft()
+                if self._queue:
+                    wait = self._max_wait_s - (time.monotonic() - self._queue[0][2])
+                    if len(self._queue) >= self._max_batch or self._demanded or wait <= 0:
+                        break
+                    self._cv.wait(wait)
+                else:
+                    self._cv.wait()
+            order = sorted(self._queue, key=lambda item: id(item[1]) not in self._demanded)  # stable
+            batch: list[tuple[Any, Future[Any]]] = []
+            for item in order:
+                if len(batch) == self._max_batch:
+                    break
+                self._queue.remove(item)
+                self._demanded.discard(id(item[1]))
+                if item[1].set_running_or_notify_cancel():  # False: released (cancelled) while queued
+                    batch.append((item[0], item[1]))
+            self._demanded &= {id(f) for _, f, _ in self._queue}
+            return batch
+
+    def _run(self) -> None:
+        while (batch := self._next_batch()) is not None:
+            if batch:
+                self._work(batch)
+
+    def _work(self, batch: list[tuple[Any, Future[Any]]]) -> None:
+        """On the worker: encode these images in one call (one by one if that fails)."""
+        self.calls[len(batch)] += 1
+        if len(batch) > 1:
+            assert self._encode_many is not None
+            try:
+                outs = list(self._encode_many([sub for sub, _ in batch]))
+                if len(outs) != len(batch):
+                    raise RuntimeError(f"{len(outs)} encodings for {len(batch)} images")
+            except Exception:  # noqa: BLE001 - one by one below: a bad image fails only itself
+                pass
+            else:
+                for (_, fut), out in zip(batch, outs, strict=True):
+                    fut.set_result(out)
+                return
+        for sub, fut in batch:
+            try:
+                fut.set_result(self._encode(sub))
+            except BaseException as e:  # noqa: BLE001 - delivered to the request by take()
+                fut.set_exception(e)
 
     def _release(self, rid: int, digest: bytes) -> None:
         fut, rids = self._entries[digest]

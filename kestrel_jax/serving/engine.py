@@ -82,7 +82,10 @@ class EngineConfig:
     compile_threads: int = 8
     # With compile_threads > 1: compile the decode variants first, one at a time, so that XLA's
     # autotuning times their kernels on an otherwise idle GPU (only a cold compile cache autotunes).
-    decode_alone: bool = True
+    # Beside other compiles it picked other configs for 38 of 583 fusions (H100), but batch-1 decode
+    # measured the same either way on one machine (559 / 558 tok/s; BENCHMARKS.md, thirteenth
+    # session): off by default, kept for A/B runs.
+    decode_alone: bool = False
     # Encode each new image on a worker thread as its request arrives, so that launching the vision
     # step (hundreds of kernels, hundreds of parameter arrays) leaves the engine thread, which
     # otherwise bounds 64 concurrent image queries on the GPU machine (+5% output tokens/s, TTFT
@@ -91,6 +94,11 @@ class EngineConfig:
     # `vision_ahead` images are encoded and not yet prefilled (later arrivals wait their turn).
     vision_thread: bool = True
     vision_ahead: int = 8
+    # One-crop images encoded together (RunnerConfig.vision_image_batches): the vision thread waits up
+    # to this long for a full batch, unless the engine needs a queued image for a prefill sooner
+    # (H100, MD3, 64 clients: mostly 4 images per call with 30 ms, TTFT p50 -20 ms; BENCHMARKS.md,
+    # thirteenth session). 0: encode at once whatever is queued.
+    vision_batch_wait_ms: float = 30.0
 
     def mixed_buckets(self) -> tuple[int, ...]:
         if self.mixed_decode_buckets is None:

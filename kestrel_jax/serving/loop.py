@@ -40,10 +40,9 @@ log = logging.getLogger(__name__)
 def compile_groups(calls: list[tuple[str, tuple[Any, ...]]], threads: int,
                    decode_alone: bool) -> list[tuple[list[tuple[str, tuple[Any, ...]]], int]]:
     """The start-up compiles as (step calls, threads) groups, run in order. XLA picks each fusion's
-    config by timing candidates on the GPU as it compiles (with a cold compile cache); timed beside
-    other compiles, the decode steps' short kernels got worse configs (batch-1 decode 8% slower,
-    BENCHMARKS.md, thirteenth session). With `decode_alone`, the decode variants go first, one at a
-    time, then the rest side by side."""
+    config by timing candidates on the GPU as it compiles (with a cold compile cache), and timings
+    taken beside other compiles can pick differently. With `decode_alone`, the decode variants go
+    first, one at a time, then the rest side by side."""
     decode = [c for c in calls if c[0] == "decode"] if decode_alone else []
     rest = [c for c in calls if not (decode and c[0] == "decode")]
     return [(g, n) for g, n in ((decode, 1), (rest, threads)) if g]
@@ -77,7 +76,10 @@ class EngineWorker:
             enable_prefix_cache=config.enable_prefix_cache, mixed_decode_buckets=self.mixed_buckets, **sched_kw))
         self._inbox: queue.Queue[Submission | tuple[str, int] | None] = queue.Queue()
         self._live: dict[int, Submission] = {}
-        self._ahead = (EncodeAhead(self._encode, self.scheduler.image_cached, config.vision_ahead)
+        batches = self.runner.image_batches
+        self._ahead = (EncodeAhead(self._encode, self.scheduler.image_cached, config.vision_ahead,
+                                   self._encode_many if batches else None, batches[-1] if batches else 1,
+                                   config.vision_batch_wait_ms / 1e3)
                        if config.vision_thread else None)
         self.stepper = Stepper(self.runner, self._live, prefix_len=t.prefix_attn, bos_id=model.cfg.tokenizer.bos_id,
                                max_images=max(1, self.scheduler.config.token_budget // t.prefix_attn),
@@ -146,7 +148,8 @@ class EngineWorker:
                 "host_s": {**self.host_s, "wait_outputs": self.stepper.wait_s}, "scheduler": self.scheduler.stats,
                 "images": dict(self.runner.images), "export": self.runner.export_counts,
                 "encode_ahead": None if self._ahead is None else {
-                    "started": self._ahead.started, "pending": self._ahead.pending, "waiting": self._ahead.waiting}}
+                    "started": self._ahead.started, "pending": self._ahead.pending, "waiting": self._ahead.waiting,
+                    "calls_by_images": dict(sorted(self._ahead.calls.items()))}}
 
     def warmup(self) -> None:
         """Compile every decode and prefill bucket, the page copy and the vision buckets with
@@ -186,6 +189,7 @@ class EngineWorker:
         for rows in self.runner.copy_buckets(self.scheduler.config.max_copies):
             self.runner.copy_pages(np.full((rows, 2), -1, np.int32))
         vis = self.model.cfg.vision
+        crops1 = np.zeros((1, vis.crop_size, vis.crop_size, 3), np.uint8)
         for n in self.runner.vision_buckets:
             crops = np.zeros((n, vis.crop_size, vis.crop_size, 3), np.uint8)
             tiling = (1, max(1, n - 1))  # bucket 1: a 1x1 tiling
@@ -194,6 +198,11 @@ class EngineWorker:
             if self.runner.device_crops:  # large images still take the host path
                 plan = empty_plan(n, vis.crop_size, canvas=self.runner.config.crop_canvas)
                 timed(f"crops_n{n}", encode, plan, tiling)
+        for g in self.runner.image_batches:  # one-crop images encoded together
+            timed(f"vision_images{g}", self.runner.encode_singles, [crops1] * g)
+            if self.runner.device_crops:
+                timed(f"crops_images{g}", self.runner.encode_singles,
+                      [empty_plan(1, vis.crop_size, canvas=self.runner.config.crop_canvas)] * g)
         self.runner.images = dict.fromkeys(self.runner.images, 0)  # count served images only
         self.runner.freeze()
 
@@ -371,6 +380,10 @@ class EngineWorker:
     def _encode(self, sub: Submission) -> jax.Array:
         assert sub.crops is not None and sub.tiling is not None
         return self.runner.encode_image(sub.crops, sub.tiling)
+
+    def _encode_many(self, subs: list[Submission]) -> list[jax.Array]:
+        assert all(s.crops is not None and s.tiling is not None for s in subs)
+        return self.runner.encode_images([(s.crops, s.tiling) for s in subs])  # type: ignore[misc]
 
     # ------------------------------------------------------------------------------ results
     def _deliver_finished(self, pending: Pending | None) -> None:

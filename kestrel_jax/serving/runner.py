@@ -57,6 +57,7 @@ IN_TOKEN, IN_COORD, IN_SIZE, IN_IMAGE = 0, 1, 2, 3
 # Bucket 1: a 1x1 tiling, whose only tile is the global crop's pixels, encodes that crop once
 # (`Runner.encode_image`); two crops always mean a 1x1 tiling, so bucket 2 is not in the defaults.
 VISION_CROP_BUCKETS = (1, 5, 7, 10, 13)
+VISION_IMAGE_BATCHES = (2, 3, 4)
 
 
 class RecompileError(RuntimeError):
@@ -78,6 +79,10 @@ class RunnerConfig:
     max_pages_per_seq: int | None = None  # default: ceil(max_seq_len / page_size)
     backend: str = "auto"  # kernel backend for attention / MoE / sampling
     vision_buckets: tuple[int, ...] = VISION_CROP_BUCKETS  # crop counts (global + tiles) compiled
+    # One-crop images (1x1 tilings, with vision bucket 1) encoded together, one step for up to the
+    # largest of these image counts (each compiled; a group is padded up to the next count). ():
+    # each image on its own. A 378 px image's step alone leaves much of a large GPU idle.
+    vision_image_batches: tuple[int, ...] = VISION_IMAGE_BATCHES
     compilation_cache_dir: str | None = None
     # Vision self-attention: "xla" (portable), "cudnn" (fused, NVIDIA GPUs) or "auto" (cudnn on
     # a GPU with a bf16 model when it runs there, else xla). cuDNN measured 1.4-1.7x faster for
@@ -328,6 +333,15 @@ def _vision_step(graphdef: Any, treedef: Any, dtype: Any, attn: str | None, para
     return vision.encode_padded(crops, pool_rows, pool_cols, dtype, attn)
 
 
+def _vision_images_step(graphdef: Any, treedef: Any, dtype: Any, attn: str | None, params: list[jax.Array],
+                        crops: tuple[jax.Array, ...], pool_rows: jax.Array, pool_cols: jax.Array
+                        ) -> tuple[jax.Array, ...]:
+    """One-crop images [1, S, S, 3] each -> each image's tokens [g*g, D] (own buffers)."""
+    vision = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+    out = vision.encode_singles(jnp.concatenate(crops), pool_rows, pool_cols, dtype, attn)
+    return tuple(out[i] for i in range(len(crops)))
+
+
 def _cudnn_attention_works() -> bool:
     """One tiny fused-attention call: cuDNN may be missing or too old on a GPU host."""
     try:
@@ -381,6 +395,9 @@ class Runner:
         self.max_pages_per_seq = self.config.max_pages_per_seq or -(-self.max_seq_len // self.page_size)
         self.kv_dtype = _kv_dtype(self.config.kv_dtype, model)
         self.vision_buckets = tuple(sorted(self.config.vision_buckets))
+        self.image_batches = tuple(sorted(self.config.vision_image_batches)) if 1 in self.vision_buckets else ()
+        if any(g < 2 for g in self.image_batches):
+            raise ValueError(f"vision_image_batches are image counts >= 2, got {self.config.vision_image_batches}")
         # Params travel as flat lists (dispatching a flat list of arrays is much cheaper per step
         # than flattening the nested module state on every call): the text decoder and region
         # heads for prefill/decode, the vision encoder for the vision step.
@@ -414,6 +431,8 @@ class Runner:
         self.no_outputs = _committed(jnp.zeros((out_rows, 6), jnp.float32))
         attn = _vision_attention(self.config.vision_attention, model.dtype)
         self._vision = jax.jit(functools.partial(_vision_step, vision_gd, vision_treedef, model.dtype, attn))
+        self._vision_images = jax.jit(functools.partial(_vision_images_step, vision_gd, vision_treedef,
+                                                        model.dtype, attn))
         if self.config.device_crops not in ("auto", "on", "off"):
             raise ValueError(f"device_crops must be auto, on or off; got {self.config.device_crops!r}")
         self.device_crops = (self.config.device_crops == "on"
@@ -426,7 +445,8 @@ class Runner:
     # size is in the steps' input shapes): left out of the export salt, so that runs differing only
     # in these share the exported steps. Any other field, including one added later, is in the salt.
     _NOT_IN_STEPS = frozenset({"num_pages", "kv_memory_fraction", "vision_buckets", "compilation_cache_dir",
-                               "vision_attention", "device_crops", "crop_canvas", "export_steps"})
+                               "vision_attention", "device_crops", "crop_canvas", "export_steps",
+                               "vision_image_batches"})
 
     def _export_salt(self) -> str:
         """Everything besides input shapes and code that shapes a step's program (see export_cache)."""
@@ -523,6 +543,50 @@ class Runner:
         rows, cols = tile_pool_matrices(tiling, self.cfg.vision, max(1, bucket - 1))
         return self._guarded("vision", self._vision, self.vision_params, batch, rows, cols)
 
+    def encode_images(self, images: list[tuple[np.ndarray | CropPlan, tuple[int, int]]]) -> list[jax.Array]:
+        """Several images' (crops, tiling) -> each image's tokens [729, D], as `encode_image` gives
+        them (up to GEMM rounding). One-crop images go together, in steps of up to the largest
+        `vision_image_batches` count (padded with blank crops up to a compiled count); the others,
+        and a lone one-crop image, one step each."""
+        out: list[jax.Array | None] = [None] * len(images)
+        singles: list[tuple[int, np.ndarray | CropPlan]] = []
+        for i, (crops, tiling) in enumerate(images):
+            one, n = self.crops_to_encode(crops, tiling)
+            if n == 1 and self.image_batches:
+                singles.append((i, one))
+            else:
+                out[i] = self.encode_image(crops, tiling)
+        most = self.image_batches[-1] if self.image_batches else 1
+        for start in range(0, len(singles), most):
+            group = singles[start:start + most]
+            if len(group) == 1:
+                i, one = group[0]
+                out[i] = self.encode_image(one, (1, 1))
+                continue
+            for i, tokens in zip((i for i, _ in group), self.encode_singles([one for _, one in group]), strict=False):
+                out[i] = tokens
+        assert all(o is not None for o in out)
+        return out  # type: ignore[return-value]
+
+    def encode_singles(self, crops: list[np.ndarray | CropPlan]) -> tuple[jax.Array, ...]:
+        """One-crop images (each [1, S, S, 3] or its plan; at most the largest image count) in one
+        step: their tokens in order, then the padding's."""
+        count = next((g for g in self.image_batches if g >= len(crops)), None)
+        if count is None:
+            raise ValueError(f"{len(crops)} images exceed the largest one-step image count {self.image_batches}")
+        batch: list[jax.Array] = []
+        for c in crops:  # device arrays either way (one jit signature for both)
+            if isinstance(c, CropPlan):
+                batch.append(self._guarded("crops", self._crops, *c.padded(1)))
+                self.images["device_crops"] += 1
+            else:
+                batch.append(jnp.asarray(c))
+                self.images["host_crops"] += 1
+        vis = self.cfg.vision
+        batch += [jnp.zeros((1, vis.crop_size, vis.crop_size, 3), jnp.uint8)] * (count - len(crops))
+        rows, cols = tile_pool_matrices((1, 1), vis, 1)
+        return self._guarded("vision_images", self._vision_images, self.vision_params, tuple(batch), rows, cols)
+
     # ------------------------------------------------------------------------------- steps
     def _decode_fn(self, steps: int) -> Any:
         fn = self._decode.get(steps)
@@ -608,7 +672,7 @@ class Runner:
     # ------------------------------------------------------------------------------- guard
     def _fns(self) -> dict[str, Any]:
         fns = {"prefill": self._prefill, "mixed": self._mixed, "vision": self._vision, "copy": self._copy,
-               "crops": self._crops}
+               "crops": self._crops, "vision_images": self._vision_images}
         fns.update({f"decode{k}": fn for k, fn in self._decode.items()})
         return fns
 

@@ -152,3 +152,96 @@ def test_engine_refuses_a_count_below_one_before_loading_anything(field: str) ->
 
     with pytest.raises(ValueError, match=field):
         EngineWorker(EngineConfig(**{field: 0}), model=None, tokenizer=None)  # type: ignore[arg-type]
+
+
+class BatchRecorder(Recorder):
+    def __init__(self, fail_many: bool = False, **kw: object):
+        super().__init__(**kw)  # type: ignore[arg-type]
+        self.many: list[list[int]] = []
+        self.fail_many = fail_many
+
+    def encode_many(self, subs: list[Sub]) -> list[str]:
+        self.gate.wait(10)
+        self.many.append([s.rid for s in subs])
+        if self.fail_many or any(s.digest in self.fail for s in subs):
+            raise RuntimeError("the batch failed")
+        return [f"many-{s.digest.decode()}" for s in subs]
+
+    def ahead(self, window: int, max_batch: int = 3, max_wait_s: float = 0.0) -> EncodeAhead:
+        return EncodeAhead(self.encode, lambda rid: rid in self.cached, window, self.encode_many, max_batch,
+                           max_wait_s)
+
+
+def test_images_queued_behind_a_running_encoding_are_encoded_together() -> None:
+    rec = BatchRecorder()
+    rec.gate.clear()  # the first encoding blocks; the next five queue behind it
+    ea = rec.ahead(8, max_batch=3)
+    subs = [Sub(i, f"i{i}".encode()) for i in range(6)]
+    ea.add(subs[0])
+    assert rec.entered.wait(10)
+    for s in subs[1:]:
+        ea.add(s)
+    ea.drop(subs[2])  # released while queued: skipped, never encoded
+    rec.gate.set()
+    assert ea.take(subs[0], last=True) == "enc-i0"
+    # at most 3 per call: 1, 3 and 4 together, then 5 on its own (the one-image encoder)
+    assert [ea.take(s, last=True) for s in subs[3:]] == ["many-i3", "many-i4", "enc-i5"]
+    assert ea.take(subs[1], last=True) == "many-i1"
+    ea.shutdown()
+    assert [r for r, _ in rec.calls] == [0, 5] and rec.many == [[1, 3, 4]]
+    assert ea.calls == {1: 2, 3: 1}
+
+
+def test_a_failed_batch_is_encoded_one_by_one_and_only_the_bad_image_fails() -> None:
+    rec = BatchRecorder(fail={b"bad"})
+    rec.gate.clear()
+    ea = rec.ahead(8, max_batch=4)
+    first, bad, ok1, ok2 = Sub(0, b"first"), Sub(1, b"bad"), Sub(2, b"ok1"), Sub(3, b"ok2")
+    ea.add(first)
+    assert rec.entered.wait(10)
+    for s in (bad, ok1, ok2):
+        ea.add(s)
+    rec.gate.set()
+    assert ea.take(first, last=True) == "enc-first"
+    with pytest.raises(RuntimeError, match="bad image"):
+        ea.take(bad, last=True)
+    assert ea.take(ok1, last=True) == "enc-ok1" and ea.take(ok2, last=True) == "enc-ok2"
+    ea.shutdown()
+    assert rec.many == [[1, 2, 3]] and sorted(r for r, _ in rec.calls) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="max_batch"):
+        rec.ahead(2, max_batch=0)
+
+
+def test_with_a_wait_images_gather_until_a_full_call_the_engine_asks_or_the_wait_ends() -> None:
+    import time
+
+    rec = BatchRecorder()
+    ea = rec.ahead(8, max_batch=3, max_wait_s=30.0)
+    subs = [Sub(i, f"w{i}".encode()) for i in range(7)]
+    ea.add(subs[0])
+    ea.add(subs[1])
+    time.sleep(0.1)
+    assert rec.many == [] and rec.calls == []  # two of three queued: waiting for a third
+    ea.add(subs[2])
+    assert ea.take(subs[1], last=True) == "many-w1"
+    assert len(rec.many) == 1 and sorted(rec.many[0]) == [0, 1, 2]  # (1 first if asked for before the call)
+    # the engine asks for a queued image: its call starts at once, the asked-for image first
+    ea.add(subs[3])
+    ea.add(subs[4])
+    t0 = time.monotonic()
+    assert ea.take(subs[4], last=True) == "many-w4" and time.monotonic() - t0 < 10
+    assert rec.many[-1] == [4, 3]
+    ea.shutdown()
+    # a short wait: a lone image is encoded once it ends
+    rec = BatchRecorder()
+    ea = rec.ahead(8, max_batch=3, max_wait_s=0.05)
+    ea.add(subs[5])
+    t0 = time.monotonic()
+    while not rec.calls and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    assert [r for r, _ in rec.calls] == [5] and time.monotonic() - t0 >= 0.04
+    ea.add(subs[6])
+    ea.shutdown()  # the queued image is cancelled, the worker ends
+    assert [r for r, _ in rec.calls] == [5] and rec.many == []
+    with pytest.raises(ValueError, match="max_wait_s"):
+        rec.ahead(2, max_wait_s=-1.0)

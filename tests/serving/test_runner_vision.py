@@ -72,3 +72,73 @@ def test_two_different_crops_are_not_shared(model: MoondreamModel) -> None:
     want = np.asarray(model.vision(jnp.asarray(crops), (1, 1), jnp.float32))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
     assert seen == [2]
+
+
+def _images_runner(model: MoondreamModel, batches: tuple[int, ...]) -> Runner:
+    return Runner(model, RunnerConfig(num_pages=8, kv_dtype="f32", max_seq_len=256, page_size=64,
+                                      vision_buckets=(1, 13), vision_image_batches=batches, device_crops="on"),
+                  out_rows=4)
+
+
+def test_one_crop_images_are_encoded_together_and_equal_one_by_one(model: MoondreamModel) -> None:
+    """Five one-crop images (host crops and device plans mixed) and a 2x2-tiled one: the one-crop
+    images go in steps of at most 4 (4, then a lone one in the one-image step), each output equals
+    encoding that image alone, in order, the tiled image keeps its own step."""
+    rng = np.random.default_rng(5)
+    vis = model.cfg.vision
+    items: list[tuple[object, tuple[int, int]]] = []
+    for k, shape in enumerate([(378, 378), (300, 340), (41, 377), (200, 200), (378, 300)]):
+        img = rng.integers(0, 255, (*shape, 3), dtype=np.uint8)
+        if k % 2:
+            plan = plan_crops(img, vis, canvas=1024)
+            assert plan is not None
+            items.append((plan, (1, 1)))
+        else:
+            crops, tiling = overlap_crops(img, vis)
+            items.append((crops, tiling))
+    big = rng.integers(0, 255, (400, 400, 3), dtype=np.uint8)
+    crops, tiling = overlap_crops(big, vis)
+    assert tiling != (1, 1)
+    items.insert(2, (crops, tiling))
+    runner = _images_runner(model, (2, 4))
+    seen = _spy(runner)
+    groups: list[int] = []
+    batched = runner._vision_images
+
+    def spy(params: object, crops: tuple[object, ...], rows: object, cols: object) -> object:
+        groups.append(len(crops))
+        return batched(params, crops, rows, cols)
+
+    runner._vision_images = spy  # type: ignore[assignment]
+    got = [np.asarray(x) for x in runner.encode_images(items)]  # type: ignore[arg-type]
+    assert groups == [4] and sorted(seen) == [1, 13]  # the fifth one-crop image alone; the tiled one in 13
+    alone = _runner(model, (1, 13))
+    for (c, t), g in zip(items, got, strict=True):
+        want = np.asarray(alone.encode_image(c, t))  # type: ignore[arg-type]
+        assert g.shape == want.shape
+        np.testing.assert_allclose(g, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_group_of_three_is_padded_to_four_and_no_batches_means_one_by_one(model: MoondreamModel) -> None:
+    rng = np.random.default_rng(6)
+    imgs = [rng.integers(0, 255, (378, 378, 3), dtype=np.uint8) for _ in range(3)]
+    items = [overlap_crops(img, model.cfg.vision) for img in imgs]
+    runner = _images_runner(model, (2, 4))
+    groups: list[int] = []
+    batched = runner._vision_images
+
+    def spy(params: object, crops: tuple[object, ...], rows: object, cols: object) -> object:
+        groups.append(len(crops))
+        return batched(params, crops, rows, cols)
+
+    runner._vision_images = spy  # type: ignore[assignment]
+    got = runner.encode_images(items)  # type: ignore[arg-type]
+    assert groups == [4] and len(got) == 3
+    plain = _images_runner(model, ())
+    seen = _spy(plain)
+    want = plain.encode_images(items)  # type: ignore[arg-type]
+    assert seen == [1, 1, 1]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-5 * np.abs(np.asarray(w)).max())
+    with pytest.raises(ValueError, match="image counts >= 2"):
+        _images_runner(model, (1, 4))

@@ -1,0 +1,70 @@
+"""One-crop images encoded together on the vision thread (`RunnerConfig.vision_image_batches`):
+images queued behind a running encoding go in one image step, and every request's output is the
+reference's."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kestrel_jax.generate import SamplingSettings
+from kestrel_jax.models.config import tiny_config
+from kestrel_jax.models.moondream import random_model
+from kestrel_jax.reference import ReferenceMoondream
+from kestrel_jax.serving.engine import EngineConfig, InferenceEngine, Result
+from kestrel_jax.serving.runner import RunnerConfig
+from kestrel_jax.tokenizer import Tokenizer, build_synthetic_tokenizer
+
+
+@pytest.fixture(scope="module")
+def setup() -> Iterator[tuple[InferenceEngine, ReferenceMoondream]]:
+    model = random_model(tiny_config("md2"), dtype=jnp.float32, seed=13)
+    tok = Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size))
+    cfg = EngineConfig(runner=RunnerConfig(num_pages=64, kv_dtype="f32", max_seq_len=1024, vision_buckets=(1,),
+                                           vision_image_batches=(2, 3)),
+                       decode_buckets=(1, 4), prefill_token_buckets=(1024,), max_prefill_seqs=2, vision_ahead=4,
+                       vision_batch_wait_ms=0.0)  # encode at once what is queued (the wait: test_encode_ahead)
+    eng = asyncio.run(InferenceEngine.create(cfg, model=model, tokenizer=tok))
+    yield eng, ReferenceMoondream(model, tok)
+    asyncio.run(eng.shutdown())
+
+
+def test_queued_images_are_encoded_in_one_step_and_outputs_equal_the_reference(
+        setup: tuple[InferenceEngine, ReferenceMoondream]) -> None:
+    eng, ref = setup
+    worker = eng._worker
+    ahead, runner = worker._ahead, worker.runner
+    assert ahead is not None and "vision_images3" in worker.compile_s
+    imgs = [np.random.default_rng(40 + i).integers(0, 255, (300, 340, 3), dtype=np.uint8) for i in range(4)]
+    single = runner.encode_image
+
+    def held(*args: object, **kw: object) -> object:  # the first image waits until all four are queued
+        t0 = time.monotonic()
+        while ahead.started < 4 and time.monotonic() - t0 < 20:
+            time.sleep(0.01)
+        return single(*args, **kw)
+
+    runner.encode_image = held
+    calls = dict(ahead.calls)
+
+    async def run() -> list[Result]:
+        rs = await asyncio.gather(*[eng.query(img, "What is this?", reasoning=False,
+                                              settings={"temperature": 0.0, "max_tokens": 4}) for img in imgs])
+        return [r for r in rs if isinstance(r, Result)]
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        del runner.encode_image
+    new = {k: v - calls.get(k, 0) for k, v in ahead.calls.items() if v != calls.get(k, 0)}
+    assert new == {1: 1, 3: 1}  # the first alone, the three queued behind it together
+    assert eng.stats["encode_ahead"]["calls_by_images"] == dict(sorted(ahead.calls.items()))
+    s = SamplingSettings(temperature=0.0, max_tokens=4)
+    assert [r.output["answer"] for r in got] == [ref.query(img, "What is this?", reasoning=False, settings=s).output
+                                                 for img in imgs]
+    assert ahead.pending == 0 and ahead.waiting == 0
