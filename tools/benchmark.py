@@ -319,8 +319,24 @@ class Bench:
         st = self.settings(n)
         for _ in range(self.a.warmup):
             await one_request(self.engine, self.images.new(), st)
-        recs = [await one_request(self.engine, self.images.new(), st) for _ in range(self.a.w1_reps)]
+        host0 = dict(self.engine.stats["host_s"])
+        sampler = None
+        if self.a.host_profile:
+            from tools.host_sampler import ThreadSampler
+
+            sampler = ThreadSampler(self.engine._worker._thread)
+        t0 = time.perf_counter()
+        with sampler or contextlib.nullcontext():
+            recs = [await one_request(self.engine, self.images.new(), st) for _ in range(self.a.w1_reps)]
+        wall = time.perf_counter() - t0
         s = summarize(recs, n)
+        # the engine thread's time by loop phase over these requests (wait_outputs: blocked on the device)
+        s["engine_host_s"] = {k: rnd(v - host0.get(k, 0.0), 3) for k, v in self.engine.stats["host_s"].items()}
+        s["wall_s"] = rnd(wall, 3)
+        if sampler is not None:
+            s["host_profile"] = sampler.summary()
+            log(f"w1 engine thread samples ({sampler.samples}): innermost in package "
+                f"{s['host_profile']['innermost_in_package'][:12]}")
         tok_s = s["decode_tok_s_per_seq_p50"]
         worker = self.engine  # the loaded model: exact shapes and dtypes of what a step reads
         ctx = (s["input_tokens"][0] if s["input_tokens"] else 0) + n / 2  # mean KV length over the steps
@@ -332,7 +348,8 @@ class Bench:
         if ceiling and s["achieved_gbs"]:
             s["fraction_of_copy_bw"] = rnd(s["achieved_gbs"] / ceiling, 3)
         log(f"w1: {tok_s} tok/s ({s['ms_per_token']} ms/token), {s['achieved_gbs']} GB/s "
-            f"({s.get('fraction_of_copy_bw')} of copy), ttft {s['ttft_ms_p50']} ms, {s['not_full_length']} short")
+            f"({s.get('fraction_of_copy_bw')} of copy), ttft {s['ttft_ms_p50']} ms, {s['not_full_length']} short; "
+            f"engine thread s {s['engine_host_s']} of {s['wall_s']}")
         out = {"summary": s, "requests": recs}
         if self.a.trace_dir:  # a window of pure batch-1 decode: every kernel in it belongs to a decode step
             out["trace"] = await self._guarded_trace(self._traced_decode(st))
@@ -759,7 +776,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="result JSON")
     ap.add_argument("--append", action="store_true", help="add this run's startup record to an existing --out")
     ap.add_argument("--host-profile", action="store_true",
-                    help="sample the engine thread's Python stack during each w2 level (tools/host_sampler.py)")
+                    help="sample the engine thread's Python stack during w1 and each w2 level (tools/host_sampler.py)")
     ap.add_argument("--trace-dir", default=None, help="profile a w1 and a w2 window into DIR/w1, DIR/w2")
     ap.add_argument("--compile-cache", default=None, help="persistent compilation cache directory")
     ap.add_argument("--quick", action="store_true", help="tiny request counts (CPU smoke test)")

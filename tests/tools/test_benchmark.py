@@ -38,7 +38,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any],
     tmp = tmp_path_factory.mktemp("bench")
     out = tmp / "r.json"
     cmd = [sys.executable, str(SCRIPT), "--model", "tiny-md3", "--quick", "--out", str(out),
-           "--trace-dir", str(tmp / "trace"), "--w4-images", "378x378", "--w1-tokens", "16",
+           "--trace-dir", str(tmp / "trace"), "--w4-images", "378x378", "--w1-tokens", "16", "--host-profile",
            "--engine-args", *ENGINE_ARGS]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -63,6 +63,9 @@ def test_quick_run_reports_every_workload(quick_run: tuple[dict[str, Any], str, 
     w1 = res["w1"]["summary"]
     assert w1["n"] == 1 and w1["output_tokens_min"] == 16 and w1["not_full_length"] == 0
     assert w1["decode_tok_s_per_seq_p50"] > 0 and w1["ms_per_token"] > 0
+    # the engine thread over the measured requests: its loop phases and a sample of its stack
+    assert w1["wall_s"] > 0 and 0 < w1["engine_host_s"]["dispatch"] < w1["wall_s"]
+    assert w1["host_profile"]["samples"] > 0
     assert w1["bytes_per_step"]["experts_active"] > 0 and w1["achieved_gbs"] > 0 and w1["fraction_of_copy_bw"] > 0
     for tr in (res["w1"]["trace"], res["w2"]["trace"]):
         assert "error" not in tr, tr
