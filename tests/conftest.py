@@ -43,6 +43,8 @@ SLOW_FIRST = (
     "models/test_parity.py",
     "serving/test_engine_paths.py",
     "serving/test_vision_thread.py",
+    "serving/test_runner_vision.py",
+    "serving/test_vision_batches.py",
     "serving/test_runner_mixed.py",
     "pallas/test_paged_attention.py",
     "pallas/test_sampling.py",
