@@ -48,7 +48,7 @@ import time
 import traceback
 import warnings
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -319,24 +319,11 @@ class Bench:
         st = self.settings(n)
         for _ in range(self.a.warmup):
             await one_request(self.engine, self.images.new(), st)
-        host0 = dict(self.engine.stats["host_s"])
-        sampler = None
-        if self.a.host_profile:
-            from tools.host_sampler import ThreadSampler
-
-            sampler = ThreadSampler(self.engine._worker._thread)
         t0 = time.perf_counter()
-        with sampler or contextlib.nullcontext():
+        with self._engine_thread() as host:
             recs = [await one_request(self.engine, self.images.new(), st) for _ in range(self.a.w1_reps)]
-        wall = time.perf_counter() - t0
         s = summarize(recs, n)
-        # the engine thread's time by loop phase over these requests (wait_outputs: blocked on the device)
-        s["engine_host_s"] = {k: rnd(v - host0.get(k, 0.0), 3) for k, v in self.engine.stats["host_s"].items()}
-        s["wall_s"] = rnd(wall, 3)
-        if sampler is not None:
-            s["host_profile"] = sampler.summary()
-            log(f"w1 engine thread samples ({sampler.samples}): innermost in package "
-                f"{s['host_profile']['innermost_in_package'][:12]}")
+        s.update(host, wall_s=rnd(time.perf_counter() - t0, 3))
         tok_s = s["decode_tok_s_per_seq_p50"]
         worker = self.engine  # the loaded model: exact shapes and dtypes of what a step reads
         ctx = (s["input_tokens"][0] if s["input_tokens"] else 0) + n / 2  # mean KV length over the steps
@@ -417,35 +404,42 @@ class Bench:
             r["t0"] -= t0
         return recs, wall
 
-    async def _level(self, c: int, n: int, max_tokens: int) -> dict[str, Any]:
-        st = self.settings(max_tokens)
-        if self.a.warmup:  # one untimed burst: the decode/prefill mix this level will run
-            await asyncio.gather(*(one_request(self.engine, self.images.new(), st) for _ in range(c)))
-        images = [self.images.new() for _ in range(n)]
-        before = sched_stats(self.engine)
+    @contextlib.contextmanager
+    def _engine_thread(self) -> Iterator[dict[str, Any]]:
+        """The engine thread over the block: its time by loop phase (`engine_host_s`, seconds;
+        wait_outputs: blocked on the device, the rest is host work the device must hide) and, with
+        --host-profile, a sample of its Python stack (`host_profile`), filled in on exit."""
         host0 = dict(self.engine.stats["host_s"])
-        enc0 = dict((self.engine.stats.get("encode_ahead") or {}).get("calls_by_images", {}))
+        out: dict[str, Any] = {}
         sampler = None
         if self.a.host_profile:
             from tools.host_sampler import ThreadSampler
 
             sampler = ThreadSampler(self.engine._worker._thread)
         with sampler or contextlib.nullcontext():
+            yield out
+        out["engine_host_s"] = {k: rnd(v - host0.get(k, 0.0), 3) for k, v in self.engine.stats["host_s"].items()}
+        if sampler is not None:
+            prof = out["host_profile"] = sampler.summary()
+            log(f"engine thread samples ({sampler.samples}): innermost in package "
+                f"{prof['innermost_in_package'][:12]}; innermost {prof['innermost'][:12]}")
+
+    async def _level(self, c: int, n: int, max_tokens: int) -> dict[str, Any]:
+        st = self.settings(max_tokens)
+        if self.a.warmup:  # one untimed burst: the decode/prefill mix this level will run
+            await asyncio.gather(*(one_request(self.engine, self.images.new(), st) for _ in range(c)))
+        images = [self.images.new() for _ in range(n)]
+        before = sched_stats(self.engine)
+        enc0 = dict((self.engine.stats.get("encode_ahead") or {}).get("calls_by_images", {}))
+        with self._engine_thread() as host:
             recs, wall = await self._closed_loop(c, images, st)
         s = summarize(recs, max_tokens)
         out_tok = sum(r["output_tokens"] for r in recs)
-        # the engine thread's time by loop phase (wait_outputs: blocked on the device, the rest is
-        # host work that the device must hide), seconds over this level's wall time
-        host = {k: rnd(v - host0.get(k, 0.0), 3) for k, v in self.engine.stats["host_s"].items()}
         s.update({"concurrency": c, "wall_s": rnd(wall, 3), "requests_per_s": rnd(len(recs) / wall, 3),
-                  "output_tok_s": rnd(out_tok / wall, 1), "scheduler": sched_delta(before, sched_stats(self.engine)),
-                  "engine_host_s": host})
+                  "output_tok_s": rnd(out_tok / wall, 1), "scheduler": sched_delta(before, sched_stats(self.engine))},
+                 **host)
         enc1 = (self.engine.stats.get("encode_ahead") or {}).get("calls_by_images", {})
         s["vision_calls_by_images"] = {k: v - enc0.get(k, 0) for k, v in enc1.items() if v != enc0.get(k, 0)}
-        if sampler is not None:
-            s["host_profile"] = sampler.summary()
-            log(f"engine thread samples ({sampler.samples}): innermost in package "
-                f"{s['host_profile']['innermost_in_package'][:12]}; innermost {s['host_profile']['innermost'][:12]}")
         if s["cached_tokens_max"]:
             log(f"WARNING: prefix-cache hits in a fresh-image workload (cached_tokens up to {s['cached_tokens_max']})")
         return {"summary": s, "requests": recs}

@@ -188,13 +188,8 @@ class VisionEncoder(nnx.Module):
         whose tile is the global crop's pixels) the global crop's features are also the tile's
         (weights [1, g, g])."""
         feats = self.encode_crops(crops_u8, dtype, attn_impl)
-        g = self.cfg.grid_size
         local = feats[1:] if feats.shape[0] > 1 else feats
-        tiles = local.reshape(-1, g, g, feats.shape[-1]).astype(jnp.float32)
-        pooled = jnp.einsum("tar,trce,tbc->abe", pool_rows, tiles, pool_cols,
-                            precision=jax.lax.Precision.HIGHEST)
-        x = jnp.concatenate([feats[0], pooled.reshape(g * g, -1).astype(feats.dtype)], axis=-1)
-        return self.proj_mlp(x)
+        return self._pool_and_project(feats[0], local, pool_rows, pool_cols)
 
     def encode_singles(self, crops_u8: jax.Array, pool_rows: jax.Array, pool_cols: jax.Array,
                        dtype: jnp.dtype, attn_impl: str | None = None) -> jax.Array:
@@ -204,12 +199,18 @@ class VisionEncoder(nnx.Module):
         `encode_padded(crops[i:i + 1], ...)`'s, up to GEMM rounding: the encoder's GEMMs run over
         G * g*g rows instead of g*g, which keeps more of a large GPU busy."""
         feats = self.encode_crops(crops_u8, dtype, attn_impl)
+        return self._pool_and_project(feats, feats[:, None], pool_rows, pool_cols)
+
+    def _pool_and_project(self, global_feats: jax.Array, local: jax.Array, pool_rows: jax.Array,
+                          pool_cols: jax.Array) -> jax.Array:
+        """Global crop features [..., g*g, E] and tile features [..., t, g*g, E] (leading image
+        axes alike), tile pooling weights [t, g, g] -> image tokens [..., g*g, D]."""
         g = self.cfg.grid_size
-        tiles = feats.reshape(feats.shape[0], g, g, feats.shape[-1]).astype(jnp.float32)
-        pooled = jnp.einsum("ar,irce,bc->iabe", pool_rows[0], tiles, pool_cols[0],
+        tiles = local.reshape(*local.shape[:-2], g, g, local.shape[-1]).astype(jnp.float32)
+        pooled = jnp.einsum("tar,...trce,tbc->...abe", pool_rows, tiles, pool_cols,
                             precision=jax.lax.Precision.HIGHEST)
-        pooled = pooled.reshape(feats.shape[0], g * g, -1).astype(feats.dtype)
-        return self.proj_mlp(jnp.concatenate([feats, pooled], axis=-1))
+        pooled = pooled.reshape(*pooled.shape[:-3], g * g, -1).astype(global_feats.dtype)
+        return self.proj_mlp(jnp.concatenate([global_feats, pooled], axis=-1))
 
     def __call__(self, crops_u8: jax.Array, tiling: tuple[int, int], dtype: jnp.dtype) -> jax.Array:
         """uint8 crops [1 + rows*cols, S, S, 3] -> image tokens [g*g, D]."""

@@ -13,9 +13,9 @@ scale. Its results are `quantize_rows(x if idx is None else x[idx])`'s, with one
 the GPU: Triton lowers a float32 division to the 2-ulp `div.full.f32` where XLA divides exactly,
 so a value whose quotient lies within two float32 ulps of an e4m3 rounding boundary (about one in
 2^19 values) may round to the neighbouring code, and the scale may differ in its last bit.
-Interpreted (CPU), the results are identical. On the GPU the codes have not been compared with
-XLA's bit for bit yet (twelfth session: probes and W2 runs only; a check for
-`tools/check_decode_fusion.py`-style GPU runs).
+Interpreted (CPU), the results are identical. On the H100 (`tools/check_quantize_kernel.py`,
+thirteenth session) no such difference occurred: 136 million codes at the MoE layer's shapes, all
+equal to XLA's, scales identical.
 """
 
 from __future__ import annotations

@@ -198,11 +198,10 @@ class EngineWorker:
             if self.runner.device_crops:  # large images still take the host path
                 plan = empty_plan(n, vis.crop_size, canvas=self.runner.config.crop_canvas)
                 timed(f"crops_n{n}", encode, plan, tiling)
-        for g in self.runner.image_batches:  # one-crop images encoded together
+        # one-crop images encoded together (crops made on the device reach this step as the same
+        # device arrays, so one compile serves both: tests/serving/test_runner_vision.py)
+        for g in self.runner.image_batches:
             timed(f"vision_images{g}", self.runner.encode_singles, [crops1] * g)
-            if self.runner.device_crops:
-                timed(f"crops_images{g}", self.runner.encode_singles,
-                      [empty_plan(1, vis.crop_size, canvas=self.runner.config.crop_canvas)] * g)
         self.runner.images = dict.fromkeys(self.runner.images, 0)  # count served images only
         self.runner.freeze()
 
