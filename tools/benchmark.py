@@ -366,6 +366,7 @@ class Bench:
             await loop.run_in_executor(None, jax.profiler.stop_trace)
         steps = {k: steps1[k] - steps0.get(k, 0) for k in steps1}
         out = {"dir": where, "window_s": rnd(window, 3), "engine_steps": steps, **summarize_trace(where, steps)}
+        log(f"trace {name} idle gaps: {out.get('idle_gaps')}")
         log(f"trace {name}: {out.get('kernels_per_decode_step')} kernels/decode step, "
             f"{out.get('device_us_per_decode_step')} us device time/decode step, device busy "
             f"{out.get('device_busy_fraction')}, steps {steps} in {window:.2f} s")
@@ -530,6 +531,7 @@ def summarize_trace(trace_dir: str, steps: dict[str, int]) -> dict[str, Any]:
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     by_module: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])  # (module, family)
     spans: list[tuple[int, int]] = []
+    names: dict[tuple[int, int], str] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # jaxlib's event_stats type, harmless
         for plane in gpu or [p for p in data.planes if p.name == "/host:CPU"]:
@@ -552,6 +554,7 @@ def summarize_trace(trace_dir: str, steps: dict[str, int]) -> dict[str, Any]:
                     km[0] += 1
                     km[1] += ev.duration_ns / 1e3
                     spans.append((ev.start_ns, ev.end_ns))
+                    names[(ev.start_ns, ev.end_ns)] = ev.name[:100]
     out: dict[str, Any] = {"file": str(files[-1]), "file_bytes": files[-1].stat().st_size, "events": len(spans),
                            "device_planes": [p.name for p in gpu]}
     busy = 0
@@ -565,6 +568,7 @@ def summarize_trace(trace_dir: str, steps: dict[str, int]) -> dict[str, Any]:
                 cur_e = max(cur_e, e0)
         busy += cur_e - cur_s
         out["device_busy_fraction"] = rnd(busy / max(1, cur_e - start), 3)
+        out["idle_gaps"] = idle_gaps(spans, names)
     n_steps = steps.get("decode", 0) + steps.get("prefill", 0)
     if n_steps:
         out["events_per_step"] = rnd(len(spans) / n_steps, 1)
@@ -605,6 +609,40 @@ def summarize_trace(trace_dir: str, steps: dict[str, int]) -> dict[str, Any]:
               for (m2, f), v in sorted(by_module.items(), key=lambda kv: -kv[1][1]) if m2 == mod][:30]
         for mod in out["modules"]}
     return out
+
+
+def idle_gaps(spans: list[tuple[int, int]], names: dict[tuple[int, int], str]) -> dict[str, Any]:
+    """Where the device idles (`spans` sorted): idle time and count by gap length, and the kernel
+    families that end and follow the longest gaps. Many short gaps between kernels mean the host
+    launches them too slowly; a few long ones, that the device waits between steps."""
+    edges = (2, 10, 50, 200, 1000, 10**9)  # us
+    by_len = {f"<{e}us" if e < 10**9 else ">=1000us": [0, 0.0] for e in edges}
+    around: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    before: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])  # family: kernels, gaps, idle us
+    end, last = spans[0][1], spans[0]
+    for span in spans[1:]:
+        gap = (span[0] - end) / 1e3
+        nxt = before[_family(names.get(span, "?"))]
+        nxt[0] += 1
+        if gap > 0:
+            key = next(f"<{e}us" if e < 10**9 else ">=1000us" for e in edges if gap < e)
+            by_len[key][0] += 1
+            by_len[key][1] += gap
+            if gap >= 10:
+                a = around[f"{_family(names.get(last, '?'))} -> {_family(names.get(span, '?'))}"]
+                a[0] += 1
+                a[1] += gap
+            else:
+                nxt[1] += 1
+                nxt[2] += gap
+        if span[1] > end:
+            end, last = span[1], span
+    return {"by_length": {k: {"count": int(v[0]), "idle_us": rnd(v[1], 1)} for k, v in by_len.items()},
+            "longest_after_before": [{"between": k, "count": int(v[0]), "idle_us": rnd(v[1], 1)}
+                                     for k, v in sorted(around.items(), key=lambda kv: -kv[1][1])[:12]],
+            # gaps under 10 us by the kernel family that follows them: spread evenly, or bunched
+            "short_before": [{"family": k, "kernels": int(v[0]), "gaps": int(v[1]), "idle_us": rnd(v[2], 1)}
+                             for k, v in sorted(before.items(), key=lambda kv: -kv[1][2])[:15]]}
 
 
 def _family(kernel: str) -> str:

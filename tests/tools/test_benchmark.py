@@ -167,3 +167,22 @@ def test_compare_cli_falls_back_to_the_stored_reference(bench: ModuleType, tmp_p
     got = json.loads((tmp_path / "ratios.json").read_text())
     assert got["reference"]["md2"]["decode_tok_s_b1"]["ratio"] == 1.2
     assert "against the stored reference" in capsys.readouterr().out
+
+
+def test_idle_gaps_by_length_and_neighbours(bench: ModuleType) -> None:
+    us = 1000  # spans are in ns
+    spans = [(0, 5 * us), (6 * us, 10 * us), (8 * us, 12 * us),  # a 1 us gap, then an overlap
+             (112 * us, 120 * us), (1620 * us, 1630 * us)]       # 100 us, then 1,500 us idle
+    names = {spans[0]: "fusion_1", spans[1]: "fusion_2", spans[2]: "gemm_3", spans[3]: "attn_4",
+             spans[4]: "fusion_9"}
+    g = bench.idle_gaps(spans, names)
+    assert g["by_length"]["<2us"] == {"count": 1, "idle_us": 1.0}
+    assert g["by_length"]["<200us"] == {"count": 1, "idle_us": 100.0}
+    assert g["by_length"][">=1000us"] == {"count": 1, "idle_us": 1500.0}
+    assert sum(v["count"] for v in g["by_length"].values()) == 3
+    # the gap after the overlap follows the kernel that ended last (gemm, not fusion_2)
+    assert g["longest_after_before"] == [{"between": "attn -> fusion", "count": 1, "idle_us": 1500.0},
+                                         {"between": "gemm -> attn", "count": 1, "idle_us": 100.0}]
+    # the short gap (1 us) counts before the kernel that follows it
+    assert g["short_before"][0] == {"family": "fusion", "kernels": 2, "gaps": 1, "idle_us": 1.0}
+    assert {f["family"]: f["gaps"] for f in g["short_before"]} == {"fusion": 1, "gemm": 0, "attn": 0}

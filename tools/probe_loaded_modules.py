@@ -1,0 +1,178 @@
+"""Does batch-1 decode slow down as more GPU programs are loaded in the process?
+
+The default decode bucket set (16 decode variants) runs MD3 batch-1 decode ~8% slower than
+`decode_buckets=1` on the same machine, with the same kernels and kernel times: the GPU idles in
+more, longer gaps between the kernels of a step (session 14, calls 1-2). This probe starts one
+small-bucket engine, measures W1, then loads extra programs that W1 never runs and measures again:
+the engine's own decode step at more batch buckets first, then plain XLA programs, then Mosaic GPU
+kernels (each its own GPU module, as each distinct Pallas Mosaic GPU kernel of the engine's steps
+is), in growing counts.
+
+    PYTHONPATH=. python3 tools/probe_loaded_modules.py --out probe.json [--quick]   (GPU)
+
+`--quick` (a tiny model, few tokens, the Pallas interpreter for the kernels) runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.benchmark import MODELS, Bench, engine_config, log  # noqa: E402
+
+
+def xla_programs(n: int, offset: int) -> list[Any]:
+    """n distinct small XLA programs (a few fusions each), compiled and run once."""
+    keep = []
+    for i in range(offset, offset + n):
+        f = jax.jit(lambda x, c=float(i): jnp.tanh(x * c).sum(0) + jnp.exp(x - c).max(0))
+        jax.block_until_ready(f(jnp.ones((64, 128), jnp.float32)))
+        keep.append(f)
+    return keep
+
+
+def mosaic_kernels(n: int, offset: int, interpret: bool) -> list[Any]:
+    """n distinct Mosaic GPU kernels, compiled, loaded and run once: the project's decode GEMM
+    kernel at n different output widths (each width is its own kernel, so its own GPU module)."""
+    from kestrel_jax.pallas.gemv_mgpu import BLOCK_K, BLOCK_N, gemv
+
+    keep = []
+    x = jnp.ones((1, 2 * BLOCK_K), jnp.bfloat16)
+    for i in range(offset, offset + n):
+        width = BLOCK_N * (i + 2)
+        w = jnp.full((2 * BLOCK_K, width), 0.5, jnp.bfloat16)
+        f = jax.jit(functools.partial(gemv, interpret=interpret))
+        out = jax.block_until_ready(f(x, w))
+        assert out.shape == (1, width) and float(out[0, -1]) == BLOCK_K, (out.shape, float(out[0, -1]))
+        keep.append(f)
+    return keep
+
+
+def decode_variants(engine: Any, buckets: list[int]) -> list[Any]:
+    """The engine's own decode step at more batch buckets (1 and `decode_steps` iterations each, as
+    its warm-up makes them): compiled side by side, then run once with inert rows (no KV writes),
+    while the engine is idle. The runner's recompile guard is lifted meanwhile."""
+    from kestrel_jax.serving import batch as bt
+
+    worker = engine._worker
+    runner = worker.runner
+    pages = runner.max_pages_per_seq
+    calls = [("decode", (*bt.empty_decode(b, pages), None, k)) for b in buckets
+             for k in sorted({1, worker.config.decode_steps})]
+    runner.unfreeze()
+    try:
+        runner.compile_ahead(calls, worker.config.compile_threads)
+        for _, (ints, floats, prev, k) in calls:
+            jax.block_until_ready(runner.decode(ints, floats, prev, k))
+    finally:
+        runner.freeze()
+    return []
+
+
+async def main(a: argparse.Namespace) -> dict[str, Any]:
+    from kestrel_jax.models.moondream import random_model
+    from kestrel_jax.serving.engine import InferenceEngine
+
+    factory, kw = MODELS[a.model]
+    model = random_model(factory(), dtype=jnp.bfloat16, fp8_experts=bool(kw.get("fp8_experts")),
+                         kv_scale=0.05 if kw.get("kv_scales") else None)
+    cfg = engine_config("random-weights", a.engine_args, a.compile_cache)
+    # One kernel before the engine compiles anything: the first Pallas call can import modules that
+    # register JAX config options, and a new option changes every jit cache key (the engine's
+    # recompile guard would then refuse its own steps).
+    first = mosaic_kernels(1, -1, interpret=a.quick) if a.mosaic else []
+    t0 = time.perf_counter()
+    engine = await InferenceEngine.create(cfg, model=model)
+    res: dict[str, Any] = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+                           "engine_args": a.engine_args, "startup_s": round(time.perf_counter() - t0, 1), "stages": []}
+    log(f"engine ready in {res['startup_s']} s")
+    args = argparse.Namespace(w1_tokens=a.w1_tokens, w1_reps=a.w1_reps, warmup=1, host_profile=False, seed=1234,
+                           trace_dir=a.trace_dir, trace_seconds=0.5)
+    bench = Bench(engine, args, {}, lambda: None)
+    keep: list[Any] = first
+    plan: list[tuple[str, Any, Any]] = [("base", 0, 0)]
+    plan += [("decode", [int(b) for b in g.split(",")], None) for g in a.decode_buckets]
+    plan += [("xla", n, 0) for n in a.xla] + [("mosaic", 0, n) for n in a.mosaic]
+    xla_total = mosaic_total = 0
+    extra_buckets: list[int] = []
+    try:
+        for name, nx, nm in plan:
+            t1 = time.perf_counter()
+            if name == "decode":
+                decode_variants(engine, nx)
+                extra_buckets += nx
+                nx, nm = xla_total, mosaic_total
+            if nx > xla_total:
+                keep += xla_programs(nx - xla_total, xla_total)
+                xla_total = nx
+            if nm > mosaic_total:
+                keep += mosaic_kernels(nm - mosaic_total, mosaic_total, interpret=a.quick)
+                mosaic_total = nm
+            load_s = time.perf_counter() - t1
+            reps = []
+            for _ in range(a.repeats):
+                w1 = await bench.w1()
+                reps.append(w1["summary"]["decode_tok_s_per_seq_p50"])
+            stage = {"stage": name, "extra_decode_buckets": list(extra_buckets), "extra_xla_programs": xla_total,
+                     "extra_mosaic_kernels": mosaic_total,
+                     "load_s": round(load_s, 1), "w1_tok_s": reps}
+            res["stages"].append(stage)
+            log(f"stage {stage}")
+            if a.out:  # a killed run keeps the stages it measured
+                Path(a.out).write_text(json.dumps(res, indent=1))
+        if a.trace_dir:  # last: the profiler can leave the CUDA context broken after a trace
+            res["trace"] = await bench._guarded_trace(bench._traced_decode(bench.settings(a.w1_tokens)))
+    except Exception as e:  # noqa: BLE001 - report the stages measured so far
+        res["error"] = repr(e)
+        log(f"stage failed: {e!r}")
+    finally:
+        await engine.shutdown()
+    return res
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="md3", choices=sorted(MODELS))
+    ap.add_argument("--engine-args", nargs="*", default=["decode_buckets=1", "prefill_token_buckets=1024",
+                                                         "runner.vision_buckets=1", "runner.vision_image_batches=()"])
+    ap.add_argument("--compile-cache", default=None)
+    ap.add_argument("--decode-buckets", nargs="*", default=[],
+                    help="groups of extra decode buckets loaded per stage, first (e.g. 2,4 8,16 32,48,64); "
+                         "the engine must have output rows for the largest (mixed_decode_buckets=64)")
+    ap.add_argument("--xla", type=int, nargs="*", default=[64], help="cumulative extra XLA programs per stage")
+    ap.add_argument("--mosaic", type=int, nargs="*", default=[24, 48, 96],
+                    help="cumulative extra Mosaic GPU kernels per stage (after the XLA stages)")
+    ap.add_argument("--trace-dir", default=None, help="after the stages, a trace of batch-1 decode (idle gaps)")
+    ap.add_argument("--w1-tokens", type=int, default=512)
+    ap.add_argument("--w1-reps", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2, help="W1 measurements per stage")
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run: tiny model, interpreted kernels")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.model = "tiny-md3"
+        a.w1_tokens, a.w1_reps, a.repeats = 4, 1, 1
+        a.engine_args = ["dtype=float32", "runner.kv_dtype=f32", "decode_buckets=1", "prefill_token_buckets=768",
+                         "max_prefill_seqs=1", "mixed_decode_buckets=4", "runner.vision_buckets=2",
+                         "runner.num_pages=32", "runner.max_seq_len=832", "runner.vision_image_batches=()"]
+    return a
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    out = asyncio.run(main(args))
+    text = json.dumps(out, indent=1)
+    if args.out:
+        Path(args.out).write_text(text)
+    print(text)
