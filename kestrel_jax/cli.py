@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 DEMO_SEED = 20251122
-DEMO_VERSION = 1
+DEMO_VERSION = 2  # 2: a 2-layer vision encoder (the demo compiles in seconds, its answers are noise either way)
 
 
 def _cache_dir() -> Path:
@@ -41,8 +41,8 @@ def demo_checkpoint(family: str = "md3") -> Path:
     if not marker.exists():
         print(f"[kestrel-jax] writing the synthetic demo checkpoint to {out} (once)", file=sys.stderr)
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        write_synthetic_checkpoint(tmp, tiny_config("md3" if family == "md3" else "md2"), seed=DEMO_SEED,
-                                   overwrite=True)
+        write_synthetic_checkpoint(tmp, tiny_config("md3" if family == "md3" else "md2", vision_layers=2),
+                                   seed=DEMO_SEED, overwrite=True)
         (tmp / ".complete").write_text("ok\n")
         if out.exists():  # a concurrent writer finished first
             import shutil

@@ -28,7 +28,7 @@ def test_demo_runs_every_skill_and_says_weights_are_random(cache: Path) -> None:
     for skill in ("caption", "query", "query (reasoning)", "detect", "point"):
         assert f"[demo] {skill}" in p.stdout, p.stdout
     assert "RANDOM weights" in p.stderr and "noise" in p.stdout
-    assert (cache / "demo-tiny-md3-v1" / ".complete").exists()
+    assert (cache / "demo-tiny-md3-v2" / ".complete").exists()
 
 
 def test_detect_json_output(cache: Path) -> None:

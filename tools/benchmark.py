@@ -63,8 +63,9 @@ MODELS: dict[str, tuple[Callable[[], MoondreamConfig], dict[str, bool]]] = {
     # MD3 as Kestrel runs it by default: FP8 experts and an FP8 KV cache (per-layer scales).
     "md3": (md3_config, {"fp8_experts": True, "kv_scales": True}),
     "md2": (md2_config, {}),
-    "tiny-md3": (lambda: tiny_config("md3"), {"fp8_experts": True, "kv_scales": True}),
-    "tiny-md2": (lambda: tiny_config("md2"), {}),
+    # CPU smoke runs (--quick): the tiny sizes with a 2-layer vision encoder (compiles in seconds)
+    "tiny-md3": (lambda: tiny_config("md3", vision_layers=2), {"fp8_experts": True, "kv_scales": True}),
+    "tiny-md2": (lambda: tiny_config("md2", vision_layers=2), {}),
 }
 PEER_NAMES = {"moondream3-preview": "md3", "moondream2": "md2"}
 WORKLOADS = ("startup", "w1", "w4", "w2", "w3")  # run order: the side-by-side figures first

@@ -238,10 +238,14 @@ def md3_1_config() -> MoondreamConfig:
     return md3_config(region_ln=True, name="moondream3.1")
 
 
-def tiny_config(family: Family = "md2", *, region_ln: bool = False) -> MoondreamConfig:
-    """The golden-vector sizes: real structural constants, small widths. For tests."""
+def tiny_config(family: Family = "md2", *, region_ln: bool = False, vision_layers: int = 27) -> MoondreamConfig:
+    """The golden-vector sizes: real structural constants, small widths. For tests.
+
+    `vision_layers` < 27 gives a shallower vision encoder for tests that compare two paths of one
+    model rather than against the golden vectors (the encoder's blocks are unrolled: its compile
+    time grows with them)."""
     vision = VisionConfig(
-        enc_dim=64, enc_n_layers=27, enc_ff_dim=160, enc_n_heads=4, proj_out_dim=256, proj_inner_dim=256
+        enc_dim=64, enc_n_layers=vision_layers, enc_ff_dim=160, enc_n_heads=4, proj_out_dim=256, proj_inner_dim=256
     )
     if family == "md2":
         text = TextConfig(dim=256, ff_dim=512, n_layers=4, vocab_size=8192, n_heads=4, n_kv_heads=4)

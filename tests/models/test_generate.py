@@ -15,7 +15,7 @@ from kestrel_jax.pallas import ops
 
 @pytest.fixture(scope="module")
 def model() -> MoondreamModel:
-    return MoondreamModel(tiny_config("md3"), dtype=jnp.float32, rngs=nnx.Rngs(3))
+    return MoondreamModel(tiny_config("md3", vision_layers=2), dtype=jnp.float32, rngs=nnx.Rngs(3))
 
 
 def _run(model: MoondreamModel, page_size: int, perm: int | None) -> tuple[list[int], np.ndarray]:

@@ -23,7 +23,7 @@ from kestrel_jax.serving.runner import RunnerConfig
 
 @pytest.fixture(scope="session")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("md3"), tiny_config("md3"), seed=5)
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("md3"), tiny_config("md3", vision_layers=2), seed=5)
 
 
 def _engine_config(ckpt: Path) -> EngineConfig:

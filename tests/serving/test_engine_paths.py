@@ -22,7 +22,7 @@ from kestrel_jax.tokenizer import Tokenizer, build_synthetic_tokenizer
 
 
 def _biased(token: int, bias: float) -> MoondreamModel:
-    model = random_model(tiny_config("md2"), dtype=jnp.float32, seed=3)
+    model = random_model(tiny_config("md2", vision_layers=2), dtype=jnp.float32, seed=3)
     b = model.text.lm_head.bias
     assert b is not None
     b.set_value(b[...].at[token].set(bias))

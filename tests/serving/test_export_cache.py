@@ -20,7 +20,7 @@ from kestrel_jax.serving.runner import Runner, RunnerConfig
 
 @pytest.fixture(scope="module")
 def model() -> MoondreamModel:
-    return random_model(tiny_config("md3"), dtype=jnp.float32, seed=3)
+    return random_model(tiny_config("md3", vision_layers=2), dtype=jnp.float32, seed=3)
 
 
 def _config(cache: Path | None, **kw: object) -> RunnerConfig:

@@ -14,7 +14,7 @@ from kestrel_jax.serving.runner import COPY_BUCKETS, Runner, RunnerConfig
 
 @pytest.fixture(scope="module")
 def runner() -> Runner:
-    model = random_model(tiny_config("md3"), dtype=jnp.float32)
+    model = random_model(tiny_config("md3", vision_layers=2), dtype=jnp.float32)
     return Runner(model, RunnerConfig(num_pages=24, kv_dtype="f32", max_seq_len=256, page_size=64,
                                       vision_buckets=(2,)), out_rows=4)
 

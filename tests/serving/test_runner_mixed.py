@@ -17,7 +17,7 @@ PAGE = 16
 
 @pytest.fixture(scope="module", params=["md3", "md2"])
 def model(request: pytest.FixtureRequest) -> MoondreamModel:
-    return random_model(tiny_config(request.param), dtype=jnp.float32, seed=11)
+    return random_model(tiny_config(request.param, vision_layers=2), dtype=jnp.float32, seed=11)
 
 
 def _runner(model: MoondreamModel) -> Runner:

@@ -18,7 +18,7 @@ from kestrel_jax.serving.runner import Runner, RunnerConfig
 
 @pytest.fixture(scope="module")
 def model() -> MoondreamModel:
-    return random_model(tiny_config("md2"), dtype=jnp.float32, seed=21)
+    return random_model(tiny_config("md2", vision_layers=2), dtype=jnp.float32, seed=21)
 
 
 def _runner(model: MoondreamModel, buckets: tuple[int, ...]) -> Runner:

@@ -23,7 +23,7 @@ from kestrel_jax.tokenizer import Tokenizer, build_synthetic_tokenizer
 
 @pytest.fixture(scope="module")
 def setup() -> Iterator[tuple[InferenceEngine, ReferenceMoondream]]:
-    model = random_model(tiny_config("md2"), dtype=jnp.float32, seed=13)
+    model = random_model(tiny_config("md2", vision_layers=2), dtype=jnp.float32, seed=13)
     tok = Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size))
     cfg = EngineConfig(runner=RunnerConfig(num_pages=64, kv_dtype="f32", max_seq_len=1024, vision_buckets=(1,),
                                            vision_image_batches=(2, 3)),

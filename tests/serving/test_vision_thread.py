@@ -25,7 +25,7 @@ GREEDY = {"temperature": 0.0, "max_tokens": 4}
 
 @pytest.fixture(scope="module")
 def setup() -> Iterator[tuple[InferenceEngine, ReferenceMoondream]]:
-    model = random_model(tiny_config("md2"), dtype=jnp.float32, seed=9)
+    model = random_model(tiny_config("md2", vision_layers=2), dtype=jnp.float32, seed=9)
     tok = Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size))
     cfg = EngineConfig(runner=RunnerConfig(num_pages=64, kv_dtype="f32", max_seq_len=1024, vision_buckets=(2,)),
                        decode_buckets=(1, 4), prefill_token_buckets=(1024,), max_prefill_seqs=2, vision_thread=True,
