@@ -25,7 +25,8 @@ def _cache_dir() -> Path:
 
 
 def serve_compile_cache(arg: str | None) -> str | None:
-    """The server's compile cache directory: the flag's, else compile/ in the cache root; 'none': off."""
+    """The compile cache directory of the server and the one-shot commands: the flag's, else
+    compile/ in the cache root; 'none': off."""
     if arg is None:
         return str(_cache_dir() / "compile")
     return None if arg.lower() == "none" else arg
@@ -55,12 +56,14 @@ def demo_checkpoint(family: str = "md3") -> Path:
 
 def _engine_config(args: argparse.Namespace) -> Any:
     """A one-shot engine: batch buckets up to 8 and lazy compilation (only the shapes a command
-    uses are compiled; a server compiles every bucket up front instead)."""
+    uses are compiled; a server compiles every bucket up front instead), kept in the compile cache
+    so that the next command with the same model and shapes loads them."""
     from kestrel_jax.serving.engine import EngineConfig
     from kestrel_jax.serving.runner import RunnerConfig
 
     path = str(args.model) if args.model else str(demo_checkpoint(args.family))
-    return EngineConfig(model_path=path, dtype=args.dtype, runner=RunnerConfig(max_seq_len=args.max_seq_len),
+    runner = RunnerConfig(max_seq_len=args.max_seq_len, compilation_cache_dir=serve_compile_cache(args.compile_cache))
+    return EngineConfig(model_path=path, dtype=args.dtype, runner=runner,
                         decode_buckets=(1, 2, 4, 8), prefill_token_buckets=(128, 1024, 2048), max_prefill_seqs=4,
                         warmup=False)
 
@@ -245,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-seq-len", type=int, default=None, help="context (default: the model's)")
         p.add_argument("--json", action="store_true")
         p.add_argument("--quiet", action="store_true")
+        p.add_argument("--compile-cache", default=None,
+                       help="compiled-step cache directory, so the next command skips compiling (default: "
+                            "compile/ in $KESTREL_JAX_CACHE or ~/.cache/kestrel_jax; 'none': no cache)")
 
     p = sub.add_parser("demo", help="run every skill on the bundled image")
     common(p)

@@ -29,6 +29,9 @@ def test_demo_runs_every_skill_and_says_weights_are_random(cache: Path) -> None:
         assert f"[demo] {skill}" in p.stdout, p.stdout
     assert "RANDOM weights" in p.stderr and "noise" in p.stdout
     assert (cache / "demo-tiny-md3-v2" / ".complete").exists()
+    # the compiled steps are kept for the next command (the tests below load them)
+    compiled = [f for f in (cache / "compile").rglob("*") if f.is_file()]
+    assert compiled and any(f.suffix == ".jaxexport" for f in compiled)
 
 
 def test_detect_json_output(cache: Path) -> None:

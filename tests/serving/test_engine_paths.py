@@ -29,15 +29,26 @@ def _biased(token: int, bias: float) -> MoondreamModel:
     return model
 
 
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One compile cache for both engines below: they differ in a weight, not in any step's shape,
+    so the second loads the first's exported and compiled steps (and the export files of two
+    models are checked to serve each other)."""
+    return str(tmp_path_factory.mktemp("compile"))
+
+
 @pytest.fixture(scope="module", params=[(5, 12.0), (3, 12.0)], ids=["coord-in-reasoning", "answer-in-reasoning"])
-def setup(request: pytest.FixtureRequest) -> Iterator[tuple[InferenceEngine, ReferenceMoondream]]:
+def setup(request: pytest.FixtureRequest, compile_cache: str) -> Iterator[tuple[InferenceEngine, ReferenceMoondream]]:
     token, bias = request.param
     model = _biased(token, bias)
     tok = Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size))
     # vision bucket 1: a 378 px image (1x1 tiling) encodes its one distinct crop once (host crops)
-    cfg = EngineConfig(runner=RunnerConfig(num_pages=64, kv_dtype="f32", max_seq_len=1024, vision_buckets=(1,)),
+    cfg = EngineConfig(runner=RunnerConfig(num_pages=64, kv_dtype="f32", max_seq_len=1024, vision_buckets=(1,),
+                                           compilation_cache_dir=compile_cache),
                        decode_buckets=(1, 4), prefill_token_buckets=(1024,), max_prefill_seqs=2)
     eng = asyncio.run(InferenceEngine.create(cfg, model=model, tokenizer=tok))
+    if request.param == (3, 12.0):  # the second engine: every step from the first one's exports
+        assert eng.stats["export"]["loaded"] > 0 and eng.stats["export"]["exported"] == 0, eng.stats["export"]
     yield eng, ReferenceMoondream(model, tok)
     asyncio.run(eng.shutdown())
 
