@@ -59,7 +59,7 @@ def mosaic_kernels(n: int, offset: int, interpret: bool) -> list[Any]:
     return keep
 
 
-def decode_variants(engine: Any, buckets: list[int]) -> list[Any]:
+def decode_variants(engine: Any, buckets: list[int]) -> None:
     """The engine's own decode step at more batch buckets (1 and `decode_steps` iterations each, as
     its warm-up makes them): compiled side by side, then run once with inert rows (no KV writes),
     while the engine is idle. The runner's recompile guard is lifted meanwhile."""
@@ -77,7 +77,6 @@ def decode_variants(engine: Any, buckets: list[int]) -> list[Any]:
             jax.block_until_ready(runner.decode(ints, floats, prev, k))
     finally:
         runner.freeze()
-    return []
 
 
 async def main(a: argparse.Namespace) -> dict[str, Any]:
