@@ -24,7 +24,7 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def serve_compile_cache(arg: str | None) -> str | None:
+def compile_cache_dir(arg: str | None) -> str | None:
     """The compile cache directory of the server and the one-shot commands: the flag's, else
     compile/ in the cache root; 'none': off."""
     if arg is None:
@@ -62,7 +62,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
     from kestrel_jax.serving.runner import RunnerConfig
 
     path = str(args.model) if args.model else str(demo_checkpoint(args.family))
-    runner = RunnerConfig(max_seq_len=args.max_seq_len, compilation_cache_dir=serve_compile_cache(args.compile_cache))
+    runner = RunnerConfig(max_seq_len=args.max_seq_len, compilation_cache_dir=compile_cache_dir(args.compile_cache))
     return EngineConfig(model_path=path, dtype=args.dtype, runner=runner,
                         decode_buckets=(1, 2, 4, 8), prefill_token_buckets=(128, 1024, 2048), max_prefill_seqs=4,
                         warmup=False)
@@ -217,7 +217,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         ecfg = engine_config(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size,
                              max_batch_size=args.max_batch_size, prefix_cache=not args.no_prefix_cache,
-                             compile_cache=serve_compile_cache(args.compile_cache))
+                             compile_cache=compile_cache_dir(args.compile_cache))
         scfg = ServerConfig(host=args.host, port=args.port, max_body_bytes=int(args.max_request_mb * 2**20),
                             request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace,
                             model_name=Path(args.model).name if args.model else None,

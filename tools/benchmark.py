@@ -616,8 +616,8 @@ def idle_gaps(spans: list[tuple[int, int]], names: dict[tuple[int, int], str]) -
     """Where the device idles (`spans` sorted): idle time and count by gap length, and the kernel
     families that end and follow the longest gaps. Many short gaps between kernels mean the host
     launches them too slowly; a few long ones, that the device waits between steps."""
-    edges = (2, 10, 50, 200, 1000, 10**9)  # us
-    by_len = {f"<{e}us" if e < 10**9 else ">=1000us": [0, 0.0] for e in edges}
+    edges = ((2, "<2us"), (10, "<10us"), (50, "<50us"), (200, "<200us"), (1000, "<1000us"), (float("inf"), ">=1000us"))
+    by_len = {label: [0, 0.0] for _, label in edges}
     around: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     before: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])  # family: kernels, gaps, idle us
     end, last = spans[0][1], spans[0]
@@ -626,7 +626,7 @@ def idle_gaps(spans: list[tuple[int, int]], names: dict[tuple[int, int], str]) -
         nxt = before[_family(names.get(span, "?"))]
         nxt[0] += 1
         if gap > 0:
-            key = next(f"<{e}us" if e < 10**9 else ">=1000us" for e in edges if gap < e)
+            key = next(label for edge, label in edges if gap < edge)
             by_len[key][0] += 1
             by_len[key][1] += gap
             if gap >= 10:

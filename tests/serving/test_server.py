@@ -19,7 +19,7 @@ from typing import Any, cast
 import aiohttp
 import pytest
 
-from kestrel_jax.cli import build_parser, serve_compile_cache
+from kestrel_jax.cli import build_parser, compile_cache_dir
 from kestrel_jax.models.image_crops import DEMO_IMAGE_PATH
 from kestrel_jax.serving.engine import EngineError, InferenceEngine, Stream
 from kestrel_jax.serving.server import (
@@ -363,9 +363,9 @@ def test_cli_serve_options_build_the_engine_config() -> None:
         ServerConfig(port=70000).validate()
     # the compiled-step cache: on by default under the cache root, a directory, or off
     assert cfg.runner.compilation_cache_dir is None  # engine_config's own default
-    default = serve_compile_cache(build_parser().parse_args(["serve"]).compile_cache)
+    default = compile_cache_dir(build_parser().parse_args(["serve"]).compile_cache)
     assert default is not None and default.endswith("compile")
-    assert serve_compile_cache("/x/cc") == "/x/cc" and serve_compile_cache("none") is None
+    assert compile_cache_dir("/x/cc") == "/x/cc" and compile_cache_dir("none") is None
     cfg = engine_config(None, compile_cache="/x/cc")
     assert cfg.runner.compilation_cache_dir == "/x/cc"
 
