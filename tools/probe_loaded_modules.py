@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import json
 import sys
 import time
@@ -42,6 +43,23 @@ def xla_programs(n: int, offset: int) -> list[Any]:
     return keep
 
 
+def graph_programs(n: int, offset: int, depth: int = 20) -> list[Any]:
+    """n distinct XLA programs of `depth` small GEMMs, each followed by an elementwise fusion: on
+    the GPU each program's ~2 * depth kernels form one XLA command buffer (a CUDA graph), so the
+    process holds ~2 * depth * n more graph nodes once each has run."""
+    keep = []
+    w = jnp.eye(64, dtype=jnp.float32)
+    for i in range(offset, offset + n):
+        def f(x, w, c=float(i)):
+            for j in range(depth):
+                x = jnp.tanh(x @ w + (c + j))
+            return x
+        g = jax.jit(f)
+        jax.block_until_ready(g(jnp.ones((64, 64), jnp.float32), w))
+        keep.append(g)
+    return keep
+
+
 def mosaic_kernels(n: int, offset: int, interpret: bool) -> list[Any]:
     """n distinct Mosaic GPU kernels, compiled, loaded and run once: the project's decode GEMM
     kernel at n different output widths (each width is its own kernel, so its own GPU module)."""
@@ -59,10 +77,12 @@ def mosaic_kernels(n: int, offset: int, interpret: bool) -> list[Any]:
     return keep
 
 
-def decode_variants(engine: Any, buckets: list[int]) -> None:
+def decode_variants(engine: Any, buckets: list[int], options: dict[str, Any] | None = None) -> list[Any]:
     """The engine's own decode step at more batch buckets (1 and `decode_steps` iterations each, as
     its warm-up makes them): compiled side by side, then run once with inert rows (no KV writes),
-    while the engine is idle. The runner's recompile guard is lifted meanwhile."""
+    while the engine is idle. The runner's recompile guard is lifted meanwhile. With `options`
+    (XLA compile options, e.g. command buffers off) each variant is compiled with them outside the
+    runner's caches instead; the compiled programs are returned to be kept alive."""
     from kestrel_jax.serving import batch as bt
 
     worker = engine._worker
@@ -70,6 +90,15 @@ def decode_variants(engine: Any, buckets: list[int]) -> None:
     pages = runner.max_pages_per_seq
     calls = [("decode", (*bt.empty_decode(b, pages), None, k)) for b in buckets
              for k in sorted({1, worker.config.decode_steps})]
+    if options is not None:
+        keep = []
+        for _, (ints, floats, prev, k) in calls:
+            args = (runner.lm_params, runner.cache, ints, floats, runner._feed(prev))
+            compiled = runner._decode_fn(k).jitted.lower(*args).compile(compiler_options=options)
+            runner.cache, outs, _ = compiled(*args)  # the KV pool is donated, as in runner.decode
+            jax.block_until_ready(outs)
+            keep.append(compiled)
+        return keep
     runner.unfreeze()
     try:
         runner.compile_ahead(calls, worker.config.compile_threads)
@@ -77,6 +106,7 @@ def decode_variants(engine: Any, buckets: list[int]) -> None:
             jax.block_until_ready(runner.decode(ints, floats, prev, k))
     finally:
         runner.freeze()
+    return []
 
 
 async def main(a: argparse.Namespace) -> dict[str, Any]:
@@ -102,15 +132,28 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     keep: list[Any] = first
     plan: list[tuple[str, Any, Any]] = [("base", 0, 0)]
     plan += [("decode", [int(b) for b in g.split(",")], None) for g in a.decode_buckets]
+    plan += [("decode-nocb", [int(b) for b in g.split(",")], None) for g in a.decode_buckets_nocb]
+    plan += [("graph", n, None) for n in a.graph] + [("release", None, None)] * bool(a.graph)
     plan += [("xla", n, 0) for n in a.xla] + [("mosaic", 0, n) for n in a.mosaic]
-    xla_total = mosaic_total = 0
+    xla_total = mosaic_total = graph_total = 0
     extra_buckets: list[int] = []
+    graphs: list[Any] = []
     try:
         for name, nx, nm in plan:
             t1 = time.perf_counter()
-            if name == "decode":
-                decode_variants(engine, nx)
+            if name in ("decode", "decode-nocb"):
+                opts = {"xla_gpu_enable_command_buffer": ""} if name == "decode-nocb" else None
+                keep += decode_variants(engine, nx, opts)
                 extra_buckets += nx
+                nx, nm = xla_total, mosaic_total
+            elif name == "graph":
+                graphs += graph_programs(nx - graph_total, graph_total, a.graph_depth)
+                graph_total = nx
+                nx, nm = xla_total, mosaic_total
+            elif name == "release":  # the graph programs dropped again: is the state reversible?
+                graphs.clear()  # (not jax.clear_caches: the engine's own steps would recompile)
+                gc.collect()
+                graph_total = 0
                 nx, nm = xla_total, mosaic_total
             if nx > xla_total:
                 keep += xla_programs(nx - xla_total, xla_total)
@@ -123,7 +166,8 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
             for _ in range(a.repeats):
                 w1 = await bench.w1()
                 reps.append(w1["summary"]["decode_tok_s_per_seq_p50"])
-            stage = {"stage": name, "extra_decode_buckets": list(extra_buckets), "extra_xla_programs": xla_total,
+            stage = {"stage": name, "extra_decode_buckets": list(extra_buckets), "extra_graph_programs": graph_total,
+                     "extra_xla_programs": xla_total,
                      "extra_mosaic_kernels": mosaic_total,
                      "load_s": round(load_s, 1), "w1_tok_s": reps}
             res["stages"].append(stage)
@@ -149,6 +193,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decode-buckets", nargs="*", default=[],
                     help="groups of extra decode buckets loaded per stage, first (e.g. 2,4 8,16 32,48,64); "
                          "the engine must have output rows for the largest (mixed_decode_buckets=64)")
+    ap.add_argument("--decode-buckets-nocb", nargs="*", default=[],
+                    help="groups of extra decode buckets loaded per stage after --decode-buckets, compiled "
+                         "with XLA command buffers off")
+    ap.add_argument("--graph", type=int, nargs="*", default=[],
+                    help="cumulative extra command-buffer programs (--graph-depth GEMMs and fusions each) per stage, "
+                         "then a stage with them released")
+    ap.add_argument("--graph-depth", type=int, default=20, help="GEMMs (and fusions) per command-buffer program")
     ap.add_argument("--xla", type=int, nargs="*", default=[64], help="cumulative extra XLA programs per stage")
     ap.add_argument("--mosaic", type=int, nargs="*", default=[24, 48, 96],
                     help="cumulative extra Mosaic GPU kernels per stage (after the XLA stages)")

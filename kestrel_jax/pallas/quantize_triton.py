@@ -9,13 +9,14 @@ decode (the dense regime's 4,096 block rows of 1,024) 11.3 us per MoE layer in t
 
 `quantize_rows_kernel` reads each row once: a program takes `rows_per_program` rows (each through
 an optional row index: the gather), holds them in registers, and writes the e4m3 row and its
-scale. Its results are `quantize_rows(x if idx is None else x[idx])`'s, with one difference on
-the GPU: Triton lowers a float32 division to the 2-ulp `div.full.f32` where XLA divides exactly,
-so a value whose quotient lies within two float32 ulps of an e4m3 rounding boundary (about one in
-2^19 values) may round to the neighbouring code, and the scale may differ in its last bit.
-Interpreted (CPU), the results are identical. On the H100 (`tools/check_quantize_kernel.py`,
-thirteenth session) no such difference occurred: 136 million codes at the MoE layer's shapes, all
-equal to XLA's, scales identical.
+scale. Its results are `quantize_rows(x if idx is None else x[idx])`'s (values times the
+reciprocal of the scale, as there), with one possible difference on the GPU: Triton lowers a
+float32 division (here the reciprocal) to the 2-ulp `div.full.f32` where XLA divides exactly, so a
+value whose product lies within a few float32 ulps of an e4m3 rounding boundary (about one in 2^19
+values) may round to the neighbouring code. Interpreted (CPU), the results are identical. On the
+H100 (`tools/check_quantize_kernel.py`, thirteenth session, with the quotient then written as a
+division) no such difference occurred: 136 million codes at the MoE layer's shapes, all equal to
+XLA's, scales identical.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def _kernel(*refs, rows_per_program: int, gather: bool, num_src: int):
     for o, v in zip(outs, vals, strict=True):
         amax = jnp.max(jnp.abs(v))
         scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-        q_ref[o, :] = jnp.clip(v / scale, -FP8_MAX, FP8_MAX).astype(q_ref.dtype)
+        inv = 1.0 / scale  # times the reciprocal, as `quantize_rows`
+        q_ref[o, :] = jnp.clip(v * inv, -FP8_MAX, FP8_MAX).astype(q_ref.dtype)
         s_ref[o] = scale
 
 
