@@ -492,6 +492,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         info.update(cases=cases, ceilings=ceil, skipped_over_budget=skipped, wall_s=round(time.time() - t_start, 1))
         return info
 
+    if args.splits_sweep:  # call times (the split merge included) of small batches by split count
+        variants = {"default": {}, **{f"splits={n}": {"num_splits": n} for n in (1, 2, 3, 4, 6, 8)}}
+        for b, kv in [(1, 740), (1, 1024), (1, 1250), (2, 740), (2, 1250), (4, 740), (4, 1250)]:
+            emit(functools.partial(bench_decode, rng, b, kv, page, fp8, variants, iters, cpu, kernel_kw, ks, vs),
+                 f"decode splits {b}x{kv}", optional=True)
+        print_summary(cases, ceil)
+        info.update(cases=cases, ceilings=ceil, skipped_over_budget=skipped, wall_s=round(time.time() - t_start, 1))
+        return info
+
     if args.page_sweep:  # kernels only, at each page size
         for p in (16, 32, 64, 128):
             for b, kv in [(1, 740), (8, 512), (32, 128), (64, 2048)]:
@@ -560,6 +569,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="write results as JSON here")
     p.add_argument("--quick", action="store_true", help="a few cases (smoke run on the GPU)")
+    p.add_argument("--splits-sweep", action="store_true",
+                   help="only: decode call times at batches 1-4 by KV split count (merge included)")
     p.add_argument("--page-sweep", action="store_true", help="only: the kernels at page sizes 16, 32, 64, 128")
     p.add_argument("--targets", action="store_true",
                    help="the issue's target cases, every prefill case and the tuning sweeps (not the full decode grid)")

@@ -22,13 +22,13 @@ per tile *row*: row r keeps its own running (max, sum, acc) for keys r, r + 64, 
 which keeps the inner loop free of cross-warp traffic; the 64 row states are merged once at
 the end (the only cross-warp reduction). Only a sequence's last tile is masked. With
 splits > 1 the CTAs write (o, log2-sum-exp) partials and a small XLA fusion merges them.
-Defaults: splits only when B * Hkv < 132 (aiming at ~2 CTAs per SM), depth 8 when the grid is
+Defaults: splits only when B * Hkv < 132 (at most one CTA per SM), depth 8 when the grid is
 under two CTAs per SM, else 4 (both capped by the tiles a split can have).
 
 Predicted H100 SXM times (HBM ~3.35 TB/s peak, ~3.0 TB/s copy; per-CTA fixed cost ~2-3 us:
 kv_len and page-table loads, first TMA round trip, final merge), FP8 pool, page 64, defaults:
-  B=1   KV 740 : 3 MB,   6 splits x 32 CTAs x 2 tiles   -> ~4 us + ~2 us merge   (Kestrel 9.6)
-  B=4   KV 740 : 12 MB,  3 splits x 128 CTAs x 4 tiles  -> ~4 us + ~2 us merge   (Kestrel 17.1)
+  B=1   KV 740 : 3 MB,   4 splits x 32 CTAs x 3 tiles   -> ~4 us + ~1.4 us merge (Kestrel 9.6)
+  B=4   KV 740 : 12 MB,  128 CTAs x 12 tiles, no merge  -> ~8 us                 (Kestrel 17.1)
   B=8   KV 512 : 17 MB,  256 CTAs x 8 tiles, depth 8    -> ~5-6 us               (Kestrel 10.0)
   B=32  KV 128 : 17 MB,  1024 CTAs x 2 tiles            -> ~6-7 us               (Kestrel 11.8)
   B=64  KV 2048: 537 MB, 2048 CTAs x 32 tiles           -> ~200-220 us (80-90% of copy BW)
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -177,11 +178,20 @@ def decode_attention_kernel_supported(q: jax.Array, k_pages: jax.Array, page_tab
 
 
 def default_num_splits(batch: int, n_kv_heads: int, max_tiles: int, num_sms: int = _NUM_SMS) -> int:
-    """Split the KV range only when (batch x heads) CTAs leave most SMs idle."""
+    """Split the KV range only when (batch x heads) CTAs leave most SMs idle, and then into at most
+    one CTA per SM. (Until the fifteenth session ~2 CTAs per SM: at MD3's 32 heads and 740 tokens,
+    H100 kernel times B=1: 6 splits 5.2 us, 2 splits 4.9; B=4: 3 splits 9.4 us, 1 split 8.3 with no
+    merge after it.) KESTREL_JAX_DECODE_SPLITS overrides it for A/B runs: "old" (that rule) or a
+    fixed count."""
+    env = os.environ.get("KESTREL_JAX_DECODE_SPLITS", "")
     ctas = batch * n_kv_heads
+    if env.isdigit() and int(env) > 0:
+        return min(max_tiles, int(env))
     if ctas >= num_sms:
         return 1
-    return max(1, min(max_tiles, -(-2 * num_sms // ctas), 16))
+    if env == "old":
+        return max(1, min(max_tiles, -(-2 * num_sms // ctas), 16))
+    return max(1, min(max_tiles, num_sms // ctas, 16))
 
 
 def own_buffer(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
