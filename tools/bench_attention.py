@@ -493,9 +493,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return info
 
     if args.splits_sweep:  # call times (the split merge included) of small batches by split count
-        variants = {"default": {}, **{f"splits={n}": {"num_splits": n} for n in (1, 2, 3, 4, 6, 8)}}
+        split_variants = {"default": {}, **{f"splits={n}": {"num_splits": n} for n in (1, 2, 3, 4, 6, 8)}}
         for b, kv in [(1, 740), (1, 1024), (1, 1250), (2, 740), (2, 1250), (4, 740), (4, 1250)]:
-            emit(functools.partial(bench_decode, rng, b, kv, page, fp8, variants, iters, cpu, kernel_kw, ks, vs),
+            emit(functools.partial(bench_decode, rng, b, kv, page, fp8, split_variants, iters, cpu, kernel_kw, ks, vs),
                  f"decode splits {b}x{kv}", optional=True)
         print_summary(cases, ceil)
         info.update(cases=cases, ceilings=ceil, skipped_over_budget=skipped, wall_s=round(time.time() - t_start, 1))
