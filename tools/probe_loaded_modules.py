@@ -77,12 +77,14 @@ def mosaic_kernels(n: int, offset: int, interpret: bool) -> list[Any]:
     return keep
 
 
-def decode_variants(engine: Any, buckets: list[int], options: dict[str, Any] | None = None) -> list[Any]:
+def decode_variants(engine: Any, buckets: list[int], options: dict[str, Any] | None = None,
+                    run: bool = True) -> list[Any]:
     """The engine's own decode step at more batch buckets (1 and `decode_steps` iterations each, as
     its warm-up makes them): compiled side by side, then run once with inert rows (no KV writes),
     while the engine is idle. The runner's recompile guard is lifted meanwhile. With `options`
     (XLA compile options, e.g. command buffers off) each variant is compiled with them outside the
-    runner's caches instead; the compiled programs are returned to be kept alive."""
+    runner's caches instead; the compiled programs are returned to be kept alive. `run=False`:
+    compiled only (XLA's autotuning runs its candidates on the GPU then, the program does not)."""
     from kestrel_jax.serving import batch as bt
 
     worker = engine._worker
@@ -102,11 +104,36 @@ def decode_variants(engine: Any, buckets: list[int], options: dict[str, Any] | N
     runner.unfreeze()
     try:
         runner.compile_ahead(calls, worker.config.compile_threads)
-        for _, (ints, floats, prev, k) in calls:
+        for _, (ints, floats, prev, k) in calls if run else []:
             jax.block_until_ready(runner.decode(ints, floats, prev, k))
     finally:
         runner.freeze()
     return []
+
+
+def reload_base(engine: Any, keep: list[Any]) -> bool:
+    """Load the engine's own 1-row decode steps again as new executables (from the export and
+    compile caches; the old ones kept alive): is the slow state tied to programs loaded before
+    the trigger? Returns whether both were replaced."""
+    from kestrel_jax.serving import batch as bt
+    from kestrel_jax.serving.export_cache import _quick_sig
+
+    worker = engine._worker
+    runner = worker.runner
+    ints, floats = bt.empty_decode(1, runner.max_pages_per_seq)
+    sig = _quick_sig((runner.lm_params, runner.cache, ints, floats, runner._feed(None)))
+    replaced = True
+    runner.unfreeze()
+    try:
+        for k in sorted({1, worker.config.decode_steps}):
+            step = runner._decode_fn(k)
+            old = step._variants.pop(sig, None)
+            keep.append(old)
+            jax.block_until_ready(runner.decode(ints, floats, None, k))
+            replaced &= old is not None and all(v is not old for v in step._variants.values())
+    finally:
+        runner.freeze()
+    return replaced
 
 
 async def main(a: argparse.Namespace) -> dict[str, Any]:
@@ -132,7 +159,11 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     keep: list[Any] = first
     plan: list[tuple[str, Any, Any]] = [("base", 0, 0)]
     plan += [("decode", [int(b) for b in g.split(",")], None) for g in a.decode_buckets]
+    compiled_only = [[int(b) for b in g.split(",")] for g in a.decode_buckets_compile]
+    plan += [("decode-compile", g, None) for g in compiled_only]
+    plan += [("decode", sum(compiled_only, []), None)] * bool(compiled_only)
     plan += [("decode-nocb", [int(b) for b in g.split(",")], None) for g in a.decode_buckets_nocb]
+    plan += [("reload-base", None, None)] * a.reload_base
     plan += [("graph", n, None) for n in a.graph] + [("release", None, None)] * bool(a.graph)
     plan += [("xla", n, 0) for n in a.xla] + [("mosaic", 0, n) for n in a.mosaic]
     xla_total = mosaic_total = graph_total = 0
@@ -141,10 +172,13 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     try:
         for name, nx, nm in plan:
             t1 = time.perf_counter()
-            if name in ("decode", "decode-nocb"):
+            if name in ("decode", "decode-nocb", "decode-compile"):
                 opts = {"xla_gpu_enable_command_buffer": ""} if name == "decode-nocb" else None
-                keep += decode_variants(engine, nx, opts)
-                extra_buckets += nx
+                keep += decode_variants(engine, nx, opts, run=name != "decode-compile")
+                extra_buckets += [b for b in nx if b not in extra_buckets]
+                nx, nm = xla_total, mosaic_total
+            elif name == "reload-base":
+                res["reloaded"] = reload_base(engine, keep)
                 nx, nm = xla_total, mosaic_total
             elif name == "graph":
                 graphs += graph_programs(nx - graph_total, graph_total, a.graph_depth)
@@ -193,12 +227,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decode-buckets", nargs="*", default=[],
                     help="groups of extra decode buckets loaded per stage, first (e.g. 2,4 8,16 32,48,64); "
                          "the engine must have output rows for the largest (mixed_decode_buckets=64)")
+    ap.add_argument("--decode-buckets-compile", nargs="*", default=[],
+                    help="groups of extra decode buckets compiled but not run, per stage, after --decode-buckets; "
+                         "then one more stage runs them all")
     ap.add_argument("--decode-buckets-nocb", nargs="*", default=[],
                     help="groups of extra decode buckets loaded per stage after --decode-buckets, compiled "
                          "with XLA command buffers off")
     ap.add_argument("--graph", type=int, nargs="*", default=[],
                     help="cumulative extra command-buffer programs (--graph-depth GEMMs and fusions each) per stage, "
                          "then a stage with them released")
+    ap.add_argument("--reload-base", action="store_true",
+                    help="after the decode stages, load the engine's 1-row decode steps again and measure")
     ap.add_argument("--graph-depth", type=int, default=20, help="GEMMs (and fusions) per command-buffer program")
     ap.add_argument("--xla", type=int, nargs="*", default=[64], help="cumulative extra XLA programs per stage")
     ap.add_argument("--mosaic", type=int, nargs="*", default=[24, 48, 96],
