@@ -191,6 +191,24 @@ def test_decode_kernel_interpreted(dtype, page, splits, group):
     assert not np.any(as_f32(out)[-1]), "inactive row (kv_len 0) must be zero"
 
 
+def test_default_num_splits_fills_the_sms_once(monkeypatch):
+    """At most one CTA per SM (132 on the H100), never more splits than tiles, none once the
+    batch's heads fill the SMs; KESTREL_JAX_DECODE_SPLITS keeps the older rule and fixed counts."""
+    monkeypatch.delenv("KESTREL_JAX_DECODE_SPLITS", raising=False)
+    assert [pm.default_num_splits(b, 32, 64) for b in (1, 2, 3, 4, 8, 64)] == [4, 2, 1, 1, 1, 1]
+    assert pm.default_num_splits(1, 32, 3) == 3  # capped by the tiles
+    assert pm.default_num_splits(1, 1, 64) == 16  # and by 16
+    for b in range(1, 9):
+        for tiles in (1, 2, 12, 64):
+            n = pm.default_num_splits(b, 32, tiles)
+            assert 1 <= n <= tiles and (n == 1 or b * 32 * n <= 132)
+    monkeypatch.setenv("KESTREL_JAX_DECODE_SPLITS", "old")  # ~2 CTAs per SM
+    assert [pm.default_num_splits(b, 32, 64) for b in (1, 4, 8)] == [9, 3, 1]
+    monkeypatch.setenv("KESTREL_JAX_DECODE_SPLITS", "2")
+    assert [pm.default_num_splits(b, 32, 64) for b in (1, 8)] == [2, 2]
+    assert pm.default_num_splits(1, 32, 1) == 1
+
+
 # ---------------------------------------------------------------------- prefill kernel
 
 # (new tokens, cached tokens, bidirectional prefix) per sequence
