@@ -59,6 +59,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from kestrel_jax.models.config import MoondreamConfig, md2_config, md3_config, tiny_config  # noqa: E402
 
 QUESTION = "What is in this image?"
+
+
 def _shallow(cfg: MoondreamConfig, *, text_layers: int, vision_layers: int) -> MoondreamConfig:
     return dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, n_layers=text_layers),
                                vision=dataclasses.replace(cfg.vision, enc_n_layers=vision_layers)).validate()

@@ -4,9 +4,10 @@ The default decode bucket set (16 decode variants) runs MD3 batch-1 decode ~8% s
 `decode_buckets=1` on the same machine, with the same kernels and kernel times: the GPU idles in
 more, longer gaps between the kernels of a step (session 14, calls 1-2). This probe starts one
 small-bucket engine, measures W1, then loads extra programs that W1 never runs and measures again:
-the engine's own decode step at more batch buckets first, then plain XLA programs, then Mosaic GPU
-kernels (each its own GPU module, as each distinct Pallas Mosaic GPU kernel of the engine's steps
-is), in growing counts.
+the engine's own decode step at more batch buckets first (run, compiled only, or compiled without
+XLA command buffers), optionally its 1-row steps loaded again, then command-buffer programs (and
+their release), plain XLA programs and Mosaic GPU kernels (each its own GPU module, as each
+distinct Pallas Mosaic GPU kernel of the engine's steps is), in growing counts.
 
     PYTHONPATH=. python3 tools/probe_loaded_modules.py --out probe.json [--quick]   (GPU)
 

@@ -184,8 +184,10 @@ def default_num_splits(batch: int, n_kv_heads: int, max_tiles: int, num_sms: int
     merge after it.) KESTREL_JAX_DECODE_SPLITS overrides it for A/B runs: "old" (that rule) or a
     fixed count."""
     env = os.environ.get("KESTREL_JAX_DECODE_SPLITS", "")
+    if env not in ("", "old") and not (env.isdigit() and int(env) > 0):
+        raise ValueError(f"KESTREL_JAX_DECODE_SPLITS must be 'old' or a positive integer, got {env!r}")
     ctas = batch * n_kv_heads
-    if env.isdigit() and int(env) > 0:
+    if env.isdigit():
         return min(max_tiles, int(env))
     if ctas >= num_sms:
         return 1

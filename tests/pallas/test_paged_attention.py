@@ -207,6 +207,10 @@ def test_default_num_splits_fills_the_sms_once(monkeypatch):
     monkeypatch.setenv("KESTREL_JAX_DECODE_SPLITS", "2")
     assert [pm.default_num_splits(b, 32, 64) for b in (1, 8)] == [2, 2]
     assert pm.default_num_splits(1, 32, 1) == 1
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("KESTREL_JAX_DECODE_SPLITS", bad)
+        with pytest.raises(ValueError, match="KESTREL_JAX_DECODE_SPLITS"):
+            pm.default_num_splits(1, 32, 64)
 
 
 # ---------------------------------------------------------------------- prefill kernel
