@@ -7,9 +7,10 @@ the slowest files are handed out first, so that no worker is left running one al
 
 Both workers share one persistent XLA compilation cache for the run (a new temporary folder, removed
 at the end): many files compile the same programs for the same tiny models, and the second compile
-of a program, in either worker, is a load (about 12% of the suite's time on a 2-core CPU). A user's
-JAX_COMPILATION_CACHE_DIR is used instead (and kept). Tests that assert "nothing was compiled" count cache
-loads as compiles (tests/serving/conftest.py), so a shared cache cannot hide a recompile."""
+of a program, in either worker, is a load (6-12% of the suite's time on a 2-core CPU). A user's
+JAX_COMPILATION_CACHE_DIR is used instead (and kept). Tests that assert "nothing was compiled"
+count cache loads as compiles (tests/serving/conftest.py), so a shared cache cannot hide a
+recompile."""
 
 from __future__ import annotations
 
