@@ -12,12 +12,15 @@ distinct Pallas Mosaic GPU kernel of the engine's steps is), in growing counts.
     PYTHONPATH=. python3 tools/probe_loaded_modules.py --out probe.json [--quick]   (GPU)
 
 `--quick` (a tiny model, few tokens, the Pallas interpreter for the kernels) runs on the CPU.
+`--profiler-ranges` marks each stage's first W1 as a CUDA profiler range, so that one nsys run
+(`--capture-range=cudaProfilerApi --capture-range-end=repeat`) captures every stage apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import functools
 import gc
 import json
@@ -137,6 +140,18 @@ def reload_base(engine: Any, keep: list[Any]) -> bool:
     return replaced
 
 
+def profiler(start: bool) -> None:
+    """cuProfilerStart / cuProfilerStop (CUDA driver API): bounds a capture range for an external
+    profiler (`nsys profile --capture-range=cudaProfilerApi --capture-range-end=repeat`)."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise RuntimeError(f"--profiler-ranges needs the CUDA driver (libcuda.so.1): {e}") from e
+    rc = (cuda.cuProfilerStart if start else cuda.cuProfilerStop)()
+    if rc != 0:
+        raise RuntimeError(f"cuProfiler{'Start' if start else 'Stop'} returned CUDA error {rc}")
+
+
 async def main(a: argparse.Namespace) -> dict[str, Any]:
     from kestrel_jax.models.moondream import random_model
     from kestrel_jax.serving.engine import InferenceEngine
@@ -198,8 +213,15 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                 mosaic_total = nm
             load_s = time.perf_counter() - t1
             reps = []
-            for _ in range(a.repeats):
-                w1 = await bench.w1()
+            for i in range(a.repeats):
+                ranged = a.profiler_ranges and i == 0
+                if ranged:
+                    profiler(True)
+                try:
+                    w1 = await bench.w1()
+                finally:
+                    if ranged:
+                        profiler(False)
                 reps.append(w1["summary"]["decode_tok_s_per_seq_p50"])
             stage = {"stage": name, "extra_decode_buckets": list(extra_buckets), "extra_graph_programs": graph_total,
                      "extra_xla_programs": xla_total,
@@ -243,6 +265,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--xla", type=int, nargs="*", default=[64], help="cumulative extra XLA programs per stage")
     ap.add_argument("--mosaic", type=int, nargs="*", default=[24, 48, 96],
                     help="cumulative extra Mosaic GPU kernels per stage (after the XLA stages)")
+    ap.add_argument("--profiler-ranges", action="store_true",
+                    help="bound each stage's first W1 measurement with cuProfilerStart/Stop, for an nsys "
+                         "capture of every stage (GPU only)")
     ap.add_argument("--trace-dir", default=None, help="after the stages, a trace of batch-1 decode (idle gaps)")
     ap.add_argument("--w1-tokens", type=int, default=512)
     ap.add_argument("--w1-reps", type=int, default=3)
