@@ -42,24 +42,32 @@ def golden_dir() -> Path:
 # Files that share session-scoped fixtures (tests/serving/conftest.py's engine): one worker runs them.
 SHARED = {"serving/test_engine.py": "serving/test_engine.py+test_server.py",
           "serving/test_server.py": "serving/test_engine.py+test_server.py"}
-# The slowest files (a minute or more each on a 2-core CPU), slowest first; the others follow in
-# collection order. A worker takes the next file when it is done with one.
+# The slowest files (20 s or more of summed test time each on a 2-core CPU, with the shared compile
+# cache), slowest first: longest first keeps the two workers' totals within ~10 s of each other
+# (replaying three session-16 runs' file times: 40-58 s less wall time than the order before). The
+# others follow in collection order. A worker takes the next file when it is done with one.
 SLOW_FIRST = (
+    "pallas/test_moe.py",
     "serving/test_engine.py",
     "serving/test_server.py",
-    "pallas/test_moe.py",
-    "test_cli.py",
     "models/test_parity.py",
-    "serving/test_engine_paths.py",
-    "serving/test_vision_thread.py",
-    "serving/test_runner_vision.py",
-    "serving/test_vision_batches.py",
     "serving/test_runner_mixed.py",
     "pallas/test_paged_attention.py",
+    "serving/test_export_cache.py",
+    "test_cli.py",
+    "serving/test_engine_paths.py",
     "pallas/test_sampling.py",
-    "models/test_generate.py",
+    "serving/test_vision_batches.py",
     "tools/test_benchmark.py",
     "models/test_loader.py",
+    "models/test_decode_fusion.py",
+    "models/test_generate.py",
+    "pallas/test_qkv_epilogue.py",
+    "serving/test_vision_thread.py",
+    "models/test_device_crops.py",
+    "pallas/test_decode_residual.py",
+    "serving/test_runner_vision.py",
+    "models/test_dense_prefill_split.py",
 )
 TESTS = REPO / "tests"
 
