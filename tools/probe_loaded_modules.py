@@ -26,6 +26,7 @@ import gc
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -147,9 +148,20 @@ def profiler(start: bool) -> None:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError as e:
         raise RuntimeError(f"--profiler-ranges needs the CUDA driver (libcuda.so.1): {e}") from e
-    rc = (cuda.cuProfilerStart if start else cuda.cuProfilerStop)()
-    if rc != 0:
-        raise RuntimeError(f"cuProfiler{'Start' if start else 'Stop'} returned CUDA error {rc}")
+    # The calls act on the calling thread's current context: make it device 0's primary context,
+    # the one XLA runs in (this thread may have none current).
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    calls: list[tuple[str, Callable[[], int]]] = [
+        ("cuInit", lambda: cuda.cuInit(0)),
+        ("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(dev), 0)),
+        ("cuDevicePrimaryCtxRetain", lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)),
+        ("cuCtxSetCurrent", lambda: cuda.cuCtxSetCurrent(ctx)),
+        ("cuProfilerStart" if start else "cuProfilerStop", cuda.cuProfilerStart if start else cuda.cuProfilerStop),
+    ]
+    for name, call in calls:
+        rc = call()
+        if rc != 0:
+            raise RuntimeError(f"{name} returned CUDA error {rc}")
 
 
 async def main(a: argparse.Namespace) -> dict[str, Any]:
