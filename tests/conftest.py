@@ -104,10 +104,8 @@ def pytest_configure(config: pytest.Config) -> None:
     elif worker_input is None:  # the controller or a single process: the folder's owner
         path = tempfile.mkdtemp(prefix="kestrel_jax_test_cc_")
         config.stash[_OWNED] = path
-    else:
-        path = worker_input.get(CACHE_KEY)
-        if path is None:
-            return
+    else:  # an xdist worker: the controller's folder (pytest_configure_node)
+        path = worker_input[CACHE_KEY]
     config.stash[_CACHE] = path
     import jax
 

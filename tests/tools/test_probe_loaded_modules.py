@@ -2,23 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _tool() -> ModuleType:
-    path = REPO / "tools" / "probe_loaded_modules.py"
-    spec = importlib.util.spec_from_file_location("kjx_probe_loaded_modules", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tools import probe_loaded_modules as tool
 
 
 class FakeDriver:
@@ -34,7 +22,6 @@ class FakeDriver:
 
 
 def test_ranges_bind_the_primary_context_then_start_or_stop(monkeypatch: pytest.MonkeyPatch) -> None:
-    tool = _tool()
     drv = FakeDriver()
     monkeypatch.setattr(tool.ctypes, "CDLL", lambda name: drv)
     tool.profiler(True)
@@ -45,7 +32,6 @@ def test_ranges_bind_the_primary_context_then_start_or_stop(monkeypatch: pytest.
 
 
 def test_driver_errors_are_reported(monkeypatch: pytest.MonkeyPatch) -> None:
-    tool = _tool()
     drv = FakeDriver(fail="cuProfilerStart")
     monkeypatch.setattr(tool.ctypes, "CDLL", lambda name: drv)
     with pytest.raises(RuntimeError, match="cuProfilerStart returned CUDA error 201"):
