@@ -38,6 +38,7 @@ SHAPES = {
     "qkv": (2048, 6144),
     "proj": (2048, 2048),
     "router": (2048, 64),
+    "qkv_router": (2048, 6208),  # an MoE layer's QKV and router products in one launch (decode)
     "dense_qkv_fc1": (2048, 14336),  # dense layers: QKV and fc1 read the same LayerNorm output
     "dense_fc2": (8192, 2048),
     "lm_head": (2048, 51200),
@@ -59,6 +60,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 # label -> relative K split of the Pallas kernel (kestrel_jax/pallas/gemv_mgpu.py): 1 = its default
 GEMV_VARIANTS = {"gemv": 1.0, "gemv_splits/2": 0.5, "gemv_splits*2": 2.0}
+# label -> TMA ring depth of the rows kernel (`gemv_mgpu.gemv_rows`: no split, finished bf16 rows)
+GEMV_ROWS_VARIANTS = {"gemv_rows": gemv_mgpu.ROWS_STAGES, "gemv_rows_st4": 4, "gemv_rows_st6": 6,
+                      "gemv_rows_st12": 12, "gemv_rows_st16": 16}
+ALL_VARIANTS = [*VARIANTS, *GEMV_VARIANTS, *GEMV_ROWS_VARIANTS]
 
 
 def measure(f, args, iters: int) -> tuple[float, dict[str, float], int]:
@@ -89,8 +94,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8], help="activation rows (decode batch)")
     p.add_argument("--layers", type=int, default=24, help="distinct weight matrices per timed call")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {','.join(SHAPES)}")
-    p.add_argument("--variants", default=",".join([*VARIANTS, *GEMV_VARIANTS]),
-                   help=f"comma list of {','.join([*VARIANTS, *GEMV_VARIANTS])}")
+    p.add_argument("--variants", default=",".join(ALL_VARIANTS), help=f"comma list of {','.join(ALL_VARIANTS)}")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--budget-s", type=float, default=400.0, help="stop starting new cases after this")
     p.add_argument("--out", default=None)
@@ -114,7 +118,13 @@ def main() -> None:
                     continue
                 row: dict[str, Any] = {"gemm": name, "M": m, "K": K, "N": N, "variant": label, "layers": n_layers}
                 try:
-                    if label in GEMV_VARIANTS:
+                    if label in GEMV_ROWS_VARIANTS:
+                        st = GEMV_ROWS_VARIANTS[label]
+                        row["stages"] = st
+                        # outputs stay padded to 8 rows, as the model takes them (no slice kernel)
+                        f = jax.jit(lambda x, w, st=st: [gemv_mgpu.gemv_rows(x, w[i], None, stages=st)[0]
+                                                         for i in range(w.shape[0])])
+                    elif label in GEMV_VARIANTS:
                         sp = max(1, int(gemv_mgpu.default_splits(K, N) * GEMV_VARIANTS[label]))
                         sp = min(sp, K // gemv_mgpu.BLOCK_K)
                         row["splits"] = sp
@@ -124,7 +134,7 @@ def main() -> None:
                         f = jax.jit(lambda x, w: [x @ w[i] for i in range(w.shape[0])],
                                     compiler_options=VARIANTS[label] or None)
                     ref = (x.astype(jnp.float32) @ ws[0].astype(jnp.float32))
-                    out0 = f(x, ws)[0]
+                    out0 = f(x, ws)[0][:m]
                     row["max_rel_err"] = float(jnp.abs(out0.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
                     us, kernels, launches = measure(f, (x, ws), args.iters)
                     per = us / n_layers

@@ -137,9 +137,10 @@ class Attention(nnx.Module):
     ) -> tuple[jax.Array | ProjParts, jax.Array, jax.Array, jax.Array | None]:
         """-> (output, k_pages, v_pages, router logits or None). With `router` (the MoE layer's,
         which reads the same normalised input), decode on a GPU computes its logits in the QKV
-        product's launch. x may arrive padded past the batch's rows (the decode residual kernel's
-        normalised rows). With `want_parts`, decode on a GPU returns the output projection
-        unreduced (`ProjParts`, for `ops.decode_residual`)."""
+        product's launch (rows past the batch's may follow: x's padding rows' logits). x may
+        arrive padded past the batch's rows (the decode residual kernel's normalised rows). With
+        `want_parts`, decode on a GPU returns the output projection unreduced (`ProjParts`, for
+        `ops.decode_residual`)."""
         cfg = self.cfg
         t = batch.positions.shape[0]
         hd, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -153,6 +154,7 @@ class Attention(nnx.Module):
         if fused is not None:
             q, k_pages, v_pages = fused
         else:
+            u = u[:t]  # the decode GEMM's rows may come padded (`ops.small_linear_pair`)
             q, k, v = qkv_heads_ref(u, batch.positions, tau, n_heads=h, n_kv_heads=hkv, rotary_dim=rot, theta=theta,
                                     aux=aux, gelu=ops.tau_gelu() if aux is None else gelu_erf)
             if aux is not None:
@@ -187,7 +189,7 @@ class Attention(nnx.Module):
             pair = ops.small_linear_pair(
                 x, self.qkv.kernel[...], self.qkv.bias[...] if self.qkv.bias is not None else None,
                 router.kernel[...], router.bias[...] if router.bias is not None else None, max_rows=qkv_kernel_rows(),
-                rows=t)
+                rows=t, padded_ok=True)
             if pair is not None:
                 return pair
         y = self._linear(self.qkv, x, qkv_kernel_rows(), rows=t) if decode else None

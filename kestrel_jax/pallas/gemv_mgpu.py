@@ -20,6 +20,11 @@ session, 24 cold weights, us per GEMM with the split-sum as its own kernel: proj
 bigger dense-layer and LM-head products stream at 73-92% of copy bandwidth, below XLA's 79-100%.
 MD3 batch-1 decode 539 -> 557 tok/s with it, 572 with the router product riding in the QKV
 launch (`gemv_pair`).
+
+`gemv_rows` is the unsplit variant that finishes its rows itself (bias, bf16, [Mp, N] row-major):
+for products whose consumers are kernels, which XLA cannot fuse the split sum into. H100,
+seventeenth session: an MoE layer's QKV + router product at batch 1 in one launch instead of three
+(the pair kernel and XLA's two sums, 40 launches fewer per token); W1 607.0 -> 619.1 tok/s.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ BLOCK_N = 64  # output columns per CTA: the wgmma M of one warpgroup
 BLOCK_K = 64  # weight rows per pipeline step: one 128-byte swizzle row of bf16
 MAX_ROWS = 64  # largest M handled (the wgmma N of the swap-AB product is Mp <= 64 here)
 _NUM_SMS = 132
+_SMEM_LIMIT = 232448  # bytes of dynamic SMEM per block on H100/H200 (what Mosaic checks)
 _SWIZZLE = 128
 # mypy sees these transforms' abstract base; they are concrete at runtime.
 _TRANSFORMS = (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))  # type: ignore[abstract]
@@ -149,6 +155,123 @@ def gemv_partials(
         interpret=_interpret_params(interpret, detect_races),
     )
     return kern(x, w) if w2 is None else kern(x, w, w2)
+
+
+# `gemv_rows`: weight-tile ring depth (9 KB per slot at 8 rows: 64 x 64 bf16 weights + the x tile).
+# H100, seventeenth session, an MoE layer's QKV + router product ([2048, 6208], 24 cold weights,
+# 1 row): 8 stages 10.86 us, 16 stages 11.99, 24 stages 12.25 (`gemv` with its split sum: 11.51).
+ROWS_STAGES = 8
+_OUT_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(_SWIZZLE))  # type: ignore[abstract]
+
+
+def gemv_rows(
+    x: jax.Array,  # [M, K] bf16, M <= 64
+    w1: jax.Array,  # [K, N1] bf16
+    b1: jax.Array | None,  # [N1] bf16
+    w2: jax.Array | None = None,  # [K, N2] bf16: a second product of the same x, same launch
+    b2: jax.Array | None = None,  # [N2] bf16
+    *,
+    stages: int = ROWS_STAGES,
+    interpret: bool = False,
+    detect_races: bool = False,
+) -> tuple[jax.Array, ...]:  # ([Mp, N1] bf16,) or ([Mp, N1], [Mp, N2]); rows >= M are x's padding rows' products
+    """x @ w + b as finished bf16 rows, no split sum: one CTA per 64 output columns streams the
+    whole reduction and its epilogue adds the bias and writes rows [Mp, 64] (Mp = M rounded up to 8,
+    as the decode GEMM's and the MoE block's row tile). The rounding is `gemv`'s: the f32 product
+    rounded to bf16, the bias added in bf16. For consumers that are kernels (the decode QKV
+    epilogue, the routing tables): XLA cannot fuse `gemv`'s split sum into them, so it ran as two
+    launches of its own per layer."""
+    ws = (w1,) if w2 is None else (w1, w2)
+    bs = (b1,) if w2 is None else (b1, b2)
+    for ww, bb in zip(ws, bs, strict=True):
+        if not gemv_supported(x, ww):
+            raise ValueError(f"gemv kernel does not support x {x.shape} {x.dtype}, w {ww.shape} {ww.dtype}")
+        if bb is not None and (bb.shape != (ww.shape[1],) or jnp.dtype(bb.dtype) != jnp.dtype(jnp.bfloat16)):
+            raise ValueError(f"bias {bb.shape} {bb.dtype} does not fit w {ww.shape}: need bf16 [{ww.shape[1]}]")
+    M, K = x.shape
+    N1 = w1.shape[1]
+    mp = -(-M // 8) * 8
+    if mp != M:
+        x = jnp.pad(x, ((0, mp - M), (0, 0)))
+    steps = K // BLOCK_K
+    per_stage = (BLOCK_K * BLOCK_N + mp * BLOCK_K) * 2
+    n_stages = max(1, min(stages, steps, (_SMEM_LIMIT - mp * BLOCK_N * 2 - 2048) // per_stage))
+    n_blocks = sum(ww.shape[1] for ww in ws) // BLOCK_N
+    w_refs_n, b_present = len(ws), [bb is not None for bb in bs]
+
+    def body(x_ref, *refs):
+        w_refs = refs[:w_refs_n]
+        rest = list(refs[w_refs_n:])
+        b_refs = [rest.pop(0) if present else None for present in b_present]
+        o_refs = [rest.pop(0) for _ in ws]
+        w_buf, x_buf, o_smem, bars = rest
+        nb = lax.axis_index("n")
+        n0 = pl.multiple_of(nb * BLOCK_N, BLOCK_N)
+
+        def on_matrix(i, fn):  # run fn(column offset inside matrix i) in the CTAs whose block is in it
+            lo = 0 if i == 0 else N1
+            hi = N1 if (i == 0 and w_refs_n == 2) else lo + ws[i].shape[1]
+            col = pl.multiple_of(jnp.minimum(jnp.maximum(n0 - lo, 0), ws[i].shape[1] - BLOCK_N), BLOCK_N)
+            pl.when((n0 >= lo) & (n0 < hi))(lambda: fn(col))
+
+        def fetch(i, slot):
+            rows = pl.ds(pl.multiple_of(i * BLOCK_K, BLOCK_K), BLOCK_K)
+            for m in range(w_refs_n):
+                on_matrix(m, lambda col, m=m: plgpu.copy_gmem_to_smem(
+                    w_refs[m].at[rows, pl.ds(col, BLOCK_N)], w_buf.at[slot], bars.at[slot]))
+            plgpu.copy_gmem_to_smem(x_ref.at[:, rows], x_buf.at[slot], bars.at[slot])
+
+        for i in range(n_stages):
+            fetch(jnp.int32(i), jnp.int32(i))
+
+        def scope(acc_ref):
+            @pl.loop(0, steps)
+            def _step(i):
+                slot = lax.rem(i, n_stages)
+                plgpu.barrier_wait(bars.at[slot])
+                plgpu.wgmma(acc_ref, w_buf.at[slot].T, x_buf.at[slot].T)  # y^T [64, Mp] += w^T x^T
+                plgpu.wgmma_wait(1)
+
+                @pl.when((i >= 1) & (i - 1 + n_stages < steps))
+                def _refill():
+                    fetch(i - 1 + n_stages, lax.rem(i - 1, n_stages))
+
+            plgpu.wgmma_wait(0)
+            y = acc_ref[...].astype(jnp.bfloat16)
+
+            for m in range(w_refs_n):
+                def store(col, m=m):
+                    r = y
+                    if b_refs[m] is not None:
+                        bias = plgpu.load(b_refs[m].at[pl.ds(col, BLOCK_N)], layout=plgpu.Layout.WGMMA.reduce(1),
+                                          optimized=False)
+                        r = (y.astype(jnp.float32) + lax.broadcast_in_dim(
+                            bias.astype(jnp.float32), (BLOCK_N, mp), [0])).astype(jnp.bfloat16)
+                    o_smem.T[...] = r
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(o_smem, o_refs[m].at[:, pl.ds(col, BLOCK_N)])
+                on_matrix(m, store)
+
+        pl.run_scoped(scope, plgpu.ACC((BLOCK_N, mp), jnp.float32))
+        plgpu.wait_smem_to_gmem(0)
+
+    kern = plgpu.kernel(
+        body,
+        out_type=tuple(jax.ShapeDtypeStruct((mp, ww.shape[1]), jnp.bfloat16) for ww in ws),
+        grid=(n_blocks,),
+        grid_names=("n",),
+        kernel_name="kestrel_gemv_rows",
+        scratch_types=[
+            plgpu.SMEM((n_stages, BLOCK_K, BLOCK_N), x.dtype, transforms=_TRANSFORMS),
+            plgpu.SMEM((n_stages, mp, BLOCK_K), x.dtype, transforms=_TRANSFORMS),
+            plgpu.SMEM((mp, BLOCK_N), jnp.bfloat16, transforms=_OUT_TRANSFORMS),
+            plgpu.Barrier(num_arrivals=2, num_barriers=n_stages),
+        ],
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=_interpret_params(interpret, detect_races),
+    )
+    args = [x, *ws, *[bb for bb in bs if bb is not None]]
+    return tuple(kern(*args))
 
 
 def _summed(parts: jax.Array, rows: int) -> jax.Array:

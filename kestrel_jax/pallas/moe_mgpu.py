@@ -516,7 +516,7 @@ def moe_layer_rows(
     num_valid_tokens: jax.Array | int | None = None,
     config: MoEKernelConfig | None = None,
     interpret: object = None,
-    logits: jax.Array | None = None,  # [T, E]
+    logits: jax.Array | None = None,  # [T, E], or [Nt, E] with padding rows past T
     tokens: int | None = None,  # real rows of x (None: all)
 ) -> ExpertRows | None:
     """The dense regime's expert rows before the weighted sum (`decode_residual.ExpertRows`: the
@@ -541,8 +541,10 @@ def moe_layer_rows(
     if use_tables:
         if logits is None:
             lg = router_logits(x_rows, router_w, router_b, widen=False)
+        elif logits.shape[0] == nt:  # already padded (`gemv_mgpu.gemv_rows`): rows past T are ignored (n_valid)
+            lg = logits.astype(x_rows.dtype)
         else:  # rows past T are padding: the tables ignore them (n_valid)
-            lg = jnp.pad(logits.astype(x_rows.dtype), ((0, nt - T), (0, 0)))
+            lg = jnp.pad(logits[:T].astype(x_rows.dtype), ((0, nt - T), (0, 0)))
         r = route_tables(lg, n_valid, top_k=top_k, block_tokens=nt, num_warps=cfg.route_warps or None,
                          interpret=bool(interpret))
     else:

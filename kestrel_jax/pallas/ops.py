@@ -124,14 +124,32 @@ def small_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_rows: i
 
 
 def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None, *,
-                      max_rows: int, rows: int | None = None) -> tuple[jax.Array, jax.Array] | None:
+                      max_rows: int, rows: int | None = None,
+                      padded_ok: bool = False) -> tuple[jax.Array, jax.Array] | None:
     """(`x @ w1 + b1`, `x @ w2 + b2`) from one decode GEMM launch, under the same conditions as
-    `small_linear`; None otherwise."""
+    `small_linear`; None otherwise. With `padded_ok` (callers whose consumers are kernels that take
+    padded rows) and `gemv_rows_wanted()`, the two products come back as finished rows padded to
+    x's row tile (`gemv_mgpu.gemv_rows`: rows >= `rows` belong to padding rows of x) instead of
+    being summed from split partials by XLA."""
     if not _gemv_usable(x, max_rows, w1, w2, rows=rows):
         return None
     from kestrel_jax.pallas import gemv_mgpu as kern
 
-    return _jitted(kern.gemv_pair, ("rows",))(x, w1.astype(x.dtype), b1, w2.astype(x.dtype), b2, rows=rows)
+    w1c, w2c = w1.astype(x.dtype), w2.astype(x.dtype)
+    if padded_ok and gemv_rows_wanted() and all(
+            b is None or (b.shape == (w.shape[1],) and jnp.dtype(b.dtype) == jnp.dtype(jnp.bfloat16))
+            for b, w in ((b1, w1c), (b2, w2c))):
+        y1, y2 = _jitted(kern.gemv_rows)(x, w1c, b1, w2c, b2)
+        return y1, y2
+    return _jitted(kern.gemv_pair, ("rows",))(x, w1c, b1, w2c, b2, rows=rows)
+
+
+def gemv_rows_wanted() -> bool:
+    """Whether an MoE layer's decode QKV and router products come from `gemv_mgpu.gemv_rows`
+    (finished bf16 rows read by the QKV epilogue and routing-table kernels as they are) rather than
+    `gemv_pair` (split partials that XLA sums in two launches of its own before those kernels).
+    KESTREL_JAX_GEMV_ROWS=0 (read at trace time) keeps `gemv_pair` for A/B runs."""
+    return os.environ.get("KESTREL_JAX_GEMV_ROWS", "1") != "0"
 
 
 def small_linear_parts(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_rows: int,
@@ -255,9 +273,11 @@ def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: ja
         return None
     from kestrel_jax.pallas import qkv_epilogue as kern
 
-    if tau is not None and u.shape[0] > kern.MAX_TAU_ROWS:
+    rows = positions.shape[0]  # u may carry padding rows past them (`gemv_rows`): the kernel reads the first
+    if tau is not None and rows > kern.MAX_TAU_ROWS:
         if os.environ.get("KESTREL_JAX_TAU_FACTORS", "1") == "0":
             return None
+        u = u[:rows]
         # traced only: where the kernel refuses them, the unused factors leave the program
         tau_q, tau_v, _ = kern.tau_factors(u, positions, tau, tau_gelu())
         if kern.decode_qkv_problem(u, k_pages, None, n_heads=n_heads, rotary_dim=rotary_dim,

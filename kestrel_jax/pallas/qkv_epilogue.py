@@ -230,7 +230,7 @@ def _kernel(u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: i
 
 @functools.partial(jax.jit, static_argnames=("n_heads", "rotary_dim", "theta", "interpret", "num_warps"))
 def decode_qkv_kernel(
-    u: jax.Array,  # [M, (H + 2 Hkv) * Dh] bf16 / f32 fused QKV product (bias included)
+    u: jax.Array,  # [>= M, (H + 2 Hkv) * Dh] bf16 / f32 fused QKV product (bias included); rows >= M unread
     positions: jax.Array,  # [M] int32
     slots: jax.Array,  # [M] int32 flat KV slot; < 0 = padding row (q computed, nothing written)
     k_pages: jax.Array,  # [P, Hkv, S, Dh] float8_e4m3fn / bf16
@@ -253,7 +253,10 @@ def decode_qkv_kernel(
     problem = decode_qkv_problem(u, k_pages, tau, n_heads=n_heads, rotary_dim=rotary_dim, factors=factors)
     if problem is not None:
         raise ValueError(f"decode_qkv_kernel: {problem}")
-    M, N = u.shape
+    M, N = positions.shape[0], u.shape[1]  # u may have padding rows past the M decode rows
+    if u.shape[0] < M or slots.shape != positions.shape:
+        raise ValueError(f"decode_qkv_kernel: u has {u.shape[0]} rows, positions {positions.shape}, "
+                         f"slots {slots.shape}: need [M] positions and slots and at least M rows of u")
     _, n_kv, _, dh = k_pages.shape
     inv = jnp.asarray(rope_inv_freq(rotary_dim, theta))
     scales = [jnp.asarray(s, jnp.float32).reshape(1) for s in (k_scale, v_scale)]

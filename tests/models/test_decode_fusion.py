@@ -118,3 +118,57 @@ def test_default_decode_keeps_the_unfused_path(stand_ins: list[str], monkeypatch
     with ops.use_backend("kernel"):
         model(jnp.ones((1, cfg.dim), jnp.float32), batch, cache)
     assert stand_ins == []
+
+
+def test_padded_qkv_rows_reach_the_epilogue_and_router_unsliced(stand_ins: list[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default decode path with the decode GEMM's rows kernel (`gemv_mgpu.gemv_rows`): its
+    outputs come padded to the row tile and go to the QKV epilogue kernel (interpreted here) as
+    they are. A stand-in fills the padding rows with NaN: the hidden states stay finite and match
+    the reference path as closely as with the split-partials kernel (`KESTREL_JAX_GEMV_ROWS=0`)."""
+    from kestrel_jax.pallas import qkv_epilogue
+
+    monkeypatch.delenv("KESTREL_JAX_DECODE_RESIDUAL")
+    monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
+    calls: list[tuple[int, ...]] = []
+
+    def rows(x, w1, b1, w2=None, b2=None, **_):
+        mp = -(-x.shape[0] // 8) * 8
+        out = []
+        for w, b in ((w1, b1), (w2, b2)):
+            y = (x.astype(jnp.float32) @ w.astype(jnp.float32)).astype(x.dtype)
+            y = y if b is None else y + b
+            out.append(jnp.concatenate([y, jnp.full((mp - x.shape[0], w.shape[1]), jnp.nan, y.dtype)]))
+        calls.append(tuple(o.shape[0] for o in out))
+        return tuple(out)
+
+    monkeypatch.setattr(gemv_mgpu, "gemv_rows", rows)
+    real_qkv = qkv_epilogue.decode_qkv_kernel
+    monkeypatch.setattr(qkv_epilogue, "decode_qkv_kernel", lambda *a, **kw: real_qkv(*a, **kw, interpret=True))
+    model = random_model(tiny_config("md3"), dtype=jnp.bfloat16, std=0.05).text
+    cfg = model.cfg
+    rng = np.random.default_rng(7)
+    pool = init_kv_pool(cfg.n_layers, PAGES, PAGE, cfg.n_kv_heads, cfg.head_dim, jnp.bfloat16)
+    cache = KVCache(tuple(jnp.asarray(rng.standard_normal(k.shape), jnp.bfloat16) for k, _ in pool),
+                    tuple(jnp.asarray(rng.standard_normal(v.shape), jnp.bfloat16) for _, v in pool),
+                    jnp.ones(cfg.n_layers), jnp.ones(cfg.n_layers))
+    x = jnp.asarray(rng.standard_normal((1, cfg.dim)), jnp.bfloat16)
+    table = jnp.asarray(rng.permutation(PAGES)[:MAXP], jnp.int32)[None]
+    positions = jnp.array([100], jnp.int32)
+    slots = table[0, 1:2] * PAGE + 100 % PAGE
+    batch = AttentionBatch(positions, slots, positions + 1, table)
+    with ops.use_backend("reference"):
+        want = np.asarray(model(x, batch, cache)[0].astype(jnp.float32))
+    results, traced = {}, {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS", switch)
+        ops._jitted.cache_clear()
+        with ops.use_backend("kernel"):
+            results[switch] = np.asarray(model(x, batch, cache)[0].astype(jnp.float32))
+        traced[switch] = len(calls)
+    # traced (once: the MoE layers share one jitted call) with the switch on only
+    assert calls == [(8, 8)] and traced == {"1": 1, "0": 1}
+    scale = np.abs(want).max()
+    err_rows, err_pair = (np.abs(results[s] - want).max() for s in ("1", "0"))
+    assert np.isfinite(results["1"]).all()
+    assert err_rows <= 2.0**-6 * scale and err_pair <= 2.0**-6 * scale, (err_rows, err_pair, scale)

@@ -55,6 +55,50 @@ def test_gemv_pair_equals_the_two_products():
         jax.eval_shape(g.gemv_pair, x, w1, b1, jnp.zeros((256, 96), BF16), None)  # N2 not a multiple of 64
 
 
+@pytest.mark.parametrize("M,N1,N2,bias", [(1, 192, 64, True), (3, 128, None, True), (8, 64, 128, False)])
+def test_gemv_rows_are_the_single_split_product_padded_to_the_row_tile(M, N1, N2, bias):
+    """Finished bf16 rows from one CTA per column block: bit-identical to `gemv` with one split (the
+    same f32 product, rounded, bias added in bf16), rows padded to 8; padding rows are the
+    products of x's zero padding rows (the bias)."""
+    rng = fresh_rng()
+    K = 256
+    x = jnp.asarray(rng.standard_normal((M, K)), BF16)
+    ws = [jnp.asarray(rng.standard_normal((K, n)) * 0.05, BF16) for n in (N1, N2) if n]
+    bs = [jnp.asarray(rng.standard_normal((w.shape[1],)), BF16) if bias else None for w in ws]
+    args = (x, ws[0], bs[0]) if N2 is None else (x, ws[0], bs[0], ws[1], bs[1])
+    out = jax.jit(functools.partial(g.gemv_rows, stages=3, interpret=True))(*args)
+    assert len(out) == len(ws)
+    one = jax.jit(functools.partial(g.gemv, splits=1, interpret=True))
+    for y, w, b in zip(out, ws, bs, strict=True):
+        assert y.shape == (8, w.shape[1]) and y.dtype == BF16
+        np.testing.assert_array_equal(np.asarray(y[:M].astype(jnp.float32)),
+                                      np.asarray(one(x, w, b).astype(jnp.float32)))
+        pad = np.asarray(y[M:].astype(jnp.float32))
+        np.testing.assert_array_equal(pad, np.broadcast_to(0 if b is None else np.asarray(b.astype(jnp.float32)),
+                                                           pad.shape))
+    with pytest.raises(ValueError, match="bias"):
+        jax.eval_shape(g.gemv_rows, x, ws[0], jnp.zeros((ws[0].shape[1],), jnp.float32))
+
+
+def test_small_linear_pair_hands_padded_rows_only_to_callers_that_take_them(monkeypatch: pytest.MonkeyPatch):
+    x = jnp.ones((1, 128), BF16)
+    w1, w2 = jnp.ones((128, 192), BF16), jnp.ones((128, 64), BF16)
+    b1, b2 = jnp.zeros((192,), BF16), jnp.zeros((64,), BF16)
+
+    def shapes(padded_ok, b=b1):  # traced only: the kernels cannot run un-interpreted on the CPU
+        with ops.use_backend("kernel"):
+            out = jax.eval_shape(lambda: ops.small_linear_pair(x, w1, b, w2, b2, max_rows=1, rows=1,
+                                                               padded_ok=padded_ok))
+        return [o.shape for o in out]
+
+    monkeypatch.delenv("KESTREL_JAX_GEMV_ROWS", raising=False)
+    assert shapes(True) == [(8, 192), (8, 64)]  # gemv_rows: the row tile
+    assert shapes(False) == [(1, 192), (1, 64)]  # gemv_pair: the real rows
+    assert shapes(True, b=jnp.zeros((192,), jnp.float32)) == [(1, 192), (1, 64)]  # not a bf16 bias
+    monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS", "0")  # the A/B switch
+    assert shapes(True) == [(1, 192), (1, 64)]
+
+
 def test_gemv_partials_sum_to_the_product_and_pad_rows_are_zero():
     rng = fresh_rng()
     x = jnp.asarray(rng.standard_normal((5, 256)), BF16)
@@ -129,3 +173,9 @@ def test_gemv_lowers_at_decoder_shapes():
             _SDS((64,), BF16))
     with jax.sharding.use_abstract_mesh(mesh):
         assert "mosaic_gpu" in jax.jit(g.gemv_pair).trace(*pair).lower(lowering_platforms=("cuda",)).as_text()
+    # the same as finished rows, at 1, 8 and 64 rows (the ring shortened to fit SMEM at 64)
+    for M in (1, 8, 64):
+        rows_pair = (_SDS((M, 2048), BF16), *pair[1:])
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(g.gemv_rows).trace(*rows_pair).lower(lowering_platforms=("cuda",)).as_text()
+        assert "kestrel_gemv_rows" in text

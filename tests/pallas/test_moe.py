@@ -490,6 +490,12 @@ def test_moe_layer_uses_precomputed_router_logits(rng):
     logits = router_logits(x, rw, rb, widen=False)
     np.testing.assert_array_equal(run(logits), inside)
     assert not np.array_equal(run(-logits), inside)
+    # padded to the block's rows as the decode GEMM's rows kernel hands them over (`gemv_rows`):
+    # the padding rows (past T, and the token past num_valid) are never routed, whatever they hold
+    nt = cfg.block_tokens
+    assert nt > T
+    padded = jnp.concatenate([logits.at[n_valid:].set(jnp.nan), jnp.full((nt - T, n_experts), jnp.nan, logits.dtype)])
+    np.testing.assert_array_equal(run(padded), inside)
 
 
 def test_expert_rows_of_padded_rows_combine_to_the_layer(rng):

@@ -134,6 +134,24 @@ def test_padding_rows_write_nothing_and_q_is_still_computed():
     np.testing.assert_allclose(as_f32(q), as_f32(q_r), rtol=0, atol=2.0**-6 * np.abs(as_f32(q_r)).max())
 
 
+@pytest.mark.parametrize("tau", [True, False])
+def test_rows_of_u_past_the_decode_rows_are_not_read(tau):
+    """u as the decode GEMM's rows kernel hands it over (padded to 8 rows; `gemv_mgpu.gemv_rows`):
+    the kernel runs the M decode rows of `positions`, and NaN in the padding rows changes nothing."""
+    rng = fresh_rng()
+    M = 3
+    u, positions, slots, (kp, vp), (ks, vs), tw = _case(rng, M, 4, 4, 16, 8, FP8, tau)
+    padded = jnp.concatenate([u, jnp.full((8 - M, u.shape[1]), jnp.nan, u.dtype)])
+    kw = dict(n_heads=4, rotary_dim=8, theta=10000.0, interpret=True)
+    want = qe.decode_qkv_kernel(u, positions, slots, kp, vp, ks, vs, tw, **kw)
+    got = qe.decode_qkv_kernel(padded, positions, slots, kp, vp, ks, vs, tw, **kw)
+    assert got[0].shape == (M, 4, 16)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    with pytest.raises(ValueError, match="at least M rows"):
+        qe.decode_qkv_kernel(u[:2], positions, slots, kp, vp, ks, vs, tw, **kw)
+
+
 def _problem(u, kp, tau, rot=8) -> str:
     return qe.decode_qkv_problem(u, kp, tau, n_heads=4, rotary_dim=rot) or ""
 
