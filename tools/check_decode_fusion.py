@@ -3,7 +3,7 @@
 a filled KV context) with the switch on and off, compared. Prints the largest difference of the
 final hidden states relative to their largest magnitude, per batch size.
 
-  PYTHONPATH=. python3 tools/check_decode_fusion.py --switch KESTREL_JAX_DECODE_RESIDUAL --model md3
+  PYTHONPATH=. python3 tools/check_decode_fusion.py --switch KESTREL_JAX_LN_KERNEL KESTREL_JAX_GEMV_ROWS
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from tools.probe_step_kernels import synthetic_model  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--switch", default="KESTREL_JAX_DECODE_RESIDUAL")
+    ap.add_argument("--switch", nargs="+", default=["KESTREL_JAX_DECODE_RESIDUAL"],
+                    help="one or more switches, each compared on against off (the others at their defaults)")
     ap.add_argument("--model", default="md3", choices=["md2", "md3"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--context", type=int, default=740)
@@ -52,23 +53,31 @@ def main() -> int:
         h, _, _ = nnx.merge(graphdef, state)(x, AttentionBatch(positions, slots, kv_lens, table), cache)
         return h
 
-    res = {"device": jax.devices()[0].device_kind, "switch": a.switch, "model": a.model, "rel_diff": {}}
-    for b in a.batches:
-        x = jnp.asarray(rng.standard_normal((b, t.dim)), jnp.bfloat16)
-        positions = jnp.full((b,), a.context, jnp.int32)
-        table = jnp.arange(b * maxp, dtype=jnp.int32).reshape(b, maxp)
-        slots = table[:, a.context // page] * page + a.context % page
-        outs = {}
-        for val in ("1", "0"):
-            os.environ[a.switch] = val
-            ops._jitted.cache_clear()
-            f = jax.jit(lambda *args: fwd(*args))  # a fresh function: the switch is read at trace time
-            outs[val] = np.asarray(f(state, x, cache, positions, slots, positions + 1, table).astype(jnp.float32))
-        on, off = outs["1"], outs["0"]
-        rel = float(np.abs(on - off).max() / max(np.abs(off).max(), 1e-30))
-        res["rel_diff"][b] = {"max_rel": rel, "finite": bool(np.isfinite(on).all()),
-                              "max_abs_off": float(np.abs(off).max())}
-        print(json.dumps({"batch": b, **res["rel_diff"][b]}), flush=True)
+    res = {"device": jax.devices()[0].device_kind, "model": a.model, "switches": {}}
+    for switch in a.switch:
+        rel_diff: dict[int, dict] = {}
+        res["switches"][switch] = rel_diff
+        before = os.environ.get(switch)
+        for b in a.batches:
+            x = jnp.asarray(rng.standard_normal((b, t.dim)), jnp.bfloat16)
+            positions = jnp.full((b,), a.context, jnp.int32)
+            table = jnp.arange(b * maxp, dtype=jnp.int32).reshape(b, maxp)
+            slots = table[:, a.context // page] * page + a.context % page
+            outs = {}
+            for val in ("1", "0"):
+                os.environ[switch] = val
+                ops._jitted.cache_clear()
+                f = jax.jit(lambda *args: fwd(*args))  # a fresh function: the switch is read at trace time
+                outs[val] = np.asarray(f(state, x, cache, positions, slots, positions + 1, table).astype(jnp.float32))
+            on, off = outs["1"], outs["0"]
+            rel = float(np.abs(on - off).max() / max(np.abs(off).max(), 1e-30))
+            rel_diff[b] = {"max_rel": rel, "finite": bool(np.isfinite(on).all()),
+                           "max_abs_off": float(np.abs(off).max())}
+            print(json.dumps({"switch": switch, "batch": b, **rel_diff[b]}), flush=True)
+        if before is None:
+            os.environ.pop(switch, None)
+        else:
+            os.environ[switch] = before
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return 0

@@ -248,13 +248,14 @@ class MoE(nnx.Module):
                              logits=logits)
 
     def rows(self, x: jax.Array, num_valid: jax.Array | None, logits: jax.Array | None,
-             tokens: int) -> ExpertRows | None:
+             tokens: int, x_f16: jax.Array | None = None) -> ExpertRows | None:
         """The layer's expert rows before the weighted sum (decode on a GPU; x may be padded past
-        `tokens` rows), or None where the kernel path does not produce them."""
+        `tokens` rows, `x_f16` its f16 copy for W8A16 experts), or None where the kernel path does
+        not produce them."""
         router_w = self.router.kernel[...]
         router_b = self.router.bias[...] if self.router.bias is not None else jnp.zeros(router_w.shape[1])
         return ops.moe_layer_rows(x, router_w, router_b, self.experts(), top_k=self.top_k, num_valid_tokens=num_valid,
-                                  logits=logits, tokens=tokens)
+                                  logits=logits, tokens=tokens, x_f16=x_f16)
 
 
 class Block(nnx.Module):
@@ -308,9 +309,20 @@ class TextModel(nnx.Module):
             aux: dict[str, jax.Array] | None = {} if capture else None
             if aux is not None:
                 aux["block_inputs"] = x
+            moe = isinstance(block.mlp, MoE)
+            n16: jax.Array | None = None  # the MoE's f16 operand rows, when the LayerNorm kernel formed them
+            if n_next is None and moe and aux is None and batch.cu_q_lens is None and t <= qkv_kernel_rows():
+                assert isinstance(block.mlp, MoE)
+                ln_rows = ops.decode_moe_layer_norm(x, block.ln.scale[...], block.ln.bias[...], block.mlp.experts(),
+                                                    eps=block.ln.eps, pad_rows=pad_rows)
+                if ln_rows is not None:
+                    n_next, n16 = ln_rows
+                    # x is materialised here anyway (the kernel reads it): the barrier keeps XLA from
+                    # recomputing earlier layers' residual adds inside this layer's (H100: with the
+                    # kernel and no barrier, each residual fusion took ~1.5 us longer).
+                    x = jax.lax.optimization_barrier(x)
             n = block.ln(x) if n_next is None else n_next  # [T or pad_rows, D]
             n_next = None
-            moe = isinstance(block.mlp, MoE)
             # Decode MoE layers on a GPU end in one kernel (`ops.decode_residual`): both residual
             # adds from the unreduced projection and expert rows, and the next layer's LayerNorm.
             fuse = (moe and aux is None and batch.cu_q_lens is None and t <= proj_kernel_rows()
@@ -318,7 +330,9 @@ class TextModel(nnx.Module):
             router = block.mlp.router if isinstance(block.mlp, MoE) else None
             a, ks[i], vs[i], logits = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux,
                                                  router=router, want_parts=fuse)
-            rows = block.mlp.rows(n, batch.num_valid, logits, t) if fuse and isinstance(block.mlp, MoE) else None
+            rows = None
+            if isinstance(block.mlp, MoE) and (fuse or n16 is not None or n.shape[0] != t):
+                rows = block.mlp.rows(n, batch.num_valid, logits, t, x_f16=n16)
             if isinstance(a, ProjParts) and rows is not None:
                 nxt = self.blocks[i + 1].ln if i + 1 < len(self.blocks) else None
                 ln = (nxt.scale[...], nxt.bias[...]) if nxt is not None else None

@@ -187,6 +187,11 @@ def _grouped_gemm(
     max_stages: int,
     staging_buffers: int = 2,
     row_tiles: int = 1,  # down projection (glu=False): 64-row weight tiles per unit
+    # Programmatic dependent launch (H100): `pdl_trigger` lets the next kernel launch while this one
+    # runs; `pdl_wait` makes this kernel read only its block table and weights before waiting for
+    # the previous kernel (see `pdl_wanted`). Off in interpret mode (no CPU lowering).
+    pdl_trigger: bool = False,
+    pdl_wait: bool = False,
     out_dtype: jnp.dtype = jnp.bfloat16,  # bf16, or f16 (saturated at +-65504) for an f16 next GEMM
     interpret: object = None,
 ) -> jax.Array:  # [NB * Nt, N or N/2] out_dtype
@@ -251,22 +256,40 @@ def _grouped_gemm(
             u = cta + i * num_ctas
             return lax.rem(u, nb), lax.div(u, nb)
 
-        def fetch(s):  # issue the TMA loads of global step s into its ring slot
+        def fetch(s, weights=True, tokens=True):  # issue the TMA loads of global step s into its ring slot
             slot = lax.rem(s, stages)
             blk, j = unit(lax.div(s, ks))
             k = lax.rem(s, ks)
-            e = block_info(blk, 0)
-            row = pl.multiple_of(block_info(blk, 1), ROW_ALIGN)
-            for p in range(nparts):
-                plgpu.copy_gmem_to_smem(
-                    w_ref.at[e, pl.ds(w_row(p, j), ROWS), pl.ds(k * tk, tk)],
-                    a_buf.at[slot, p], bar.at[slot])
-            plgpu.copy_gmem_to_smem(b_ref.at[pl.ds(row, nt), pl.ds(k * tk, tk)], b_buf.at[slot],
-                                    bar.at[slot])
+            if weights:
+                e = block_info(blk, 0)
+                for p in range(nparts):
+                    plgpu.copy_gmem_to_smem(
+                        w_ref.at[e, pl.ds(w_row(p, j), ROWS), pl.ds(k * tk, tk)],
+                        a_buf.at[slot, p], bar.at[slot])
+            if tokens:
+                row = pl.multiple_of(block_info(blk, 1), ROW_ALIGN)
+                plgpu.copy_gmem_to_smem(b_ref.at[pl.ds(row, nt), pl.ds(k * tk, tk)], b_buf.at[slot],
+                                        bar.at[slot])
 
-        @pl.loop(0, jnp.minimum(total, stages))
-        def _prologue(s):
-            fetch(s)
+        if pdl_trigger and not interpret:  # the next kernel may launch now (it waits for our results)
+            plgpu.griddepcontrol_launch_dependents()
+        if pdl_wait:
+            # The block table and the weights come from earlier kernels or parameters (never from the
+            # previous kernel, see `pdl_wanted`): their first ring slots fill while it finishes.
+            @pl.loop(0, jnp.minimum(total, stages))
+            def _prologue_weights(s):
+                fetch(s, tokens=False)
+
+            if not interpret:
+                plgpu.griddepcontrol_wait()
+
+            @pl.loop(0, jnp.minimum(total, stages))
+            def _prologue_tokens(s):
+                fetch(s, weights=False)
+        else:
+            @pl.loop(0, jnp.minimum(total, stages))
+            def _prologue(s):
+                fetch(s)
 
         @pl.loop(0, mine)
         def _unit_loop(i):
@@ -426,24 +449,42 @@ def _expert_gemms(
     cfg: MoEKernelConfig,
     n_blocks: int,
     interpret: object,
+    x_f16: jax.Array | None = None,  # x_rows as the W8A16 f16 operand, already formed (dense regime)
 ) -> jax.Array:  # [NB * Nt, D] bf16 expert outputs, block rows
     gemm = functools.partial(_grouped_gemm, block_tokens=cfg.block_tokens, num_out_rows=n_blocks * cfg.block_tokens,
                              num_ctas=cfg.num_ctas, max_stages=cfg.max_stages,
                              staging_buffers=cfg.staging_buffers, interpret=interpret)
+    if pdl_wanted():  # the down GEMM may launch while the up GEMM runs and prefetch its weights
+        up_gemm = functools.partial(gemm, pdl_trigger=True)
+        gemm = functools.partial(gemm, pdl_wait=True)
+    else:
+        up_gemm = gemm
     if experts.is_fp8 and cfg.w8a8:
         xq, xs = _quantize(x_rows, None, interpret)  # per token, before any gather: T rows, not C
         if row_token is not None:
             xq, xs = _gather_rows(xq, row_token), xs[row_token]
-        act = gemm(meta_up, experts.up_w, experts.up_scale, xq, xs, glu=True)  # [NB*Nt, I]
+        act = up_gemm(meta_up, experts.up_w, experts.up_scale, xq, xs, glu=True)  # [NB*Nt, I]
         aq, a_s = _quantize(act, compact_act, interpret)
         return gemm(meta_down, experts.down_w, experts.down_scale, aq, a_s, glu=False, row_tiles=cfg.down_row_tiles)
     b = x_rows if row_token is None else x_rows[row_token]
     f16 = experts.is_fp8 and cfg.f16_operands
-    if f16:
+    if f16 and x_f16 is not None and row_token is None and x_f16.shape == b.shape:
+        b = x_f16
+    elif f16:
         b = jnp.clip(b.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
-    act = gemm(meta_up, experts.up_w, experts.up_scale, b, None, glu=True,
-               out_dtype=jnp.float16 if f16 else jnp.bfloat16)
+    act = up_gemm(meta_up, experts.up_w, experts.up_scale, b, None, glu=True,
+                  out_dtype=jnp.float16 if f16 else jnp.bfloat16)
     return gemm(meta_down, experts.down_w, experts.down_scale, act, None, glu=False, row_tiles=cfg.down_row_tiles)
+
+
+def pdl_wanted() -> bool:
+    """Whether the MoE's two GEMM kernels use programmatic dependent launch (Hopper): the up GEMM
+    lets the next kernel launch as soon as it starts, and the down GEMM, launched that way, loads
+    its block table and first weight tiles before `griddepcontrol.wait` (they come from the routing
+    kernel and the parameters, finished before the up GEMM began; only the activations come from
+    the up GEMM or the quantisation after it). KESTREL_JAX_MOE_PDL=1 (read at trace time) turns it
+    on for A/B runs."""
+    return os.environ.get("KESTREL_JAX_MOE_PDL", "0") == "1"
 
 
 def quantize_kernel_wanted() -> bool:
@@ -518,6 +559,7 @@ def moe_layer_rows(
     interpret: object = None,
     logits: jax.Array | None = None,  # [T, E], or [Nt, E] with padding rows past T
     tokens: int | None = None,  # real rows of x (None: all)
+    x_f16: jax.Array | None = None,  # x as the W8A16 f16 operand ([Nt, D], see `f16_rows_wanted`)
 ) -> ExpertRows | None:
     """The dense regime's expert rows before the weighted sum (`decode_residual.ExpertRows`: the
     down GEMM's output, each token's k rows and weights), or None where that regime with the
@@ -550,5 +592,14 @@ def moe_layer_rows(
     else:
         r = route_dense(x_rows, router_w, own_buffer(router_b, router_b.dtype), n_valid, top_k=top_k,
                         interpret=interpret)
-    y = _expert_gemms(x_rows, None, r.meta_up, r.meta_down, None, experts, cfg, min(E, T * top_k), interpret)
+    y = _expert_gemms(x_rows, None, r.meta_up, r.meta_down, None, experts, cfg, min(E, T * top_k), interpret,
+                      x_f16=x_f16)
     return ExpertRows(y, r.dest, r.weights, n_valid)
+
+
+def f16_rows_wanted(num_tokens: int, experts: ExpertWeights) -> bool:
+    """Whether `moe_layer_rows` at this token count (default config) reads its rows as f16 (FP8
+    experts in the W8A16 regime): a caller that normalises the rows itself can hand them over in
+    that form too (`x_f16`) instead of having XLA convert them in a launch of its own."""
+    cfg = default_config(num_tokens)
+    return bool(experts.is_fp8 and cfg.dense and not cfg.w8a8 and cfg.f16_operands)

@@ -18,7 +18,7 @@ from kestrel_jax.models.layers import gelu_erf
 from kestrel_jax.models.moondream import random_model
 from kestrel_jax.models.text import AttentionBatch, KVCache
 from kestrel_jax.pallas import decode_residual as dr
-from kestrel_jax.pallas import gemv_mgpu, ops
+from kestrel_jax.pallas import gemv_mgpu, layer_norm_triton, ops
 from kestrel_jax.pallas import paged_attention as pa
 from kestrel_jax.pallas.moe import ExpertWeights, _expert_matrix, route_ref
 from kestrel_jax.pallas.paged_attention import init_kv_pool
@@ -34,7 +34,8 @@ def _partials(x, w, w2=None, **_):  # [2, N, Mp] f32 partials of y^T, K split in
     return jnp.stack([(xp[:, :h] @ ww[:h].astype(jnp.float32)).T, (xp[:, h:] @ ww[h:].astype(jnp.float32)).T])
 
 
-def _rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tokens=None, logits=None, tokens=None):
+def _rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tokens=None, logits=None, tokens=None,
+          x_f16=None):
     t = x.shape[0] if tokens is None else tokens
     xs = x[:t].astype(jnp.float32)
     r = route_ref(x[:t], router_w, router_b, top_k)
@@ -58,6 +59,13 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(ops, "decode_attention", lambda q, kp, vp, lens, table, ks, vs, *, sm_scale:
                         pa.decode_attention_ref(q, kp, vp, lens, table, ks, vs, sm_scale=sm_scale))
     monkeypatch.setattr(ops, "moe_layer_rows", _rows)
+    real_ln = layer_norm_triton.layer_norm_rows_kernel
+
+    def layer_norm(*args, **kw):
+        calls.append("layernorm")
+        return real_ln(*args, **kw, interpret=True)
+
+    monkeypatch.setattr(layer_norm_triton, "layer_norm_rows_kernel", layer_norm)
     real = dr.residual_ln_kernel
 
     def residual(*args, **kw):
@@ -92,7 +100,9 @@ def test_fused_decode_matches_the_reference_path(stand_ins: list[str], t: int) -
     with ops.use_backend("kernel"):
         got, _, _ = model(x, batch, cache)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    assert stand_ins == ["residual"] * (moe_layers - 1) + ["residual-last"]
+    # the first MoE layer normalises its own input (one launch at one row); the others get it from
+    # the previous layer's residual kernel
+    assert stand_ins == ["layernorm"] * (t == 1) + ["residual"] * (moe_layers - 1) + ["residual-last"]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
 
 
@@ -117,7 +127,8 @@ def test_default_decode_keeps_the_unfused_path(stand_ins: list[str], monkeypatch
     batch = AttentionBatch(jnp.array([3], jnp.int32), jnp.array([3], jnp.int32), jnp.array([4], jnp.int32), table)
     with ops.use_backend("kernel"):
         model(jnp.ones((1, cfg.dim), jnp.float32), batch, cache)
-    assert stand_ins == []
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    assert stand_ins == ["layernorm"] * moe_layers  # no residual kernel; each MoE layer's LayerNorm kernel
 
 
 def test_padded_qkv_rows_reach_the_epilogue_and_router_unsliced(stand_ins: list[str],

@@ -54,6 +54,8 @@ from kestrel_jax.pallas.moe_mgpu import (
     MoEKernelConfig,
     MoEKernelError,
     default_config,
+    f16_rows_wanted,
+    pdl_wanted,
     moe,
     moe_kernel_supported,
     moe_layer,
@@ -522,6 +524,29 @@ def test_expert_rows_of_padded_rows_combine_to_the_layer(rng):
     assert moe_layer_rows(x, rw, rb, ex, top_k=k, config=sorted_cfg, interpret=INTERPRET) is None
 
 
+def test_expert_rows_read_the_callers_f16_rows(rng):
+    """FP8 experts in the W8A16 regime (one token) read their operand as f16: rows handed in already
+    converted (the decode LayerNorm kernel forms them) give the same expert rows as converting
+    inside, and other rows give others (they are really read)."""
+    T, k, n_experts = 1, 4, 16
+    ex = make_experts(rng, True, n_experts=n_experts)
+    x, rw, rb = exact_router_inputs(rng, T, dim(True), n_experts)
+    cfg = small_config(T)
+    assert cfg.dense and not cfg.w8a8 and cfg.f16_operands
+    assert f16_rows_wanted(T, ex) and not f16_rows_wanted(4, ex)
+    xp = jnp.pad(x, ((0, cfg.block_tokens - T), (0, 0)))
+    x16 = jnp.clip(xp.astype(jnp.float32), -65504, 65504).astype(jnp.float16)
+
+    def rows_of(x16):
+        r = moe_layer_rows(xp, rw, rb, ex, top_k=k, config=cfg, interpret=INTERPRET, tokens=T, x_f16=x16)
+        assert r is not None
+        return np.asarray(combine_rows(r, T, x.dtype).astype(jnp.float32))
+
+    inside = rows_of(None)
+    np.testing.assert_array_equal(rows_of(x16), inside)
+    assert not np.array_equal(rows_of(-x16), inside)
+
+
 def test_supported_and_validation():
     x = jnp.zeros((4, 2048), jnp.bfloat16)
     ok = ExpertWeights(jnp.zeros((64, 2048, 2048), FP8), jnp.zeros((64, 2048, 1024), FP8),
@@ -571,6 +596,43 @@ def test_quantize_kernel_switch_changes_no_result(rng, T, monkeypatch):
     np.testing.assert_array_equal(on, off)
     jaxpr = str(jax.make_jaxpr(lambda x: moe(x, routing, ex, config=cfg, interpret=INTERPRET))(x))
     assert jaxpr.count("name=kestrel_quantize_rows") == 2
+
+@pytest.mark.parametrize("T,w8a8", [(1, False), (6, True), (100, True)], ids=["w8a16", "w8a8", "sorted"])
+def test_pdl_switch_changes_no_result(rng, T, w8a8, monkeypatch):
+    """Programmatic dependent launch (KESTREL_JAX_MOE_PDL=1): the down GEMM loads its weights before
+    its activations (the grid-dependency instructions themselves only exist on the GPU); the layer's
+    output is bit-identical to the default ordering in both regimes and both FP8 modes."""
+    ex = make_experts(rng, True)
+    x = jnp.asarray(rng.standard_normal((T, dim(True))), jnp.bfloat16)
+    routing = random_routing(rng, T, 4)
+    cfg = small_config(T, w8a8=w8a8)
+    monkeypatch.delenv("KESTREL_JAX_MOE_PDL", raising=False)
+    assert not pdl_wanted()  # off by default
+    off = run_kernel(x, routing, ex, cfg)
+    monkeypatch.setenv("KESTREL_JAX_MOE_PDL", "1")
+    assert pdl_wanted()
+    np.testing.assert_array_equal(run_kernel(x, routing, ex, cfg), off)
+
+
+def test_pdl_lowers_for_h100(monkeypatch):
+    """With the switch on, the two GEMMs lower for an H100 with the grid-dependency instructions and
+    the kernel attribute that has XLA launch the down GEMM early."""
+    S = jax.ShapeDtypeStruct
+    Ep, Dp, Ip, k, T = 64, 2048, 1024, 8, 1
+    ex = ExpertWeights(S((Ep, 2 * Ip, Dp), FP8), S((Ep, Dp, Ip), FP8),  # type: ignore[arg-type]
+                       S((Ep, 2 * Ip), jnp.float32), S((Ep, Dp), jnp.float32))  # type: ignore[arg-type]
+    routing = Routing(S((T, k), jnp.float32), S((T, k), jnp.int32), S((T, Ep), jnp.float32))  # type: ignore[arg-type]
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=H100)
+    texts = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("KESTREL_JAX_MOE_PDL", switch)
+        with jax.sharding.use_abstract_mesh(mesh):
+            texts[switch] = jax.jit(lambda x, r, e: moe(x, r, e, config=default_config(T, num_ctas=132))).trace(
+                S((T, Dp), jnp.bfloat16), routing, ex).lower(lowering_platforms=("cuda",)).as_text()
+    assert "griddepcontrol" not in texts["0"] and "uses_pdl" not in texts["0"]
+    assert "griddepcontrol.launch_dependents" in texts["1"] and "griddepcontrol.wait" in texts["1"]
+    assert texts["1"].count("mosaic_gpu.uses_pdl") == 1  # the down GEMM only: it waits, the up GEMM triggers
+
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_cross_lowering_production_shapes_h100(fp8):
