@@ -473,7 +473,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # tried here on 2026-11-24: neither was faster; BENCHMARKS.md has the figures.)
         dec_variants: dict[str, dict[str, Any]] = {"kernel": {}, "splits=1": {"num_splits": 1},
                                                    "splits=2": {"num_splits": 2}}
-        for b, kv in [(8, 512), (32, 128), (8, 64), (1, 740), (4, 740), (64, 2048), (128, 1024)]:
+        for b, kv in [] if args.tune_prefill_only else [(8, 512), (32, 128), (8, 64), (1, 740), (4, 740),
+                                                           (64, 2048), (128, 1024)]:
             emit(functools.partial(bench_decode, rng, b, kv, page, fp8, dec_variants, iters, cpu, kernel_kw, ks, vs),
                  f"decode tune {b}x{kv}", optional=True)
         pre_variants: dict[str, dict[str, Any]] = {
@@ -484,8 +485,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "R128,nopp": {"wg_rows": 128, "registers": (232, 40), "pingpong": False},
             "2wg,r208/88": {"registers": (208, 88)},
             "R128,r216/72": {"wg_rows": 128, "registers": (216, 72)},
+            # three or four 64-row consumers: a 740-token head in 4 (3) blocks, 128 (96) CTAs
+            "3wg,R64": {"num_consumers": 3, "wg_rows": 64},
+            "3wg,R64,r152/56": {"num_consumers": 3, "wg_rows": 64, "registers": (152, 56)},
+            "3wg,R64,op3": {"num_consumers": 3, "wg_rows": 64, "n_op": 3},
+            "4wg,R64": {"num_consumers": 4, "wg_rows": 64},
         }
-        for label, ql, cached, prefix in pre_cases[:3] if args.tune_prefill else []:
+        if args.tune_prefill_only:  # the defaults against the 64-row multi-consumer variants
+            pre_variants = {k: v for k, v in pre_variants.items() if k == "kernel" or "wg,R64" in k}
+        for label, ql, cached, prefix in pre_cases[:3] if args.tune_prefill or args.tune_prefill_only else []:
             emit(functools.partial(bench_prefill, rng, label, ql, cached, prefix, page, fp8, pre_variants, iters,
                                    cpu, kernel_kw, ks, vs), f"prefill tune {label}", optional=True)
         print_summary(cases, ceil)
@@ -579,6 +587,7 @@ def main() -> None:
     p.add_argument("--tune-prefill", action="store_true",
                    help="with --tune: the prefill kernel's scheduling variants (ping-pong, in-place PV, 128-row "
                         "warpgroups) too")
+    p.add_argument("--tune-prefill-only", action="store_true", help="with --tune: the prefill variants alone")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpreted kernels, on the CPU")
     p.add_argument("--page", type=int, default=pa.DEFAULT_PAGE_SIZE, help="page size of the main grid")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per program")

@@ -36,8 +36,9 @@ share of 168. Prefills of at most 64 x num_consumers rows (a prompt appended to 
 default to 64-row warpgroups: a second M tile would be padding.
 
 Measured on an H100 (FP8 pool, page 64, kernel alone, BENCHMARKS.md): 740-token image prefill
-29.8 us with 64-row warpgroups -> 23.1 us with 128 (96 CTAs, one wave); 1024 tokens 33.7 ->
-30.9 us; 16 x 740 tokens 340 -> 268 us. Ping-pong and the in-place PV are within 1-3 % either
+29.8 us with 64-row warpgroups -> 23.1 us with 128 (96 CTAs, one wave) -> 20.7 us with three
+64-row consumers (128 CTAs, still one wave; `prefill_schedule` picks the shape by size); 1024
+tokens 33.7 -> 30.9 us; 16 x 740 tokens 340 -> 268 us. Ping-pong and the in-place PV are within 1-3 % either
 way at 128 rows (kept on: best or tied in the throughput case).
 """
 
@@ -56,6 +57,7 @@ from kestrel_jax.pallas.paged_attention_mgpu import _NEG_INIT, LOG2E, _interpret
 
 DEFAULT_CONSUMERS = 2
 WIDE_WG_ROWS = 128  # query rows per consumer warpgroup, unless the whole prefill fits 64 x consumers
+_NUM_SMS = 132  # H100 / H200 SXM: sizes the schedule choice below
 _WIDE_REGISTERS = (216, 72)  # setmaxnreg split for 2 consumers x 128 rows (+ producer)
 BLOCK_K = 64  # keys per tile
 _HEAD_DIM = 64
@@ -64,6 +66,20 @@ _F16_MAX = 65504.0
 _ROW_VEC = plgpu.Layout.WGMMA.reduce(1)  # [64] per accumulator row
 _COL_VEC = plgpu.Layout.WGMMA.reduce(0)  # [BLOCK_K] per accumulator column
 _OP_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(_SWIZZLE))  # type: ignore[abstract]
+
+
+def prefill_schedule(num_tokens: int, num_heads: int, num_sms: int = _NUM_SMS) -> tuple[int, int]:
+    """(consumer warpgroups, rows per warpgroup) for a prefill of `num_tokens` flattened query
+    rows (static) over `num_heads` heads. Three 64-row warpgroups where their blocks x heads fit
+    in one wave of CTAs (the case measured: a block of 192 rows costs less than one of 256), two
+    128-row ones otherwise (more rows per K/V tile converted: the cheaper rows once the CTAs queue
+    in waves); two 64-row ones for short prefills (a prompt after a cached image). H100,
+    seventeenth session, kernel alone: 740 tokens 23.1 -> 20.7 us; 1024 tokens stay at 30.7 (three
+    64-row warpgroups would take two waves, 44.6 us); 16 x 740 tokens stay at 266.6 (286.0)."""
+    if num_tokens <= 64 * DEFAULT_CONSUMERS:
+        return DEFAULT_CONSUMERS, 64
+    blocks = -(-num_tokens // (3 * 64))
+    return (3, 64) if blocks * num_heads <= num_sms else (DEFAULT_CONSUMERS, WIDE_WG_ROWS)
 
 
 def prefill_attention_kernel_supported(q: jax.Array, k_pages: jax.Array, page_table: jax.Array) -> bool:
@@ -101,7 +117,7 @@ def prefill_attention_kernel(
     sm_scale: float,
     n_stage: int = 2,
     n_op: int = 2,
-    num_consumers: int = DEFAULT_CONSUMERS,
+    num_consumers: int | None = None,  # None: `prefill_schedule` (2 with wg_rows/registers/pingpong set)
     registers: tuple[int, int] | None = None,
     p_in_registers: bool | None = None,
     wg_rows: int | None = None,
@@ -120,6 +136,11 @@ def prefill_attention_kernel(
                             f"{page_table.shape} do not match kv_lens {kv_lens.shape}")
     if n_stage < 1 or n_op < 1:
         raise ValueError(f"n_stage and n_op must be >= 1, got {n_stage}, {n_op}")
+    if num_consumers is None:  # the schedule by size, unless the caller set the warpgroups' shape
+        if wg_rows is None and registers is None and pingpong is None:
+            num_consumers, wg_rows = prefill_schedule(q.shape[0], q.shape[1])
+        else:
+            num_consumers = DEFAULT_CONSUMERS
     if not 1 <= num_consumers <= 4:
         raise ValueError(f"num_consumers must be 1..4 warpgroups, got {num_consumers}")
     nc = num_consumers

@@ -55,11 +55,11 @@ from kestrel_jax.pallas.moe_mgpu import (
     MoEKernelError,
     default_config,
     f16_rows_wanted,
-    pdl_wanted,
     moe,
     moe_kernel_supported,
     moe_layer,
     moe_layer_rows,
+    pdl_wanted,
 )
 from kestrel_jax.pallas.moe_route_mgpu import route_dense
 from kestrel_jax.pallas.moe_route_triton import route_tables
