@@ -71,15 +71,18 @@ _OP_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(_SWIZZL
 def prefill_schedule(num_tokens: int, num_heads: int, num_sms: int = _NUM_SMS) -> tuple[int, int]:
     """(consumer warpgroups, rows per warpgroup) for a prefill of `num_tokens` flattened query
     rows (static) over `num_heads` heads. Three 64-row warpgroups where their blocks x heads fit
-    in one wave of CTAs (the case measured: a block of 192 rows costs less than one of 256), two
-    128-row ones otherwise (more rows per K/V tile converted: the cheaper rows once the CTAs queue
-    in waves); two 64-row ones for short prefills (a prompt after a cached image). H100,
-    seventeenth session, kernel alone: 740 tokens 23.1 -> 20.7 us; 1024 tokens stay at 30.7 (three
-    64-row warpgroups would take two waves, 44.6 us); 16 x 740 tokens stay at 266.6 (286.0)."""
+    in one wave of CTAs (a block of 192 rows costs less than one of 256), else four where those
+    fit, else two 128-row ones (more rows per K/V tile converted: the cheaper rows once the CTAs
+    queue in waves); two 64-row ones for short prefills (a prompt after a cached image). H100,
+    seventeenth session, kernel alone, against two 128-row warpgroups: 740 tokens 23.1 -> 20.7 us
+    (3 x 64); 1024 tokens 30.7 -> 29.0 (4 x 64; 3 x 64 would take two waves: 44.6); 16 x 740
+    tokens 266.6 (3 x 64: 286.0, 4 x 64: 267.0)."""
     if num_tokens <= 64 * DEFAULT_CONSUMERS:
         return DEFAULT_CONSUMERS, 64
-    blocks = -(-num_tokens // (3 * 64))
-    return (3, 64) if blocks * num_heads <= num_sms else (DEFAULT_CONSUMERS, WIDE_WG_ROWS)
+    for consumers in (3, 4):  # 64-row consumers while their blocks fit one wave
+        if -(-num_tokens // (consumers * 64)) * num_heads <= num_sms:
+            return consumers, 64
+    return DEFAULT_CONSUMERS, WIDE_WG_ROWS
 
 
 def prefill_attention_kernel_supported(q: jax.Array, k_pages: jax.Array, page_table: jax.Array) -> bool:

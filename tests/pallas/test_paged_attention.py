@@ -395,13 +395,14 @@ def test_own_buffer_keeps_every_valid_value():
 
 
 def test_prefill_schedule_by_size():
-    """Three 64-row consumers where their blocks fit one wave of CTAs (a 740-token image prefill:
-    4 x 32 = 128 CTAs), two 128-row ones past it, two 64-row ones for short prefills."""
-    expect = {10: (2, 64), 128: (2, 64), 129: (3, 64), 740: (3, 64), 768: (3, 64), 800: (2, 128),
-              1024: (2, 128), 2048: (2, 128), 16 * 740: (2, 128)}
+    """64-row consumers (three, else four) where their blocks fit one wave of CTAs (a 740-token image
+    prefill: 4 x 32 = 128 CTAs), two 128-row ones past it, two 64-row ones for short prefills."""
+    expect = {10: (2, 64), 128: (2, 64), 129: (3, 64), 740: (3, 64), 768: (3, 64), 800: (4, 64),
+              1024: (4, 64), 1025: (2, 128), 2048: (2, 128), 16 * 740: (2, 128)}
     for T, cfg in expect.items():
         assert pp.prefill_schedule(T, 32) == cfg, T
-    assert pp.prefill_schedule(740, 32, num_sms=100) == (2, 128)  # fewer SMs: 128 CTAs are two waves
+    assert pp.prefill_schedule(740, 32, num_sms=100) == (4, 64)  # fewer SMs: 3 x 64 would take two waves
+    assert pp.prefill_schedule(740, 32, num_sms=64) == (2, 128)  # neither 64-row shape fits one wave
 
 
 def test_prefill_default_schedule_interpreted():
