@@ -69,6 +69,27 @@ def default_splits(K: int, N: int, num_sms: int = _NUM_SMS) -> int:
     return s
 
 
+def _stream(acc_ref, w_buf, x_buf, bars, fetch, steps: int, n_stages: int) -> None:
+    """The K loop both kernels run: fill the `n_stages`-slot TMA ring (`fetch(step, slot)`), then
+    per step wait for its slot, y^T block [64, Mp] += (w tile [BK, 64])^T @ (x tile [Mp, BK])^T,
+    and refill the slot of the previous step once its MMA is done."""
+    for i in range(n_stages):
+        fetch(jnp.int32(i), jnp.int32(i))
+
+    @pl.loop(0, steps)
+    def _step(i):
+        slot = lax.rem(i, n_stages)
+        plgpu.barrier_wait(bars.at[slot])
+        plgpu.wgmma(acc_ref, w_buf.at[slot].T, x_buf.at[slot].T)
+        plgpu.wgmma_wait(1)  # step i-1's MMA is done: its slot may be refilled
+
+        @pl.when((i >= 1) & (i - 1 + n_stages < steps))
+        def _refill():
+            fetch(i - 1 + n_stages, lax.rem(i - 1, n_stages))
+
+    plgpu.wgmma_wait(0)
+
+
 def gemv_partials(
     x: jax.Array,  # [M, K] bf16, M <= 64
     w: jax.Array,  # [K, N] bf16
@@ -115,24 +136,8 @@ def gemv_partials(
                     w2_ref.at[rows, pl.ds(jnp.maximum(n0 - N1, 0), BLOCK_N)], w_buf.at[slot], bars.at[slot]))
             plgpu.copy_gmem_to_smem(x_ref.at[:, rows], x_buf.at[slot], bars.at[slot])
 
-        for i in range(n_stages):
-            fetch(jnp.int32(i), jnp.int32(i))
-
         def scope(acc_ref):
-            @pl.loop(0, steps)
-            def _step(i):
-                slot = lax.rem(i, n_stages)
-                plgpu.barrier_wait(bars.at[slot])
-                # y^T block [64, Mp] += (w tile [BK, 64])^T @ (x tile [Mp, BK])^T
-                plgpu.wgmma(acc_ref, w_buf.at[slot].T, x_buf.at[slot].T)
-                plgpu.wgmma_wait(1)  # step i-1's MMA is done: its slot may be refilled
-
-                @pl.when((i >= 1) & (i - 1 + n_stages < steps))
-                def _refill():
-                    prev = lax.rem(i - 1, n_stages)
-                    fetch(i - 1 + n_stages, prev)
-
-            plgpu.wgmma_wait(0)
+            _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages)
             o_smem[...] = acc_ref[...]
 
         pl.run_scoped(scope, plgpu.ACC((BLOCK_N, mp), jnp.float32))
@@ -221,22 +226,8 @@ def gemv_rows(
                     w_refs[m].at[rows, pl.ds(col, BLOCK_N)], w_buf.at[slot], bars.at[slot]))
             plgpu.copy_gmem_to_smem(x_ref.at[:, rows], x_buf.at[slot], bars.at[slot])
 
-        for i in range(n_stages):
-            fetch(jnp.int32(i), jnp.int32(i))
-
         def scope(acc_ref):
-            @pl.loop(0, steps)
-            def _step(i):
-                slot = lax.rem(i, n_stages)
-                plgpu.barrier_wait(bars.at[slot])
-                plgpu.wgmma(acc_ref, w_buf.at[slot].T, x_buf.at[slot].T)  # y^T [64, Mp] += w^T x^T
-                plgpu.wgmma_wait(1)
-
-                @pl.when((i >= 1) & (i - 1 + n_stages < steps))
-                def _refill():
-                    fetch(i - 1 + n_stages, lax.rem(i - 1, n_stages))
-
-            plgpu.wgmma_wait(0)
+            _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages)
             y = acc_ref[...].astype(jnp.bfloat16)
 
             for m in range(w_refs_n):
