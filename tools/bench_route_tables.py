@@ -4,8 +4,9 @@
     python3 tools/bench_route_tables.py --warps 1 2 4 8 --rows 1 8 64 --out $OUT/route_tables.json
 
 One timed call routes `--layers` layers (each its own [P, 64] logits, top-8), as a decode step
-does once per MoE layer; prints us per layer (CUPTI sum of kernel durations) for each warp count
-and checks every count's tables equal the first one's.
+does once per MoE layer; prints us per layer (CUPTI sum of kernel durations) for each logits dtype
+(bf16: the packed-key top-k the decode path runs; f32: the same values through the two-reduction
+path) and warp count, and checks every variant's tables equal the first one's.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def measure_us(f, args, iters: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--dtypes", nargs="+", default=["bf16", "f32"], choices=["bf16", "f32"])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64], help="decode rows (tokens) routed")
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=8)
@@ -52,18 +54,19 @@ def main(argv: list[str] | None = None) -> int:
         lg = jax.random.normal(jax.random.key(t), (args.layers, nt, args.experts), jnp.bfloat16)
         nv = jnp.array([t], jnp.int32)
         first = None
-        for w in args.warps:
-            f = jax.jit(lambda lg, nv, w=w, nt=nt: [route_tables(lg[i], nv, top_k=args.top_k, block_tokens=nt,
-                                                                  num_warps=w)
-                                             for i in range(lg.shape[0])])
-            out = jax.tree.map(np.asarray, f(lg, nv))
-            same = first is None or all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(out),
-                                                                              jax.tree.leaves(first), strict=True))
-            first = out if first is None else first
-            us = measure_us(f, (lg, nv), args.iters) / args.layers
-            results.append({"rows": t, "warps": w, "us_per_layer": round(us, 3), "same_tables": same})
-            print(f"rows {t:3d} warps {w}: {us:6.2f} us per layer  tables equal to the first count's: {same}",
-                  flush=True)
+        for dt in args.dtypes:
+            lgd = lg if dt == "bf16" else lg.astype(jnp.float32)
+            for w in args.warps:
+                f = jax.jit(lambda lg, nv, w=w, nt=nt: [route_tables(lg[i], nv, top_k=args.top_k, block_tokens=nt,
+                                                                      num_warps=w) for i in range(lg.shape[0])])
+                out = jax.tree.map(np.asarray, f(lgd, nv))
+                same = first is None or all(np.array_equal(a, b) for a, b in zip(
+                    jax.tree.leaves(out), jax.tree.leaves(first), strict=True))
+                first = out if first is None else first
+                us = measure_us(f, (lgd, nv), args.iters) / args.layers
+                results.append({"rows": t, "dtype": dt, "warps": w, "us_per_layer": round(us, 3), "same_tables": same})
+                print(f"rows {t:3d} {dt} warps {w}: {us:6.2f} us per layer  tables equal to the first's: {same}",
+                      flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "results": results}, indent=1))
     return 0

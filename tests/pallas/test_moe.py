@@ -455,6 +455,27 @@ def test_route_dense_kernel_matches_reference(rng, kernel, T, nt, n_experts, k, 
         assert (meta[1] == rows).all()
 
 
+@pytest.mark.parametrize("P,E,k", [(8, 64, 8), (16, 16, 4), (32, 32, 8)])
+def test_route_tables_packed_top_k_equals_the_comparison_path(rng, P, E, k):
+    """bf16 logits take the packed-key top-k (value and id in one int32: one reduction per pick);
+    the same values as f32 take the two-reduction path. Every table equal, on logits with many ties,
+    signed zeros and -inf columns; a row of -inf gives its lowest ids in order, as `lax.top_k`."""
+    lg = np.round(rng.standard_normal((P, E)) * 2) / 2  # many ties, and -0.0 beside +0.0
+    lg[:, :3] = -np.inf
+    lg[0, 5:9] = [0.0, -0.0, 0.0, -0.0]
+    nv = jnp.array([P - 1], jnp.int32)
+    bf = jnp.asarray(lg, jnp.bfloat16)
+    packed = route_tables(bf, nv, top_k=k, block_tokens=P, interpret=True)
+    compared = route_tables(bf.astype(jnp.float32), nv, top_k=k, block_tokens=P, interpret=True)
+    for a, b in zip(packed, compared, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    order = np.argsort(-lg[: P - 1].astype(np.float32), axis=1, kind="stable")[:, :k]  # ties: lower id first
+    np.testing.assert_array_equal(np.asarray(packed.experts)[:, : P - 1].T, order)
+    dead = jnp.full((8, 64), -jnp.inf, jnp.bfloat16)
+    r = route_tables(dead, jnp.array([8], jnp.int32), top_k=8, block_tokens=8, interpret=True)
+    np.testing.assert_array_equal(np.asarray(r.experts).T, np.broadcast_to(np.arange(8), (8, 8)))
+
+
 @pytest.mark.parametrize("routing", ["tables", "mosaic", "xla"])
 def test_moe_layer_matches_reference_layer(rng, routing):
     """The whole dense-regime layer (16 experts) with each routing against `moe_layer_ref`."""
