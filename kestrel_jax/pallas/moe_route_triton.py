@@ -4,7 +4,8 @@ The router GEMM itself stays in XLA (`moe.router_logits`, a [Nt, D] x [D, E] GEM
 many SMs); this program takes its [P, E] logits (P = Nt rounded up to a power of two, at most a
 few dozen rows) and does everything else in one launch:
 
-    top-k by repeated row maxima (ties to the lower expert id); softmax over the k maxima (f32)
+    top-k by repeated row maxima (ties to the lower expert id; bf16 logits: one reduction per
+    pick over packed (value, id) keys); softmax over the k maxima (f32)
     active[e]       = any valid token picked e                      (a column max)
     block_of[e]     = #{active e' < e}                              (a masked [E, E] row sum)
     block_expert[b] = #{e : block_of[e] + active[e] <= b}           (E for b >= #active)
