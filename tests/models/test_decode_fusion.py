@@ -9,6 +9,7 @@ slicing, the unreduced projection and expert rows, the last layer without a Laye
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -136,7 +137,7 @@ def test_padded_qkv_rows_reach_the_epilogue_and_router_unsliced(stand_ins: list[
     """The default decode path with the decode GEMM's rows kernel (`gemv_mgpu.gemv_rows`): its
     outputs come padded to the row tile and go to the QKV epilogue kernel (interpreted here) as
     they are. A stand-in fills the padding rows with NaN: the hidden states stay finite and match
-    the reference path as closely as with the split-partials kernel (`KESTREL_JAX_GEMV_ROWS=0`)."""
+    the reference path within bf16 rounding; with `KESTREL_JAX_GEMV_ROWS=0` it is not called."""
     from kestrel_jax.pallas import qkv_epilogue
 
     monkeypatch.delenv("KESTREL_JAX_DECODE_RESIDUAL")
@@ -170,16 +171,15 @@ def test_padded_qkv_rows_reach_the_epilogue_and_router_unsliced(stand_ins: list[
     batch = AttentionBatch(positions, slots, positions + 1, table)
     with ops.use_backend("reference"):
         want = np.asarray(model(x, batch, cache)[0].astype(jnp.float32))
-    results, traced = {}, {}
-    for switch in ("1", "0"):
-        monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS", switch)
-        ops._jitted.cache_clear()
-        with ops.use_backend("kernel"):
-            results[switch] = np.asarray(model(x, batch, cache)[0].astype(jnp.float32))
-        traced[switch] = len(calls)
-    # traced (once: the MoE layers share one jitted call) with the switch on only
-    assert calls == [(8, 8)] and traced == {"1": 1, "0": 1}
-    scale = np.abs(want).max()
-    err_rows, err_pair = (np.abs(results[s] - want).max() for s in ("1", "0"))
-    assert np.isfinite(results["1"]).all()
-    assert err_rows <= 2.0**-6 * scale and err_pair <= 2.0**-6 * scale, (err_rows, err_pair, scale)
+    monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS", "1")
+    ops._jitted.cache_clear()
+    with ops.use_backend("kernel"):
+        got = np.asarray(model(x, batch, cache)[0].astype(jnp.float32))
+    assert calls == [(8, 8)]  # traced once: the MoE layers share one jitted call
+    assert np.isfinite(got).all()
+    assert np.abs(got - want).max() <= 2.0**-6 * np.abs(want).max()
+    monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS", "0")
+    ops._jitted.cache_clear()
+    with ops.use_backend("kernel"):
+        jax.eval_shape(lambda: model(x, batch, cache))  # traced only: the switch keeps the pair kernel
+    assert calls == [(8, 8)]

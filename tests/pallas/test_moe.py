@@ -618,11 +618,12 @@ def test_quantize_kernel_switch_changes_no_result(rng, T, monkeypatch):
     jaxpr = str(jax.make_jaxpr(lambda x: moe(x, routing, ex, config=cfg, interpret=INTERPRET))(x))
     assert jaxpr.count("name=kestrel_quantize_rows") == 2
 
-@pytest.mark.parametrize("T,w8a8", [(1, False), (6, True), (100, True)], ids=["w8a16", "w8a8", "sorted"])
+@pytest.mark.parametrize("T,w8a8", [(1, False), (100, True)], ids=["dense-w8a16", "sorted-w8a8"])
 def test_pdl_switch_changes_no_result(rng, T, w8a8, monkeypatch):
     """Programmatic dependent launch (KESTREL_JAX_MOE_PDL=1): the down GEMM loads its weights before
     its activations (the grid-dependency instructions themselves only exist on the GPU); the layer's
-    output is bit-identical to the default ordering in both regimes and both FP8 modes."""
+    output is bit-identical to the default ordering in both regimes and both FP8 modes (the W8A8
+    case has the activation quantisation between the two GEMMs)."""
     ex = make_experts(rng, True)
     x = jnp.asarray(rng.standard_normal((T, dim(True))), jnp.bfloat16)
     routing = random_routing(rng, T, 4)

@@ -406,26 +406,22 @@ def test_prefill_schedule_by_size():
 
 
 def test_prefill_default_schedule_interpreted():
-    """A size the schedule gives three 64-row consumers (here 2 heads: 2 blocks x 2 heads fit one
-    wave): the default call equals the explicit (3, 64) shape bit for bit and the reference within
-    the FP8 bound, with a padding tail."""
+    """A size the schedule gives three 64-row consumers (130 tokens and a padding tail, one head):
+    the default call matches the reference within the FP8 bound and leaves the tail zero."""
     rng = fresh_rng()
-    segs = [(150, 0, 140), (40, 0, 0)]
+    segs = [(100, 0, 90), (30, 0, 0)]
     T, pad = sum(n for n, _, _ in segs), 6
-    assert pp.prefill_schedule(T + pad, 2) == (3, 64)
+    assert pp.prefill_schedule(T + pad, 1) == (3, 64)
     page = 64
     kvl = np.array([n + c for n, c, _ in segs], np.int32)
     max_pages = -(-int(kvl.max()) // page) + 1
-    k_pages, v_pages, table, ks, vs = _make_pool(rng, len(segs) * max_pages + 2, 2, page, FP8, kvl, max_pages,
+    k_pages, v_pages, table, ks, vs = _make_pool(rng, len(segs) * max_pages + 2, 1, page, FP8, kvl, max_pages,
                                                  len(segs))
     cu = np.r_[0, np.cumsum([n for n, _, _ in segs])].astype(np.int32)
-    q = jnp.asarray(rng.standard_normal((T + pad, 2, 64)), BF16)
+    q = jnp.asarray(rng.standard_normal((T + pad, 1, 64)), BF16)
     args = (q, k_pages, v_pages, jnp.asarray(cu), jnp.asarray(kvl), table,
             jnp.asarray([p for _, _, p in segs], jnp.int32), ks, vs)
-    run = functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE, interpret=True)
-    out = jax.jit(run)(*args)
-    explicit = jax.jit(functools.partial(run, num_consumers=3, wg_rows=64))(*args)
-    np.testing.assert_array_equal(as_f32(out), as_f32(explicit))
+    out = jax.jit(functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE, interpret=True))(*args)
     ref = pa.prefill_attention_ref(*args, sm_scale=SM_SCALE)
     _check(out, ref, _vmax(v_pages, np.asarray(table), kvl, vs), atol=2.0**-10, what="prefill")
     assert not np.any(as_f32(out)[T:]), "padding rows must be zero"
