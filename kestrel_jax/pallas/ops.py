@@ -235,9 +235,7 @@ def decode_moe_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, exper
     if kern.layer_norm_rows_problem(x, scale, bias, pad_rows) is not None:
         return None
     f16 = moe_mgpu.moe_kernel_supported(x, experts, 1) and moe_mgpu.f16_rows_wanted(x.shape[0], experts)
-    warps = os.environ.get("KESTREL_JAX_LN_WARPS", "")
-    return kern.layer_norm_rows_kernel(x, scale, bias, eps=eps, pad_rows=pad_rows, f16_copy=f16,
-                                       num_warps=int(warps) if warps.isdigit() else kern.NUM_WARPS)
+    return kern.layer_norm_rows_kernel(x, scale, bias, eps=eps, pad_rows=pad_rows, f16_copy=f16)
 
 
 def moe_layer(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: ExpertWeights, *,
