@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from typing import Any
 
 import jax
@@ -36,6 +37,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
+from kestrel_jax.pallas import moe_mgpu
 from kestrel_jax.pallas.decode_residual import combine_rows
 from kestrel_jax.pallas.moe import (
     ExpertWeights,
@@ -55,11 +57,14 @@ from kestrel_jax.pallas.moe_mgpu import (
     MoEKernelError,
     default_config,
     f16_rows_wanted,
+    fused_cluster,
+    fused_wanted,
     moe,
     moe_kernel_supported,
     moe_layer,
     moe_layer_rows,
     pdl_wanted,
+    split_dest,
 )
 from kestrel_jax.pallas.moe_route_mgpu import route_dense
 from kestrel_jax.pallas.moe_route_triton import route_tables
@@ -367,7 +372,6 @@ def test_kernel_single_expert_spanning_several_blocks(rng):
 def test_kernel_block_table_in_several_chunks(rng, monkeypatch):
     """The SMEM block table is copied in chunks of META_CHUNK columns (256 in production, a TMA
     box limit); with 8 the 20+ blocks of this case span several chunks."""
-    import kestrel_jax.pallas.moe_mgpu as moe_mgpu
 
     monkeypatch.setattr(moe_mgpu, "META_CHUNK", 8)
     T = 40
@@ -634,6 +638,76 @@ def test_pdl_switch_changes_no_result(rng, T, w8a8, monkeypatch):
     monkeypatch.setenv("KESTREL_JAX_MOE_PDL", "1")
     assert pdl_wanted()
     np.testing.assert_array_equal(run_kernel(x, routing, ex, cfg), off)
+
+
+@pytest.mark.parametrize("T,inner,poison", [(1, 128, False), (3, 256, True)], ids=["1-part", "2-parts-poisoned"])
+def test_fused_up_down_matches_the_two_gemms_and_the_oracle(rng, monkeypatch, T, inner, poison):
+    """Dense W8A16 (FP8 experts, T < 4): UP and DOWN in one clustered launch. Clusters of 2 CTAs
+    (the interpreter's limit) over I / 64 = 2 or 4 inner slices: one or two partial outputs per
+    block (the second case also exercises the ring's refills and the combine of the parts). Held to
+    the two-GEMM path's bound against the float64 oracle, and close to that path (the H partial
+    outputs are rounded to bf16 separately); unselected experts hold NaN weights that must not
+    leak. KESTREL_JAX_MOE_FUSED=0 restores the two launches."""
+    monkeypatch.setattr(sys.modules[__name__], "I", inner)
+    monkeypatch.setenv("KESTREL_JAX_MOE_FUSED", "8")  # capped at 2 when interpreted
+    k = 2
+    experts = np.stack([rng.permutation(np.arange(2, E))[:k] for _ in range(T)]) if poison else None
+    ex = make_experts(rng, True, poison=(0, 1) if poison else ())
+    x = jnp.asarray(rng.standard_normal((T, D_FP8)), jnp.bfloat16)
+    routing = random_routing(rng, T, k, experts)
+    cfg = small_config(T)
+    assert cfg.dense and not cfg.w8a8 and fused_wanted() and fused_cluster(inner, D_FP8) == 2
+    calls: list[int] = []
+    real = moe_mgpu._fused_up_down
+
+    def spy(*args, **kw):
+        calls.append(kw["cluster"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(moe_mgpu, "_fused_up_down", spy)
+    fused = run_kernel(x, routing, ex, cfg)
+    assert calls == [2]
+    ref = oracle(x, routing, ex)
+    assert rel_err(fused, ref) <= TOL_BF16
+    monkeypatch.setenv("KESTREL_JAX_MOE_FUSED", "0")
+    two = run_kernel(x, routing, ex, cfg)
+    assert calls == [2]  # the switch took the two-GEMM path
+    assert rel_err(fused, two) <= 2 ** -7
+
+
+def test_fused_up_down_lowers_for_h100(monkeypatch):
+    """The fused launch at production shapes (experts [2048, 2048] / [2048, 1024], one and three
+    tokens) in clusters of 8 and 2: one Mosaic GPU kernel instead of two; the switch validated."""
+    S = jax.ShapeDtypeStruct
+    Ep, Dp, Ip, k = 64, 2048, 1024, 8
+    ex = ExpertWeights(S((Ep, 2 * Ip, Dp), FP8), S((Ep, Dp, Ip), FP8),  # type: ignore[arg-type]
+                       S((Ep, 2 * Ip), jnp.float32), S((Ep, Dp), jnp.float32))  # type: ignore[arg-type]
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=H100)
+    for cluster, T in (("8", 1), ("2", 3), ("0", 1)):
+        monkeypatch.setenv("KESTREL_JAX_MOE_FUSED", cluster)
+
+        def f(x, routing, ex, T=T):
+            return moe(x, routing, ex, config=default_config(T, num_ctas=132))
+
+        routing = Routing(S((T, k), jnp.float32), S((T, k), jnp.int32), S((T, Ep), jnp.float32))  # type: ignore[arg-type]
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(f).trace(S((T, Dp), jnp.bfloat16), routing, ex).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("stablehlo.custom_call @mosaic_gpu") == (2 if cluster == "0" else 1), cluster
+    monkeypatch.setenv("KESTREL_JAX_MOE_FUSED", "3")
+    with pytest.raises(ValueError, match="KESTREL_JAX_MOE_FUSED"):
+        fused_wanted()
+
+
+def test_split_dest_and_cluster_sizes():
+    dest = jnp.asarray([[0, 9, 17], [8, 1, 2]], jnp.int32)  # [k=2, P=3] rows block * 8 + t
+    out = np.asarray(split_dest(dest, 2, 8, 0))
+    # choice j's part h at row j * 2 + h: (block * 2 + h) * 8 + t
+    np.testing.assert_array_equal(out, [[0, 17, 33], [8, 25, 41], [16, 1, 2], [24, 9, 10]])
+    np.testing.assert_array_equal(np.asarray(split_dest(dest.T, 2, 8, 1)), out.T)
+    assert split_dest(dest, 1, 8, 0) is dest
+    # production experts [2048, 2048] / [2048, 1024]: clusters of 8, two parts per block
+    assert fused_cluster(1024, 2048) == 8 and fused_cluster(1024, 2048, 2) == 2
+    assert fused_cluster(128, 256) == 2 and fused_cluster(64, 256) == 0 and fused_cluster(1024, 128) == 0
 
 
 def test_pdl_lowers_for_h100(monkeypatch):
