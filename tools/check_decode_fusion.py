@@ -66,8 +66,12 @@ def main() -> int:
             outs = {}
             for val in ("1", "0"):
                 os.environ[switch] = val
+                # The switch is read at trace time, also inside the kernels' jitted entry points, whose
+                # traces jax.jit caches per function (a new jit of the same function reuses them):
+                # every cache goes, not only ops._jitted's wrappers.
                 ops._jitted.cache_clear()
-                f = jax.jit(lambda *args: fwd(*args))  # a fresh function: the switch is read at trace time
+                jax.clear_caches()
+                f = jax.jit(lambda *args: fwd(*args))
                 outs[val] = np.asarray(f(state, x, cache, positions, slots, positions + 1, table).astype(jnp.float32))
             on, off = outs["1"], outs["0"]
             rel = float(np.abs(on - off).max() / max(np.abs(off).max(), 1e-30))

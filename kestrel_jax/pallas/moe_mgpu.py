@@ -34,14 +34,14 @@ the accumulator is re-scoped per unit; the block table is copied to SMEM once.
 Precisions (A = weights, B = tokens):
   bf16:        bf16 x bf16 wgmma.
   FP8 W8A8:    e4m3 x e4m3 wgmma; weight scale per (expert, row) and token scale per row applied
-               in the f32 epilogue. Default for T >= 4.
+               in the f32 epilogue. Default for T >= 2.
   FP8 W8A16:   e4m3 weight tiles upcast to an f16 SMEM staging tile (SMEM, not registers,
                because the interpreter has no register-operand wgmma), f16 token rows and
                intermediate activation (`f16_operands`, default: e4m3 -> f16 is one instruction
                per two weights, e4m3 -> bf16 goes through f32; f16 keeps 3 more mantissa bits than
                bf16 and saturates at +-65504 instead of overflowing). H100, fifth session: T=1
                37.3 vs 37.6 us with bf16 operands, T=4 97.2 vs 99.9, T=16 165.0 vs 175.5 (the
-               upcast is not what bounds the T=1 stream). Default for T < 4: same bytes, no
+               upcast is not what bounds the T=1 stream). Default for T = 1: same bytes, no
                activation-quantisation passes, smaller error; measured slower from T = 4 on.
                `MoEKernelConfig.w8a8` flips it.
 
@@ -123,12 +123,15 @@ def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelCon
     """Regime by static token count T.
 
     T <= 64: dense blocks (weight streaming; every active expert is read once). FP8 runs W8A16
-    for T < 4 and W8A8 from 4 tokens on. H100, fourth session: W8A16 38.9 vs W8A8 40.1 us at
+    for T = 1 and W8A8 from 2 tokens on. H100, fourth session: W8A16 38.9 vs W8A8 40.1 us at
     T = 1 (the two activation-quantisation passes cost more than the upcast saves), but W8A8
     93.2 vs 105.5 us at T = 4 and 158 vs 186 us at T = 16: the upcast of every weight tile into
     SMEM costs more than the weight stream hides once eight tokens' experts stream at once.
+    Eighteenth session (the quantisation passes one Triton launch each by then): T = 1 36.1 vs
+    36.5 us (a tie; W8A16 kept, its error is 5x smaller), T = 2 56.2 vs 53.7, T = 3 75.5 vs 69.2,
+    so the threshold moved from 4 to 2 tokens.
     T > 64: expert-sorted blocks of 64 / 128 tokens, W8A8 (FP8 wgmma throughput).
-    KESTREL_JAX_W8A8_MIN_TOKENS (read at trace time, default 4) moves the dense regime's W8A8
+    KESTREL_JAX_W8A8_MIN_TOKENS (read at trace time, default 2) moves the dense regime's W8A8
     threshold for A/B runs.
     """
     ctas = num_ctas or _device_sms()
@@ -139,7 +142,7 @@ def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelCon
 
 
 def _w8a8_min_tokens() -> int:
-    value = os.environ.get("KESTREL_JAX_W8A8_MIN_TOKENS", "4")
+    value = os.environ.get("KESTREL_JAX_W8A8_MIN_TOKENS", "2")
     if not value.isdigit():
         raise ValueError(f"KESTREL_JAX_W8A8_MIN_TOKENS must be a non-negative integer, got {value!r}")
     return int(value)
