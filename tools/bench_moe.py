@@ -274,7 +274,8 @@ def run(args) -> dict[str, Any]:
             if cfg.dense and T <= 32:  # W8A16 upcasting to bf16 (through f32) instead of f16
                 phases[1].append((T, prec, dataclasses.replace(cfg, w8a8=False, f16_operands=False)))
             if args.fused_ab and cfg.dense and not cfg.w8a8:  # the fused UP + DOWN launch's cluster size
-                phases[1] += [(T, prec, dataclasses.replace(cfg, fused_cluster=n)) for n in (4, 2)]
+                phases[1] += [(T, prec, dataclasses.replace(cfg, fused_cluster=n)) for n in (8, 4, 2)
+                              if n != cfg.fused_cluster]
             if T >= 740 and not args.quick:
                 phases[1].append((T, prec, dataclasses.replace(cfg, block_tokens=64)))  # registers vs re-reads
     results: list[dict[str, Any]] = []
@@ -307,7 +308,7 @@ def bench_case(T, prec, cfg: MoEKernelConfig, dims, xs, rw, rb, exs, hit, flops,
         + ("/bf16ops" if not cfg.f16_operands and not cfg.w8a8 else "") \
         + (f"/w{cfg.route_warps}" if cfg.route_warps else "") \
         + (f"/down{cfg.down_row_tiles}" if cfg.down_row_tiles != 2 else "") \
-        + (f"/c{cfg.fused_cluster}" if cfg.fused_cluster != 8 else "") \
+        + (f"/c{cfg.fused_cluster}" if cfg.fused_cluster else "") \
         + (f"/ctas{cfg.num_ctas}x{cfg.max_stages}" if cfg.num_ctas > default_config(T).num_ctas else "")
     row: dict[str, Any] = {"T": T, "precision": prec, "mode": mode, "variant": variant,
                            "block_tokens": cfg.block_tokens, "config": dataclasses.asdict(cfg),
@@ -400,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="", help="comma-separated token counts (overrides the list)")
     p.add_argument("--down-ab", action="store_true", help="down projection units of 1 and 4 row tiles")
     p.add_argument("--fused-ab", action="store_true",
-                   help="dense W8A16: the fused UP + DOWN launch in clusters of 4 and 2 CTAs")
+                   help="dense W8A16: the fused UP + DOWN launch in clusters of 8, 4 and 2 CTAs")
     p.add_argument("--cta-ab", action="store_true", help="dense regime with two CTAs per SM (half the ring)")
     p.add_argument("--no-routing-ab", action="store_true", help="skip the mosaic and xla dense routings")
     p.add_argument("--no-baselines", action="store_true", help="skip XLA ragged_dot and ragged_dot_mgpu")

@@ -114,9 +114,9 @@ class MoEKernelConfig:
     # are f16 then: exact for bf16 tokens of magnitude in [2^-14, 65504], saturated beyond it.
     f16_operands: bool = True
     # Dense W8A16 (FP8 experts, f16 operands): UP and DOWN in one launch of clusters of up to this
-    # many CTAs (`_fused_up_down`) where KESTREL_JAX_MOE_FUSED turns that launch on (off by default,
-    # see `fused_max_cluster`); 0 = never.
-    fused_cluster: int = 8
+    # many CTAs (`_fused_up_down`); 0 = the two grouped GEMMs. `default_config` takes it from
+    # KESTREL_JAX_MOE_FUSED (off by default: measured slower, see `fused_max_cluster`).
+    fused_cluster: int = 0
 
 
 def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelConfig:
@@ -137,7 +137,8 @@ def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelCon
     ctas = num_ctas or _device_sms()
     if num_tokens <= 64:
         nt = max(ROW_ALIGN, -(-num_tokens // ROW_ALIGN) * ROW_ALIGN)
-        return MoEKernelConfig(block_tokens=nt, dense=True, w8a8=num_tokens >= _w8a8_min_tokens(), num_ctas=ctas)
+        return MoEKernelConfig(block_tokens=nt, dense=True, w8a8=num_tokens >= _w8a8_min_tokens(), num_ctas=ctas,
+                               fused_cluster=fused_max_cluster())
     return MoEKernelConfig(block_tokens=64 if num_tokens <= 256 else 128, w8a8=True, num_ctas=ctas)
 
 
@@ -701,7 +702,7 @@ def _expert_gemms(
         b = jnp.clip(b.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
     # Interpreted, a cluster's CTAs run as concurrent host threads that block in XLA:CPU calls: with
     # more CTAs than the host's XLA threads (two on CI) the cluster barrier never completes.
-    max_cluster = min(cfg.fused_cluster, fused_max_cluster(), INTERPRET_MAX_CLUSTER if interpret else 8)
+    max_cluster = min(cfg.fused_cluster, INTERPRET_MAX_CLUSTER) if interpret else cfg.fused_cluster
     cluster = fused_cluster(experts.up_w.shape[1] // 2, experts.up_w.shape[2], max_cluster)
     if f16 and cfg.dense and row_token is None and cluster:
         assert experts.up_scale is not None and experts.down_scale is not None
@@ -715,9 +716,9 @@ def _expert_gemms(
 
 
 def fused_max_cluster() -> int:
-    """The largest cluster the dense W8A16 regime's fused UP + DOWN launch (`_fused_up_down`) may
-    use, read at trace time: KESTREL_JAX_MOE_FUSED=2 / 4 / 8 turns it on with that cap (1: 8; and
-    `MoEKernelConfig.fused_cluster`'s); 0, the default, keeps the two grouped GEMMs. Off because it
+    """`default_config`'s `fused_cluster`: the largest cluster the dense W8A16 regime's fused UP +
+    DOWN launch (`_fused_up_down`) may use, read at trace time: KESTREL_JAX_MOE_FUSED=2 / 4 / 8
+    turns it on with that cap (1: 8); 0, the default, keeps the two grouped GEMMs. Off because it
     measured slower on the H100 (eighteenth session, T=1, kernel time per layer: 39.9 us in clusters
     of 8 or 4, 25.6-26.7 in clusters of 2, against 25.4 for the two GEMMs; W1 621 tok/s with
     clusters of 2 against 635 off): each CTA streams its up and down weights at the rate the two
@@ -727,11 +728,6 @@ def fused_max_cluster() -> int:
     if value not in ("0", "1", "2", "4", "8"):
         raise ValueError(f"KESTREL_JAX_MOE_FUSED must be 0, 1 (on), 2, 4 or 8, got {value!r}")
     return 8 if value == "1" else int(value)
-
-
-def fused_wanted() -> bool:
-    """Whether KESTREL_JAX_MOE_FUSED leaves the fused launch on (see `fused_max_cluster`)."""
-    return fused_max_cluster() > 0
 
 
 def pdl_wanted() -> bool:

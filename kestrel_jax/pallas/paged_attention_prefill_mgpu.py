@@ -53,11 +53,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kestrel_jax.pallas.paged_attention import KVLayoutError, check_pool, is_fp8
-from kestrel_jax.pallas.paged_attention_mgpu import _NEG_INIT, LOG2E, _interpret_params, _pad_page_table, own_buffer
+from kestrel_jax.pallas.paged_attention_mgpu import (
+    _NEG_INIT,
+    _NUM_SMS,
+    LOG2E,
+    _interpret_params,
+    _pad_page_table,
+    own_buffer,
+)
 
 DEFAULT_CONSUMERS = 2
 WIDE_WG_ROWS = 128  # query rows per consumer warpgroup, unless the whole prefill fits 64 x consumers
-_NUM_SMS = 132  # H100 / H200 SXM: sizes the schedule choice below
 _WIDE_REGISTERS = (216, 72)  # setmaxnreg split for 2 consumers x 128 rows (+ producer)
 BLOCK_K = 64  # keys per tile
 _HEAD_DIM = 64

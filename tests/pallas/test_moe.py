@@ -58,7 +58,7 @@ from kestrel_jax.pallas.moe_mgpu import (
     default_config,
     f16_rows_wanted,
     fused_cluster,
-    fused_wanted,
+    fused_max_cluster,
     moe,
     moe_kernel_supported,
     moe_layer,
@@ -656,7 +656,7 @@ def test_fused_up_down_matches_the_two_gemms_and_the_oracle(rng, monkeypatch):
     x = jnp.asarray(rng.standard_normal((T, D_FP8)), jnp.bfloat16)
     routing = random_routing(rng, T, k, experts)
     cfg = small_config(T, w8a8=False)
-    assert cfg.dense and fused_wanted() and fused_cluster(inner, D_FP8) == 2
+    assert cfg.dense and cfg.fused_cluster == 8 and fused_cluster(inner, D_FP8) == 2
     calls: list[int] = []
     real = moe_mgpu._fused_up_down
 
@@ -670,7 +670,9 @@ def test_fused_up_down_matches_the_two_gemms_and_the_oracle(rng, monkeypatch):
     ref = oracle(x, routing, ex)
     assert rel_err(fused, ref) <= TOL_BF16
     monkeypatch.setenv("KESTREL_JAX_MOE_FUSED", "0")
-    two = run_kernel(x, routing, ex, cfg)
+    off = small_config(T, w8a8=False)
+    assert off.fused_cluster == 0 and dataclasses.replace(off, fused_cluster=8) == cfg
+    two = run_kernel(x, routing, ex, off)
     assert calls == [2]  # the switch took the two-GEMM path
     assert rel_err(fused, two) <= 2 ** -7
 
@@ -695,7 +697,7 @@ def test_fused_up_down_lowers_for_h100(monkeypatch):
         assert text.count("stablehlo.custom_call @mosaic_gpu") == (2 if cluster == "0" else 1), cluster
     monkeypatch.setenv("KESTREL_JAX_MOE_FUSED", "3")
     with pytest.raises(ValueError, match="KESTREL_JAX_MOE_FUSED"):
-        fused_wanted()
+        fused_max_cluster()
 
 
 def test_split_dest_and_cluster_sizes():
