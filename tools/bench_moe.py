@@ -256,6 +256,11 @@ def run(args) -> dict[str, Any]:
                 continue
             if T <= 32 and (not args.quick or T == 1):
                 phases[1].append((T, prec, dataclasses.replace(cfg, w8a8=not cfg.w8a8)))  # other dense FP8 mode
+            if args.quant_ab:  # dense W8A8: in-GEMM vs separate quantisation, and nothing else
+                if cfg.dense:
+                    w8 = dataclasses.replace(cfg, w8a8=True)
+                    phases[1].append((T, prec, dataclasses.replace(w8, quant_in_gemm=not w8.quant_in_gemm)))
+                continue
             if args.down_ab:  # the down projection's unit width (64-row tiles per unit)
                 phases[1] += [(T, prec, dataclasses.replace(cfg, down_row_tiles=n)) for n in (1, 4)
                               if n != cfg.down_row_tiles]
@@ -309,6 +314,7 @@ def bench_case(T, prec, cfg: MoEKernelConfig, dims, xs, rw, rb, exs, hit, flops,
         + (f"/w{cfg.route_warps}" if cfg.route_warps else "") \
         + (f"/down{cfg.down_row_tiles}" if cfg.down_row_tiles != 2 else "") \
         + (f"/c{cfg.fused_cluster}" if cfg.fused_cluster else "") \
+        + ("/sepq" if cfg.w8a8 and cfg.dense and not cfg.quant_in_gemm else "") \
         + (f"/ctas{cfg.num_ctas}x{cfg.max_stages}" if cfg.num_ctas > default_config(T).num_ctas else "")
     row: dict[str, Any] = {"T": T, "precision": prec, "mode": mode, "variant": variant,
                            "block_tokens": cfg.block_tokens, "config": dataclasses.asdict(cfg),
@@ -402,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--down-ab", action="store_true", help="down projection units of 1 and 4 row tiles")
     p.add_argument("--fused-ab", action="store_true",
                    help="dense W8A16: the fused UP + DOWN launch in clusters of 8, 4 and 2 CTAs")
+    p.add_argument("--quant-ab", action="store_true",
+                   help="alternatives: only the other dense FP8 mode and dense W8A8 with the quantisation in "
+                        "separate launches (vs inside the GEMMs)")
     p.add_argument("--cta-ab", action="store_true", help="dense regime with two CTAs per SM (half the ring)")
     p.add_argument("--no-routing-ab", action="store_true", help="skip the mosaic and xla dense routings")
     p.add_argument("--no-baselines", action="store_true", help="skip XLA ragged_dot and ragged_dot_mgpu")

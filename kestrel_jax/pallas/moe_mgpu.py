@@ -27,22 +27,29 @@ wgmma M side (64 rows per tile) and a block of Nt tokens is the N side (8..256),
 token wastes nothing and a wide block still feeds wgmma. Weights are [E, out, in] and token
 rows [rows, K]: both K-major, as FP8 wgmma requires. A work unit is (block b, 64-row output
 slice j); units go round-robin to a persistent grid of `num_ctas` CTAs with b fastest, so the
-blocks of one expert run side by side and share each weight tile through L2. Each CTA runs one
-continuous TMA -> SMEM ring across all its units (weight streaming never drains between units);
-the accumulator is re-scoped per unit; the block table is copied to SMEM once.
+blocks of one expert run side by side and share each weight tile through L2 (a GEMM quantising
+its rows per block takes contiguous ranges, j fastest, instead: see FP8 W8A8 below). Each CTA
+runs one continuous TMA -> SMEM ring across all its units (weight streaming never drains between
+units); the accumulator is re-scoped per unit; the block table is copied to SMEM once.
 
 Precisions (A = weights, B = tokens):
   bf16:        bf16 x bf16 wgmma.
   FP8 W8A8:    e4m3 x e4m3 wgmma; weight scale per (expert, row) and token scale per row applied
-               in the f32 epilogue. Default for T >= 2.
+               in the f32 epilogue. The default. In the dense regime the GEMMs quantise their own
+               bf16 rows (`quantize_b`, where they fit in SMEM: up to 24 token rows for the up
+               projection and 40 for the down one at D = 2048, I = 1024): the up GEMM once per
+               CTA (every block reads the same rows), the down GEMM once per block of its
+               contiguous range of units, the rows loaded ahead of the weight ring. Elsewhere one
+               Triton launch per operand (`quantize_triton`). H100, nineteenth session, per layer:
+               T=1 33.4 vs 36.4 us with the launches, T=4 83.2 vs 87.7, T=16 145.8 vs 151.6.
   FP8 W8A16:   e4m3 weight tiles upcast to an f16 SMEM staging tile (SMEM, not registers,
                because the interpreter has no register-operand wgmma), f16 token rows and
                intermediate activation (`f16_operands`, default: e4m3 -> f16 is one instruction
                per two weights, e4m3 -> bf16 goes through f32; f16 keeps 3 more mantissa bits than
                bf16 and saturates at +-65504 instead of overflowing). H100, fifth session: T=1
                37.3 vs 37.6 us with bf16 operands, T=4 97.2 vs 99.9, T=16 165.0 vs 175.5 (the
-               upcast is not what bounds the T=1 stream). Default for T = 1: same bytes, no
-               activation-quantisation passes, smaller error; measured slower from T = 4 on.
+               upcast is not what bounds the T=1 stream). 5x smaller error than W8A8, slower at
+               every T since the quantisation moved into the GEMMs (T=1 35.9 vs 33.4 us);
                `MoEKernelConfig.w8a8` flips it.
 
 Predicted H100 SXM (copy ceiling ~3.0 TB/s; streaming kernels at ~85% of it; ~2-3 us fixed cost
@@ -60,16 +67,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kestrel_jax.pallas.decode_residual import ExpertRows, combine_rows
-from kestrel_jax.pallas.moe import ExpertWeights, Routing, gelu_erf_poly, quantize_rows, route_ref, router_logits
+from kestrel_jax.pallas.moe import (
+    FP8_MAX,
+    ExpertWeights,
+    Routing,
+    gelu_erf_poly,
+    quantize_rows,
+    route_ref,
+    router_logits,
+)
 from kestrel_jax.pallas.moe_grouping import ROW_ALIGN, group_by_expert, group_dense, grouping_sizes
 from kestrel_jax.pallas.moe_route_mgpu import route_dense, route_dense_supported
 from kestrel_jax.pallas.moe_route_triton import route_tables, route_tables_supported
@@ -82,6 +98,12 @@ ROWS = 64  # weight rows per tile: the wgmma M of one warpgroup
 INTERPRET_MAX_CLUSTER = 2  # see _expert_gemms
 SMEM_LIMIT = 232448  # bytes of dynamic SMEM per block on H100/H200 (what Mosaic checks)
 H100_SMS = 132
+# Register layout of an [8, 128] slice of 16-bit token rows for the in-GEMM quantisation: each warp
+# holds two rows and reduces them along the 128 columns (a per-row max), the vector the TMA-ready
+# e4m3 tile is stored from.
+_QROWS = plgpu.Layout.TILED(mgpu_fa.Tiling(((8, 128), (2, 128), (4,))), warp_dims=(-5,), lane_dims=(-2,),
+                            vector_dim=-1)
+MIN_QUANT_STAGES = 4  # in-GEMM quantisation only where its SMEM leaves a ring this deep
 
 
 RoutingImpl = Literal["tables", "mosaic", "xla"]  # dense-regime routing implementations
@@ -117,33 +139,40 @@ class MoEKernelConfig:
     # many CTAs (`_fused_up_down`); 0 = the two grouped GEMMs. `default_config` takes it from
     # KESTREL_JAX_MOE_FUSED (off by default: measured slower, see `fused_max_cluster`).
     fused_cluster: int = 0
+    # Dense W8A8: quantise the token rows and the activation inside the GEMMs (`_grouped_gemm`'s
+    # quantize_b) instead of in two launches of their own, where the rows fit in SMEM beside the
+    # ring (`quant_in_gemm_fits`). `default_config` takes it from KESTREL_JAX_MOE_GEMM_QUANT.
+    quant_in_gemm: bool = True
 
 
 def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelConfig:
     """Regime by static token count T.
 
-    T <= 64: dense blocks (weight streaming; every active expert is read once). FP8 runs W8A16
-    for T = 1 and W8A8 from 2 tokens on. H100, fourth session: W8A16 38.9 vs W8A8 40.1 us at
+    T <= 64: dense blocks (weight streaming; every active expert is read once). FP8 runs W8A8.
+    History of the W8A16 / W8A8 split (H100) — fourth session: W8A16 38.9 vs W8A8 40.1 us at
     T = 1 (the two activation-quantisation passes cost more than the upcast saves), but W8A8
     93.2 vs 105.5 us at T = 4 and 158 vs 186 us at T = 16: the upcast of every weight tile into
     SMEM costs more than the weight stream hides once eight tokens' experts stream at once.
     Eighteenth session (the quantisation passes one Triton launch each by then): T = 1 36.1 vs
     36.5 us (a tie; W8A16 kept, its error is 5x smaller), T = 2 56.2 vs 53.7, T = 3 75.5 vs 69.2,
-    so the threshold moved from 4 to 2 tokens.
+    so the threshold moved from 4 to 2 tokens. Nineteenth session, the quantisation inside the
+    GEMMs (`quant_in_gemm`): T = 1 33.4 vs 35.9 us, W1 (batch-1 decode) 654.5 / 658.9 vs 629.4 /
+    635.6 tok/s, so W8A8 from one token (the error against the bf16 reference grows from ~9e-3
+    to ~4.5e-2, the per-token activation rounding that W8A8 means at every other T).
     T > 64: expert-sorted blocks of 64 / 128 tokens, W8A8 (FP8 wgmma throughput).
-    KESTREL_JAX_W8A8_MIN_TOKENS (read at trace time, default 2) moves the dense regime's W8A8
-    threshold for A/B runs.
+    KESTREL_JAX_W8A8_MIN_TOKENS (read at trace time, default 1; 2 restores W8A16 at one token)
+    moves the dense regime's W8A8 threshold.
     """
     ctas = num_ctas or _device_sms()
     if num_tokens <= 64:
         nt = max(ROW_ALIGN, -(-num_tokens // ROW_ALIGN) * ROW_ALIGN)
         return MoEKernelConfig(block_tokens=nt, dense=True, w8a8=num_tokens >= _w8a8_min_tokens(), num_ctas=ctas,
-                               fused_cluster=fused_max_cluster())
+                               fused_cluster=fused_max_cluster(), quant_in_gemm=quant_in_gemm_wanted())
     return MoEKernelConfig(block_tokens=64 if num_tokens <= 256 else 128, w8a8=True, num_ctas=ctas)
 
 
 def _w8a8_min_tokens() -> int:
-    value = os.environ.get("KESTREL_JAX_W8A8_MIN_TOKENS", "2")
+    value = os.environ.get("KESTREL_JAX_W8A8_MIN_TOKENS", "1")
     if not value.isdigit():
         raise ValueError(f"KESTREL_JAX_W8A8_MIN_TOKENS must be a non-negative integer, got {value!r}")
     return int(value)
@@ -206,10 +235,18 @@ def _grouped_gemm(
     pdl_trigger: bool = False,
     pdl_wait: bool = False,
     out_dtype: jnp.dtype = jnp.bfloat16,  # bf16, or f16 (saturated at +-65504) for an f16 next GEMM
+    # e4m3 weights, bf16 token rows: W8A8 with the rows quantised per row inside the kernel (as
+    # `moe.quantize_rows`): a block's Nt rows are loaded whole into SMEM, their maxima taken, and
+    # the e4m3 rows kept resident for every unit of that block (see `quant_in_gemm_fits`).
+    # `shared_rows`: every block reads the same rows (dense up projection), quantised once per CTA.
+    quantize_b: bool = False,
+    shared_rows: bool = False,
     interpret: object = None,
 ) -> jax.Array:  # [NB * Nt, N or N/2] out_dtype
     E, N, K = w.shape
     nt = block_tokens
+    if quantize_b and (w.dtype != FP8 or b.dtype != jnp.bfloat16 or b_scale is not None):
+        raise MoEKernelError("quantize_b needs e4m3 weights and bf16 token rows without scales")
     # Weight row tiles per unit: the up projection's h and g tiles (rows p * N/2 + j * ROWS); the
     # down projection's `row_tiles` adjacent tiles (rows (j * row_tiles + p) * ROWS), which
     # makes each pipeline step one larger transfer.
@@ -222,18 +259,20 @@ def _grouped_gemm(
 
     def w_row(p, j):  # first weight row of part p of output slice j
         return p * n_out + j * ROWS if glu else (j * nparts + p) * ROWS
-    convert = w.dtype == FP8 and b.dtype != FP8  # W8A16: weight tiles upcast in registers
+    convert = w.dtype == FP8 and b.dtype != FP8 and not quantize_b  # W8A16: weight tiles upcast in SMEM
     tk = 128 // jnp.dtype(w.dtype).itemsize  # one 128-byte swizzle row of weights per step
     ks = K // tk
     a_bytes = nparts * ROWS * tk * jnp.dtype(w.dtype).itemsize
-    b_bytes = nt * tk * jnp.dtype(b.dtype).itemsize
+    b_bytes = 0 if quantize_b else nt * tk * jnp.dtype(b.dtype).itemsize
     n_stage = staging_buffers if convert else 0
-    out_bytes = n_tiles_out * nt * ROWS * 2 + n_stage * nparts * ROWS * tk * 2 + meta.size * 4
+    out_bytes = (n_tiles_out * nt * ROWS * 2 + n_stage * nparts * ROWS * tk * 2 + meta.size * 4
+                 + (_quant_bytes(nt, K) if quantize_b else 0))
     stages = min(max_stages, (SMEM_LIMIT - out_bytes - 2048) // (a_bytes + b_bytes))
     if stages < 2:
         raise MoEKernelError(f"block_tokens={nt} leaves no room for a 2-stage pipeline in SMEM")
     has_w_scale, has_b_scale = w_scale is not None, b_scale is not None
-    a_tr, b_tr, o_tr = _tile_transforms(tk, w.dtype), _tile_transforms(tk, b.dtype), _tile_transforms(
+    mma_b = FP8 if quantize_b else b.dtype
+    a_tr, b_tr, o_tr = _tile_transforms(tk, w.dtype), _tile_transforms(tk, mma_b), _tile_transforms(
         ROWS, out_dtype)
     f16_out = jnp.dtype(out_dtype) == jnp.dtype(jnp.float16)
 
@@ -243,8 +282,40 @@ def _grouped_gemm(
         meta_gmem, w_ref, *rest = refs
         ws_ref = rest.pop(0) if has_w_scale else None
         b_ref = rest.pop(0)
-        bs_ref = rest.pop(0) if has_b_scale else None
-        out_ref, a_buf, b_buf, bar, o_smem, meta_ref, meta_bar, *a16 = rest
+        bs_ref = rest.pop(0) if b_scale is not None else None
+        out_ref, a_buf, b_buf, bar, o_smem, meta_ref, meta_bar, *extra = rest
+        if quantize_b:
+            q_stage, b_res, q_scale, q_bar = extra
+        a16 = extra if convert else []
+
+        def load_rows(blk):  # the block's bf16 token rows -> q_stage (arrive on q_bar)
+            row = pl.multiple_of(block_info(blk, 1), ROW_ALIGN)
+            for k in range(ks):
+                plgpu.copy_gmem_to_smem(b_ref.at[pl.ds(row, nt), pl.ds(k * tk, tk)], q_stage.at[k], q_bar)
+
+        def quantize_rows_to_smem():
+            """The rows `load_rows` brought -> e4m3 in b_res (one [Nt, tk] tile per K step) and their
+            scales in q_scale: `moe.quantize_rows`' arithmetic (absmax / 448, times its reciprocal,
+            clamped, round to nearest). q_stage may be reloaded afterwards."""
+            plgpu.barrier_wait(q_bar)
+            for r in range(nt // 8):
+                def rows(k, r=r):
+                    return plgpu.load(q_stage.at[k, pl.ds(r * 8, 8)], layout=_QROWS,
+                                      optimized=False).astype(jnp.float32)
+                # Elementwise maxima over the K steps first, then one cross-lane reduction per row.
+                tile_max = jnp.abs(rows(0))
+                for k in range(1, ks):
+                    tile_max = jnp.maximum(tile_max, jnp.abs(rows(k)))
+                amax = tile_max.max(axis=1)
+                scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+                inv = lax.broadcast_in_dim(1.0 / scale, (8, tk), [0])
+                for k in range(ks):
+                    q = jnp.minimum(jnp.maximum(rows(k) * inv, -FP8_MAX), FP8_MAX)
+                    b_res.at[k, pl.ds(r * 8, 8)][...] = q.astype(FP8)
+                q_scale.at[pl.ds(r * 8, 8)][...] = scale
+            # Orders these SMEM accesses before wgmma's and the next TMA's (async proxy), and syncs
+            # the warpgroup for the epilogue's scale loads.
+            plgpu.commit_smem()
 
         # The block table lives in SMEM: the TMA issue path reads it every step, and an SMEM
         # scalar load is ~30 cycles where a global one can be hundreds.
@@ -262,10 +333,22 @@ def _grouped_gemm(
         units = nb * nj
         # Traced integer math uses lax.div/rem (all operands >= 0): jnp's floor-mod helper does
         # not lower inside Mosaic GPU loops.
-        mine = lax.div(jnp.maximum(units - cta + num_ctas - 1, 0), num_ctas)
+        # Per-block quantisation (down projection): each CTA takes a contiguous range of units,
+        # output slice fastest, so it quantises each of its blocks once (dense blocks are distinct
+        # experts, so the round-robin order's L2 sharing of one expert's tiles does not apply).
+        contiguous = quantize_b and not shared_rows
+        if contiguous:
+            per, extra_units = lax.div(units, num_ctas), lax.rem(units, num_ctas)
+            first = cta * per + jnp.minimum(cta, extra_units)
+            mine = per + (cta < extra_units).astype(jnp.int32)
+        else:
+            mine = lax.div(jnp.maximum(units - cta + num_ctas - 1, 0), num_ctas)
         total = mine * ks
 
         def unit(i):  # i-th unit of this CTA -> (block, output slice)
+            if contiguous:
+                u = first + i
+                return lax.div(u, nj), lax.rem(u, nj)
             u = cta + i * num_ctas
             return lax.rem(u, nb), lax.div(u, nb)
 
@@ -279,11 +362,19 @@ def _grouped_gemm(
                     plgpu.copy_gmem_to_smem(
                         w_ref.at[e, pl.ds(w_row(p, j), ROWS), pl.ds(k * tk, tk)],
                         a_buf.at[slot, p], bar.at[slot])
-            if tokens:
+            if tokens and not quantize_b:
                 row = pl.multiple_of(block_info(blk, 1), ROW_ALIGN)
                 plgpu.copy_gmem_to_smem(b_ref.at[pl.ds(row, nt), pl.ds(k * tk, tk)], b_buf.at[slot],
                                         bar.at[slot])
 
+        def first_rows():  # the first block's rows, ahead of the weight ring in the TMA queue
+            if quantize_b:
+                @pl.when(mine > 0)
+                def _first_rows():
+                    load_rows(unit(0)[0])
+
+        if not pdl_wait:
+            first_rows()
         if pdl_trigger and not interpret:  # the next kernel may launch now (it waits for our results)
             plgpu.griddepcontrol_launch_dependents()
         if pdl_wait:
@@ -295,6 +386,7 @@ def _grouped_gemm(
 
             if not interpret:
                 plgpu.griddepcontrol_wait()
+            first_rows()  # token rows may come from the previous kernel
 
             @pl.loop(0, jnp.minimum(total, stages))
             def _prologue_tokens(s):
@@ -304,19 +396,36 @@ def _grouped_gemm(
             def _prologue(s):
                 fetch(s)
 
+        if quantize_b and shared_rows:  # while the ring's first weight tiles arrive
+            @pl.when(mine > 0)
+            def _quantize_once():
+                quantize_rows_to_smem()
+
         @pl.loop(0, mine)
         def _unit_loop(i):
             blk, j = unit(i)
             e = block_info(blk, 0)
             row = pl.multiple_of(block_info(blk, 1), ROW_ALIGN)
+            if contiguous:
+                @pl.when((i == 0) | (j == 0))  # a new block: the previous unit's MMAs are done (its
+                def _quantize_block():        # epilogue read the accumulators), so b_res is free
+                    quantize_rows_to_smem()
+
+                    @pl.when((j == 0) & (i + nj < mine) | (i == 0) & (i + nj - j < mine))
+                    def _next_rows():  # this CTA's next block, loading while this one computes
+                        load_rows(blk + 1)
             # Epilogue vectors, loaded before the K loop so their latency hides behind it.
             row_scales = [
                 plgpu.load(ws_ref.at[e, pl.ds(w_row(p, j), ROWS)],
                            layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
                 for p in range(nparts)
             ] if ws_ref is not None else []
-            col_scale = plgpu.load(bs_ref.at[pl.ds(row, nt)], layout=plgpu.Layout.WGMMA.reduce(0),
-                                   optimized=False) if bs_ref is not None else None
+            col_scale = None
+            if quantize_b:
+                col_scale = plgpu.load(q_scale, layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+            elif bs_ref is not None:
+                col_scale = plgpu.load(bs_ref.at[pl.ds(row, nt)], layout=plgpu.Layout.WGMMA.reduce(0),
+                                       optimized=False)
 
             def acc_scope(*accs):
                 @pl.loop(0, ks)
@@ -324,15 +433,16 @@ def _grouped_gemm(
                     s = i * ks + k
                     slot = lax.rem(s, stages)
                     plgpu.barrier_wait(bar.at[slot])
-                    b_tile = b_buf.at[slot].T  # [tk, Nt] view of the K-major token rows
+                    # [tk, Nt] view of the K-major token rows
+                    b_tile = b_res.at[k].T if quantize_b else b_buf.at[slot].T
                     if convert:
                         # Upcast the e4m3 tile into a 16-bit staging tile, then fence it for wgmma.
                         stage = a16[0].at[lax.rem(s, n_stage)]
                         for p in range(nparts):
                             wt = a_buf.at[slot, p][...]
                             # e4m3 -> f16 is one instruction; this ptxas has no e4m3 -> bf16.
-                            stage.at[p][...] = (wt.astype(b.dtype) if b.dtype == jnp.float16
-                                                else wt.astype(jnp.float32).astype(b.dtype))
+                            stage.at[p][...] = (wt.astype(mma_b) if mma_b == jnp.float16
+                                                else wt.astype(jnp.float32).astype(mma_b))
                         plgpu.commit_smem()
                     for p in range(nparts):
                         plgpu.wgmma(accs[p], stage.at[p] if convert else a_buf.at[slot, p], b_tile)
@@ -367,18 +477,23 @@ def _grouped_gemm(
 
         plgpu.wait_smem_to_gmem(0)
 
+    quant_scratch: list[Any] = [
+        plgpu.SMEM((ks, nt, tk), b.dtype), plgpu.SMEM((ks, nt, tk), FP8, transforms=b_tr),
+        plgpu.SMEM((nt,), jnp.float32), plgpu.Barrier(num_arrivals=ks)] if quantize_b else []
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((num_out_rows, n_out), out_dtype),
         scratch_types=[
             plgpu.SMEM((stages, nparts, ROWS, tk), w.dtype, transforms=a_tr),
-            plgpu.SMEM((stages, nt, tk), b.dtype, transforms=b_tr),
-            plgpu.Barrier(num_arrivals=nparts + 1, num_barriers=stages),
+            # (with quantize_b the token tiles come from the resident e4m3 rows: one unused slot)
+            plgpu.SMEM((stages if not quantize_b else 1, nt, tk), mma_b, transforms=b_tr),
+            plgpu.Barrier(num_arrivals=nparts + (0 if quantize_b else 1), num_barriers=stages),
             plgpu.SMEM((n_tiles_out, nt, ROWS), out_dtype, transforms=o_tr),
             plgpu.SMEM(meta.shape, jnp.int32),
             plgpu.Barrier(num_arrivals=n_chunks),
             *([plgpu.SMEM((n_stage, nparts, ROWS, tk), b.dtype, transforms=_tile_transforms(tk, b.dtype))]
               if convert else []),
+            *quant_scratch,
         ],
         grid=(num_ctas,),
         grid_names=("cta",),
@@ -387,6 +502,32 @@ def _grouped_gemm(
     )
     args = [meta, w] + ([w_scale] if has_w_scale else []) + [b] + ([b_scale] if has_b_scale else [])
     return kernel(*args)
+
+
+def _quant_bytes(nt: int, k: int) -> int:
+    """SMEM of `_grouped_gemm`'s in-kernel quantisation: bf16 rows, their e4m3 copy, scales, and the
+    ring's (then unused) one-slot token tile."""
+    return nt * k * 2 + nt * k + nt * 4 + nt * 128
+
+
+def quant_in_gemm_fits(nt: int, k: int, nparts: int, max_stages: int = 8) -> bool:
+    """Whether `_grouped_gemm(quantize_b=True)` over [*, k] e4m3 weights (nparts 64-row tiles per
+    step) with blocks of nt rows keeps a ring of min(max_stages, MIN_QUANT_STAGES) stages. At the
+    production shapes (D = 2048, I = 1024): the up GEMM up to 24 rows, the down GEMM up to 40."""
+    a_bytes = nparts * ROWS * 128
+    meta_bytes = 3 * 256 * 4  # the largest one-chunk block table
+    room = SMEM_LIMIT - 2048 - meta_bytes - nparts * nt * ROWS * 2 - _quant_bytes(nt, k)
+    return nt % 8 == 0 and k % 128 == 0 and room // a_bytes >= min(max_stages, MIN_QUANT_STAGES)
+
+
+def quant_in_gemm_wanted() -> bool:
+    """`default_config`'s `quant_in_gemm`, read at trace time: KESTREL_JAX_MOE_GEMM_QUANT=0 has the
+    dense W8A8 regime quantise its token rows and activation in launches of their own
+    (`quantize_triton`) for A/B runs."""
+    value = os.environ.get("KESTREL_JAX_MOE_GEMM_QUANT", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"KESTREL_JAX_MOE_GEMM_QUANT must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def fused_cluster(num_inner: int, dim: int, max_cluster: int = 8) -> int:
@@ -687,10 +828,19 @@ def _expert_gemms(
     else:
         up_gemm = gemm
     if experts.is_fp8 and cfg.w8a8:
-        xq, xs = _quantize(x_rows, None, interpret)  # per token, before any gather: T rows, not C
-        if row_token is not None:
-            xq, xs = _gather_rows(xq, row_token), xs[row_token]
-        act = up_gemm(meta_up, experts.up_w, experts.up_scale, xq, xs, glu=True)  # [NB*Nt, I]
+        nt, (_, two_i, dim) = cfg.block_tokens, experts.up_w.shape
+        in_gemm = cfg.quant_in_gemm and cfg.dense and row_token is None and compact_act is None
+        if in_gemm and quant_in_gemm_fits(nt, dim, 2, cfg.max_stages):
+            act = up_gemm(meta_up, experts.up_w, experts.up_scale, x_rows, None, glu=True, quantize_b=True,
+                          shared_rows=True)
+        else:
+            xq, xs = _quantize(x_rows, None, interpret)  # per token, before any gather: T rows, not C
+            if row_token is not None:
+                xq, xs = _gather_rows(xq, row_token), xs[row_token]
+            act = up_gemm(meta_up, experts.up_w, experts.up_scale, xq, xs, glu=True)  # [NB*Nt, I]
+        if in_gemm and quant_in_gemm_fits(nt, two_i // 2, cfg.down_row_tiles, cfg.max_stages):
+            return gemm(meta_down, experts.down_w, experts.down_scale, act, None, glu=False,
+                        row_tiles=cfg.down_row_tiles, quantize_b=True), 1
         aq, a_s = _quantize(act, compact_act, interpret)
         return gemm(meta_down, experts.down_w, experts.down_scale, aq, a_s, glu=False,
                     row_tiles=cfg.down_row_tiles), 1

@@ -80,8 +80,11 @@ def test_dispatch_forms_the_f16_copy_only_for_w8a16_experts(monkeypatch: pytest.
         assert ops.decode_moe_layer_norm(x, s, s, _experts(True), eps=1e-5, pad_rows=8) is None
     with ops.use_backend("kernel"):
         monkeypatch.delenv("KESTREL_JAX_LN_KERNEL", raising=False)
-        assert shapes(_experts(True)) == [((8, 256), BF16), ((8, 256), jnp.float16)]  # W8A16 at one row
-        assert shapes(_experts(True), rows=4) == [((8, 256), BF16), None]  # W8A8 from 4 rows: no f16 operand
+        monkeypatch.delenv("KESTREL_JAX_W8A8_MIN_TOKENS", raising=False)
+        assert shapes(_experts(True)) == [((8, 256), BF16), None]  # W8A8 (the default): no f16 operand
+        monkeypatch.setenv("KESTREL_JAX_W8A8_MIN_TOKENS", "2")  # W8A16 at one row
+        assert shapes(_experts(True)) == [((8, 256), BF16), ((8, 256), jnp.float16)]
+        assert shapes(_experts(True), rows=4) == [((8, 256), BF16), None]  # W8A8 from 2 rows: no f16 operand
         assert shapes(_experts(False)) == [((8, 256), BF16), None]  # bf16 experts
         monkeypatch.setenv("KESTREL_JAX_LN_KERNEL", "0")  # the A/B switch: XLA's launches
         assert shapes(_experts(True)) is None

@@ -64,6 +64,8 @@ from kestrel_jax.pallas.moe_mgpu import (
     moe_layer,
     moe_layer_rows,
     pdl_wanted,
+    quant_in_gemm_fits,
+    quant_in_gemm_wanted,
     split_dest,
 )
 from kestrel_jax.pallas.moe_route_mgpu import route_dense
@@ -122,8 +124,15 @@ def dense_weights(ex: ExpertWeights) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(ex.up_w.astype(jnp.float32), np.float64), np.asarray(ex.down_w.astype(jnp.float32), np.float64)
 
 
+_quantize_rows_jit = jax.jit(quantize_rows)
+
+
 def fake_quant(rows: np.ndarray) -> np.ndarray:
-    q, s = quantize_rows(jnp.asarray(rows, jnp.float32))
+    """Rows through `quantize_rows` under jit, as every kernel path and the jnp reference run it: on
+    the CPU, XLA's compiled value of x * (1 / scale) can differ from the op-by-op one in the last
+    bit, which decides an exact e4m3 tie (bf16 tokens hit them: x = -3.5625 with scale 9.5 / 448
+    gives -168.0 jitted and -168.00002 op by op, codes -160 and -176)."""
+    q, s = _quantize_rows_jit(jnp.asarray(rows, jnp.float32))
     return np.asarray(q.astype(jnp.float32), np.float64) * np.asarray(s, np.float64)[:, None]
 
 
@@ -549,11 +558,12 @@ def test_expert_rows_of_padded_rows_combine_to_the_layer(rng):
     assert moe_layer_rows(x, rw, rb, ex, top_k=k, config=sorted_cfg, interpret=INTERPRET) is None
 
 
-def test_expert_rows_read_the_callers_f16_rows(rng):
-    """FP8 experts in the W8A16 regime (one token) read their operand as f16: rows handed in already
-    converted (the decode LayerNorm kernel forms them) give the same expert rows as converting
-    inside, and other rows give others (they are really read)."""
+def test_expert_rows_read_the_callers_f16_rows(rng, monkeypatch):
+    """FP8 experts in the W8A16 regime (one token with KESTREL_JAX_W8A8_MIN_TOKENS=2) read their operand
+    as f16: rows handed in already converted (the decode LayerNorm kernel forms them) give the same
+    expert rows as converting inside, and other rows give others (they are really read)."""
     T, k, n_experts = 1, 4, 16
+    monkeypatch.setenv("KESTREL_JAX_W8A8_MIN_TOKENS", "2")
     ex = make_experts(rng, True, n_experts=n_experts)
     x, rw, rb = exact_router_inputs(rng, T, dim(True), n_experts)
     cfg = small_config(T)
@@ -613,7 +623,7 @@ def test_quantize_kernel_switch_changes_no_result(rng, T, monkeypatch):
     ex = make_experts(rng, True)
     x = jnp.asarray(rng.standard_normal((T, dim(True))), jnp.bfloat16)
     routing = random_routing(rng, T, 4)
-    cfg = small_config(T, w8a8=True)
+    cfg = small_config(T, w8a8=True, quant_in_gemm=False)  # the dense GEMMs would quantise their own rows
     monkeypatch.setenv("KESTREL_JAX_QUANT_KERNEL", "0")
     off = run_kernel(x, routing, ex, cfg)
     monkeypatch.delenv("KESTREL_JAX_QUANT_KERNEL")  # on by default
@@ -626,8 +636,9 @@ def test_quantize_kernel_switch_changes_no_result(rng, T, monkeypatch):
 def test_pdl_switch_changes_no_result(rng, T, w8a8, monkeypatch):
     """Programmatic dependent launch (KESTREL_JAX_MOE_PDL=1): the down GEMM loads its weights before
     its activations (the grid-dependency instructions themselves only exist on the GPU); the layer's
-    output is bit-identical to the default ordering in both FP8 modes (the W8A8 case has the
-    activation quantisation between the two GEMMs; the sorted regime's GEMMs are the same kernel)."""
+    output is bit-identical to the default ordering in both FP8 modes (in the W8A8 case the down
+    GEMM quantises the activation itself and loads those rows only after the wait; the sorted
+    regime's GEMMs are the same kernel)."""
     ex = make_experts(rng, True)
     x = jnp.asarray(rng.standard_normal((T, dim(True))), jnp.bfloat16)
     routing = random_routing(rng, T, 4)
@@ -747,7 +758,7 @@ def test_cross_lowering_production_shapes_h100(fp8):
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=H100)
     cases: list[tuple[int, bool | None]] = [(T, None) for T in (1, 4, 8, 16, 32, 64, 256, 740, 2048)]
     if fp8:
-        cases += [(T, True) for T in (1, 16)]  # the W8A8 alternative of the streaming regime
+        cases += [(T, False) for T in (1, 16)]  # the W8A16 alternative of the streaming regime
     for T, w8a8 in cases:
         cfg = default_config(T, num_ctas=132)
         if w8a8 is not None:
@@ -772,16 +783,63 @@ def test_cross_lowering_production_shapes_h100(fp8):
         text = lowered.as_text()
         assert text.count("stablehlo.custom_call @mosaic_gpu") == kernels, (T, w8a8)
         # The dense regime's routing tables: one Triton program (the sorted regime routes in jnp);
-        # W8A8: the token and activation quantisation, one Triton program each.
-        triton = (1 if cfg.dense and not fp8 else 0) + (2 if fp8 and cfg.w8a8 else 0)
+        # W8A8: the token and activation quantisation, one Triton program each, except where the
+        # dense GEMMs quantise their own rows (up to 24 rows for the up GEMM, 40 for the down one).
+        quant = 0
+        if fp8 and cfg.w8a8:
+            quant = 2 if not cfg.dense else int(T > 24) + int(T > 40)
+        triton = (1 if cfg.dense and not fp8 else 0) + quant
         assert text.count("__gpu$xla.gpu.triton") == triton, (T, w8a8)
 
 
 def test_w8a8_threshold_of_the_dense_regime(monkeypatch):
     monkeypatch.delenv("KESTREL_JAX_W8A8_MIN_TOKENS", raising=False)
-    assert [default_config(t).w8a8 for t in (1, 2, 3, 64, 65)] == [False, True, True, True, True]
-    monkeypatch.setenv("KESTREL_JAX_W8A8_MIN_TOKENS", "1")
-    assert default_config(1).w8a8
+    assert all(default_config(t).w8a8 for t in (1, 2, 3, 64, 65))
+    monkeypatch.setenv("KESTREL_JAX_W8A8_MIN_TOKENS", "2")
+    assert [default_config(t).w8a8 for t in (1, 2, 65)] == [False, True, True]
     monkeypatch.setenv("KESTREL_JAX_W8A8_MIN_TOKENS", "-2")
     with pytest.raises(ValueError, match="KESTREL_JAX_W8A8_MIN_TOKENS"):
+        default_config(1)
+
+
+@pytest.mark.parametrize("T,k", [(1, 4), (16, 4), (17, 3)], ids=["nt8", "nt16", "nt24"])
+def test_in_gemm_quantisation_equals_the_quantise_launches(rng, T, k, monkeypatch):
+    """Dense W8A8 with the GEMMs quantising their own bf16 rows (the default) against the same GEMMs
+    reading rows quantised by the Triton launches: bit-identical (the same arithmetic as
+    `quantize_rows`), within the W8A8 bound of the float64 oracle, and the program has no
+    quantisation launch left. Three CTAs: the down GEMM's contiguous unit ranges start mid-block,
+    span several blocks (each quantised once, the next one's rows prefetched) and end unevenly;
+    1-3 row groups of 8. Unselected experts hold NaN weights."""
+    monkeypatch.delenv("KESTREL_JAX_MOE_GEMM_QUANT", raising=False)
+    experts = np.stack([rng.permutation(np.arange(1, E))[:k] for _ in range(T)])
+    ex = make_experts(rng, True, poison=(0,))
+    x = jnp.asarray(rng.standard_normal((T, dim(True))) * rng.uniform(0.01, 10.0, (T, 1)), jnp.bfloat16)
+    routing = random_routing(rng, T, k, experts)
+    cfg = small_config(T)
+    assert cfg.dense and cfg.w8a8 and cfg.quant_in_gemm
+    on = run_kernel(x, routing, ex, cfg)
+    off_cfg = dataclasses.replace(cfg, quant_in_gemm=False)
+    np.testing.assert_array_equal(on, run_kernel(x, routing, ex, off_cfg))
+    assert rel_err(on, oracle(x, routing, ex, w8a8=True)) <= TOL_W8A8_EMULATED
+
+    def launches(c):
+        jaxpr = str(jax.make_jaxpr(lambda x: moe(x, routing, ex, config=c, interpret=INTERPRET))(x))
+        return jaxpr.count("name=kestrel_quantize_rows")
+
+    assert (launches(cfg), launches(off_cfg)) == (0, 2)
+
+
+def test_in_gemm_quantisation_sizes_and_switch(monkeypatch):
+    """Which dense GEMMs quantise their own rows at the production shapes (D = 2048, I = 1024, two
+    64-row weight tiles per step): the up GEMM up to 24 rows, the down GEMM up to 40 (their bf16 and
+    e4m3 rows beside a ring of at least 4 stages); KESTREL_JAX_MOE_GEMM_QUANT=0 turns it off."""
+    assert [quant_in_gemm_fits(nt, 2048, 2) for nt in (8, 16, 24, 32)] == [True, True, True, False]
+    assert [quant_in_gemm_fits(nt, 1024, 2) for nt in (8, 32, 40, 48)] == [True, True, True, False]
+    assert quant_in_gemm_fits(8, 256, 2, max_stages=3) and not quant_in_gemm_fits(12, 256, 2)
+    monkeypatch.delenv("KESTREL_JAX_MOE_GEMM_QUANT", raising=False)
+    assert quant_in_gemm_wanted() and default_config(1).quant_in_gemm
+    monkeypatch.setenv("KESTREL_JAX_MOE_GEMM_QUANT", "0")
+    assert not default_config(1).quant_in_gemm
+    monkeypatch.setenv("KESTREL_JAX_MOE_GEMM_QUANT", "yes")
+    with pytest.raises(ValueError, match="KESTREL_JAX_MOE_GEMM_QUANT"):
         default_config(1)
