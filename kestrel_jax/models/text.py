@@ -20,6 +20,7 @@ from kestrel_jax.models.layers import MLP, LayerNorm, Linear, gelu_erf
 from kestrel_jax.pallas import ops
 from kestrel_jax.pallas.decode_residual import ExpertRows, ProjParts, combine_rows, finish_proj
 from kestrel_jax.pallas.moe import ExpertWeights
+from kestrel_jax.pallas.moe_route_mgpu import DenseRoute
 from kestrel_jax.pallas.qkv_epilogue import TauWeights, qkv_heads_ref
 
 # Decode rows up to which the attention projections of MoE layers use the decode GEMM kernel
@@ -134,10 +135,13 @@ class Attention(nnx.Module):
         router: Linear | None = None,
         *,
         want_parts: bool = False,
-    ) -> tuple[jax.Array | ProjParts, jax.Array, jax.Array, jax.Array | None]:
-        """-> (output, k_pages, v_pages, router logits or None). With `router` (the MoE layer's,
-        which reads the same normalised input), decode on a GPU computes its logits in the QKV
-        product's launch (rows past the batch's may follow: x's padding rows' logits). x may
+        route_top_k: int | None = None,
+    ) -> tuple[jax.Array | ProjParts, jax.Array, jax.Array, jax.Array | DenseRoute | None]:
+        """-> (output, k_pages, v_pages, router logits, routing tables or None). With `router` (the
+        MoE layer's, which reads the same normalised input), decode on a GPU computes its logits in
+        the QKV product's launch (rows past the batch's may follow: x's padding rows' logits); with
+        `route_top_k` as well, the QKV epilogue's launch may turn them into the MoE's routing
+        tables (`ops.decode_qkv_routed`, a `DenseRoute` returned instead of the logits). x may
         arrive padded past the batch's rows (the decode residual kernel's normalised rows). With
         `want_parts`, decode on a GPU returns the output projection unreduced (`ProjParts`, for
         `ops.decode_residual`)."""
@@ -149,8 +153,19 @@ class Attention(nnx.Module):
         tau = self.tau.weights() if self.tau is not None else None
         rot, theta = cfg.rotary_dim, cfg.rope_theta
         # Decode on a GPU: tau, rotary and the KV write in one kernel (captures need the jnp path).
-        fused = ops.decode_qkv(u, batch.positions, batch.slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=h,
-                               rotary_dim=rot, theta=theta) if batch.cu_q_lens is None and aux is None else None
+        fused = None
+        routed: jax.Array | DenseRoute | None = logits
+        if batch.cu_q_lens is None and aux is None:
+            if route_top_k is not None and logits is not None:
+                out = ops.decode_qkv_routed(u, batch.positions, batch.slots, k_pages, v_pages, k_scale, v_scale, tau,
+                                            n_heads=h, rotary_dim=rot, theta=theta, logits=logits,
+                                            num_valid=batch.num_valid, top_k=route_top_k)
+                if out is not None:
+                    fused = out[:3]
+                    routed = logits if out[3] is None else out[3]
+            else:
+                fused = ops.decode_qkv(u, batch.positions, batch.slots, k_pages, v_pages, k_scale, v_scale, tau,
+                                       n_heads=h, rotary_dim=rot, theta=theta)
         if fused is not None:
             q, k_pages, v_pages = fused
         else:
@@ -164,7 +179,7 @@ class Attention(nnx.Module):
         if batch.cu_q_lens is None:
             o = ops.decode_attention(q, k_pages, v_pages, batch.kv_lens, batch.page_table,
                                      k_scale, v_scale, sm_scale=scale)
-            return self._project(o.reshape(t, h * hd), decode, want_parts), k_pages, v_pages, logits
+            return self._project(o.reshape(t, h * hd), decode, want_parts), k_pages, v_pages, routed
         else:
             assert batch.prefix_lens is not None
             nd = 0 if batch.decode is None else batch.decode.rows
@@ -248,14 +263,14 @@ class MoE(nnx.Module):
                              logits=logits)
 
     def rows(self, x: jax.Array, num_valid: jax.Array | None, logits: jax.Array | None,
-             tokens: int, x_f16: jax.Array | None = None) -> ExpertRows | None:
+             tokens: int, x_f16: jax.Array | None = None, route: DenseRoute | None = None) -> ExpertRows | None:
         """The layer's expert rows before the weighted sum (decode on a GPU; x may be padded past
-        `tokens` rows, `x_f16` its f16 copy for W8A16 experts), or None where the kernel path does
-        not produce them."""
+        `tokens` rows, `x_f16` its f16 copy for W8A16 experts, `route` its routing tables when the
+        QKV epilogue built them), or None where the kernel path does not produce them."""
         router_w = self.router.kernel[...]
         router_b = self.router.bias[...] if self.router.bias is not None else jnp.zeros(router_w.shape[1])
         return ops.moe_layer_rows(x, router_w, router_b, self.experts(), top_k=self.top_k, num_valid_tokens=num_valid,
-                                  logits=logits, tokens=tokens, x_f16=x_f16)
+                                  logits=logits, tokens=tokens, x_f16=x_f16, route=route)
 
 
 class Block(nnx.Module):
@@ -328,11 +343,15 @@ class TextModel(nnx.Module):
             fuse = (moe and aux is None and batch.cu_q_lens is None and t <= proj_kernel_rows()
                     and ops.decode_residual_wanted())
             router = block.mlp.router if isinstance(block.mlp, MoE) else None
-            a, ks[i], vs[i], logits = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux,
-                                                 router=router, want_parts=fuse)
+            # The expert rows path (below) takes routing tables built in the QKV epilogue's launch.
+            rows_path = isinstance(block.mlp, MoE) and (fuse or n16 is not None or n.shape[0] != t)
+            top_k = block.mlp.top_k if isinstance(block.mlp, MoE) and rows_path else None
+            a, ks[i], vs[i], routed = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux,
+                                                 router=router, want_parts=fuse, route_top_k=top_k)
+            logits, route = (None, routed) if isinstance(routed, DenseRoute) else (routed, None)
             rows = None
-            if isinstance(block.mlp, MoE) and (fuse or n16 is not None or n.shape[0] != t):
-                rows = block.mlp.rows(n, batch.num_valid, logits, t, x_f16=n16)
+            if isinstance(block.mlp, MoE) and rows_path:
+                rows = block.mlp.rows(n, batch.num_valid, logits, t, x_f16=n16, route=route)
             if isinstance(a, ProjParts) and rows is not None:
                 nxt = self.blocks[i + 1].ln if i + 1 < len(self.blocks) else None
                 ln = (nxt.scale[...], nxt.bias[...]) if nxt is not None else None

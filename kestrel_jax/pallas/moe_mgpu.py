@@ -87,7 +87,7 @@ from kestrel_jax.pallas.moe import (
     router_logits,
 )
 from kestrel_jax.pallas.moe_grouping import ROW_ALIGN, group_by_expert, group_dense, grouping_sizes
-from kestrel_jax.pallas.moe_route_mgpu import route_dense, route_dense_supported
+from kestrel_jax.pallas.moe_route_mgpu import DenseRoute, route_dense, route_dense_supported
 from kestrel_jax.pallas.moe_route_triton import route_tables, route_tables_supported
 from kestrel_jax.pallas.paged_attention_mgpu import own_buffer
 from kestrel_jax.pallas.quantize_triton import quantize_rows_kernel, quantize_rows_problem
@@ -963,6 +963,7 @@ def moe_layer_rows(
     logits: jax.Array | None = None,  # [T, E], or [Nt, E] with padding rows past T
     tokens: int | None = None,  # real rows of x (None: all)
     x_f16: jax.Array | None = None,  # x as the W8A16 f16 operand ([Nt, D], see `f16_rows_wanted`)
+    route: DenseRoute | None = None,  # the tables routing's result, built by the caller from the same logits
 ) -> ExpertRows | None:
     """The dense regime's expert rows before the weighted sum (`decode_residual.ExpertRows`: the
     down GEMM's output, each token's k rows and weights), or None where that regime with the
@@ -983,7 +984,12 @@ def moe_layer_rows(
     xb = x.astype(jnp.bfloat16)
     x_rows = xb if x.shape[0] == nt else jnp.pad(xb, ((0, nt - T), (0, 0)))  # [Nt, D]
     n_valid = jnp.asarray(T if num_valid_tokens is None else num_valid_tokens, jnp.int32).reshape(1)
-    if use_tables:
+    if route is not None:  # built elsewhere (`qkv_epilogue.decode_qkv_route_kernel`): the tables' layout
+        if not use_tables or route.meta_up.shape != (1, 3, E) or route.dest.shape[0] != top_k:
+            raise MoEKernelError(f"a precomputed route needs the tables routing at T={T} and [k, P] / [1, 3, E] "
+                                 f"tables, got dest {route.dest.shape}, meta {route.meta_up.shape}")
+        r = route
+    elif use_tables:
         if logits is None:
             lg = router_logits(x_rows, router_w, router_b, widen=False)
         elif logits.shape[0] == nt:  # already padded (`gemv_mgpu.gemv_rows`): rows past T are ignored (n_valid)
@@ -998,6 +1004,15 @@ def moe_layer_rows(
     y, parts = _expert_gemms(x_rows, None, r.meta_up, r.meta_down, None, experts, cfg, min(E, T * top_k), interpret,
                              x_f16=x_f16)
     return ExpertRows(y, split_dest(r.dest, parts, nt, 0), jnp.repeat(r.weights, parts, 0), n_valid)
+
+
+def tables_route_block_tokens(num_tokens: int, num_experts: int, top_k: int) -> int | None:
+    """The block width Nt when `moe_layer_rows` (default config) routes T tokens with the tables
+    program, so a caller may build its `DenseRoute` ahead (`route`); None otherwise."""
+    cfg = default_config(num_tokens)
+    if cfg.dense and cfg.routing == "tables" and route_tables_supported(cfg.block_tokens, num_experts, top_k):
+        return cfg.block_tokens
+    return None
 
 
 def f16_rows_wanted(num_tokens: int, experts: ExpertWeights) -> bool:

@@ -206,7 +206,7 @@ def route(x: jax.Array, router_w: jax.Array, router_b: jax.Array, top_k: int) ->
 
 def moe_layer_rows(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: ExpertWeights, *,
                    top_k: int, num_valid_tokens: jax.Array | int | None = None, logits: jax.Array | None = None,
-                   tokens: int | None = None, x_f16: jax.Array | None = None) -> ExpertRows | None:
+                   tokens: int | None = None, x_f16: jax.Array | None = None, route: Any = None) -> ExpertRows | None:
     """The MoE layer's expert rows before the weighted sum (`moe_mgpu.moe_layer_rows`; x may be
     padded to the block width with `tokens` real rows) on the kernel path; None otherwise."""
     if not _want_kernel():
@@ -218,7 +218,7 @@ def moe_layer_rows(x: jax.Array, router_w: jax.Array, router_b: jax.Array, exper
         return None
     return _jitted(kern.moe_layer_rows, ("top_k", "tokens"))(x, router_w, router_b, experts, top_k=top_k,
                                                             num_valid_tokens=num_valid_tokens, logits=logits,
-                                                            tokens=tokens, x_f16=x_f16)
+                                                            tokens=tokens, x_f16=x_f16, route=route)
 
 
 def decode_moe_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, experts: ExpertWeights, *, eps: float,
@@ -286,9 +286,66 @@ def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: ja
     MD3 decode step 95 us faster at 16 rows (-1.8%, 48 fewer launches), 36 us at 64 rows (-0.3%,
     within the probe's spread); W2 at 64 clients A/B/A/B 6,432 / 6,682 / 6,467 / 6,437 tok/s.
     KESTREL_JAX_TAU_FACTORS=0 (read at trace time) keeps the XLA path there."""
+    out = _decode_qkv(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
+                      rotary_dim=rotary_dim, theta=theta, route=None)
+    return None if out is None else out[:3]
+
+
+def route_in_qkv_wanted() -> bool:
+    """Whether a decode MoE layer's routing tables are built in the QKV epilogue's launch
+    (`decode_qkv_routed`) instead of a launch of their own: KESTREL_JAX_ROUTE_IN_QKV=1, read at
+    trace time. Off by default until measured on the GPU."""
+    value = os.environ.get("KESTREL_JAX_ROUTE_IN_QKV", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"KESTREL_JAX_ROUTE_IN_QKV must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def decode_qkv_routed(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                      k_scale: jax.Array, v_scale: jax.Array, tau: Any, *, n_heads: int, rotary_dim: int, theta: float,
+                      logits: jax.Array, num_valid: jax.Array | None, top_k: int
+                      ) -> tuple[jax.Array, jax.Array, jax.Array, Any] | None:
+    """`decode_qkv` for an MoE layer whose router logits ([Nt, E], from the same decode GEMM
+    launch) are at hand: with `route_in_qkv_wanted()`, and where the MoE's dense regime routes
+    with the tables program at these shapes, the epilogue's launch also builds the routing tables
+    (`qkv_epilogue.decode_qkv_route_kernel`): (q, k_pages, v_pages, `DenseRoute` for
+    `moe_layer_rows`' `route`). Otherwise the fourth item is None (the MoE routes itself); None
+    where `decode_qkv` is None."""
+    route = None
+    if _want_kernel() and route_in_qkv_wanted():
+        from kestrel_jax.pallas import moe_mgpu
+
+        rows = positions.shape[0]
+        nt = moe_mgpu.tables_route_block_tokens(rows, logits.shape[1], top_k)
+        if nt is not None and logits.shape[0] == nt:
+            n_valid = jnp.asarray(rows if num_valid is None else num_valid, jnp.int32).reshape(1)
+            route = (logits, n_valid, top_k, nt)
+    out = _decode_qkv(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
+                      rotary_dim=rotary_dim, theta=theta, route=route)
+    if out is None:
+        return None
+    return out if len(out) == 4 else (*out, None)
+
+
+def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                k_scale: jax.Array, v_scale: jax.Array, tau: Any, *, n_heads: int, rotary_dim: int, theta: float,
+                route: tuple[jax.Array, jax.Array, int, int] | None) -> tuple | None:
+    """`decode_qkv`'s dispatch; with `route` (logits, num_valid, top_k, block_tokens) the routing
+    tables come back fourth where the routed kernel takes the logits."""
     if not _want_kernel() or os.environ.get("KESTREL_JAX_DECODE_QKV_KERNEL", "1") == "0":  # "0": A/B runs
         return None
     from kestrel_jax.pallas import qkv_epilogue as kern
+
+    if route is not None and not kern.decode_qkv_route_supported(route[0], route[2]):
+        route = None
+
+    def call(u, tau, factors=None):
+        if route is None:
+            return kern.decode_qkv_kernel(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau,
+                                          n_heads=n_heads, rotary_dim=rotary_dim, theta=theta, factors=factors)
+        return kern.decode_qkv_route_kernel(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, route[0],
+                                            route[1], n_heads=n_heads, rotary_dim=rotary_dim, theta=theta,
+                                            top_k=route[2], block_tokens=route[3], factors=factors)
 
     rows = positions.shape[0]  # u may carry padding rows past them (`gemv_rows`): the kernel reads the first
     if tau is not None and rows > kern.MAX_TAU_ROWS:
@@ -300,9 +357,7 @@ def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: ja
         if kern.decode_qkv_problem(u, k_pages, None, n_heads=n_heads, rotary_dim=rotary_dim,
                                    factors=(tau_q, tau_v)) is not None:
             return None
-        return kern.decode_qkv_kernel(u, positions, slots, k_pages, v_pages, k_scale, v_scale, None,
-                                      n_heads=n_heads, rotary_dim=rotary_dim, theta=theta, factors=(tau_q, tau_v))
+        return call(u, None, (tau_q, tau_v))
     if kern.decode_qkv_problem(u, k_pages, tau, n_heads=n_heads, rotary_dim=rotary_dim) is not None:
         return None
-    return kern.decode_qkv_kernel(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
-                                  rotary_dim=rotary_dim, theta=theta)
+    return call(u, tau)

@@ -13,7 +13,10 @@ tau dots, v * tau, rotary of q, rotary of k) plus the KV write kernel, each 1.3-
 launch and tail on an H100 (sixth session trace, ~10 us per layer, 24 layers per token).
 
 Kernel: grid (rows M, query heads H); program (m, h) computes its head of q, and for h < Hkv its
-head of k and v and writes both rows to the pool. With tau, each program reads the whole row u[m]
+head of k and v and writes both rows to the pool. With `route` (an MoE layer's router logits from
+the same decode GEMM launch, `decode_qkv_route_kernel`) the grid has one more column and program
+(0, H) builds the dense regime's routing tables (`moe_route_triton`'s program) beside the heads,
+saving that program's launch. With tau, each program reads the whole row u[m]
 and its heads' tau weights (wq[h], wv[h]) to form the two dot products itself: M * H programs
 each read ~3 * N * 2 bytes from L2, fine for decode rows (the model uses it up to
 `MAX_TAU_ROWS`), wasteful for prefill. Numerics follow the jnp path's roundings: GELU output,
@@ -34,7 +37,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kestrel_jax.models.layers import apply_rope, gelu_erf, rope_cos_sin, rope_inv_freq, tau_position_term
+from kestrel_jax.pallas import moe_route_triton
 from kestrel_jax.pallas.moe import gelu_erf_poly
+from kestrel_jax.pallas.moe_route_mgpu import DenseRoute
 from kestrel_jax.pallas.paged_attention import FP8_MAX, check_pool, is_fp8, write_kv_ref
 
 MAX_TAU_ROWS = 8  # decode rows up to which the model runs the kernel when tau is on
@@ -156,7 +161,31 @@ def _bf16(x: jax.Array) -> jax.Array:
 
 
 def _kernel(u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: int, n_kv: int, dh: int, rot: int,
-            has_tau: bool, has_factors: bool, chunk: int, fp8: bool, low: bool):
+            has_tau: bool, has_factors: bool, chunk: int, fp8: bool, low: bool, route: tuple[int, int] | None):
+    # program ids are read here, outside any branch (the interpreter evaluates them only there)
+    m, h = pl.program_id(0), pl.program_id(1)
+    if route is None:
+        _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads=n_heads, n_kv=n_kv, dh=dh,
+               rot=rot, has_tau=has_tau, has_factors=has_factors, chunk=chunk, fp8=fp8, low=low)
+        return
+    # [..., logits, n_valid, (the pools), q, pools, weights, experts, dest, meta_up, meta_down]
+    n_tau = 3 if has_tau else (2 if has_factors else 0)
+    logits_ref, nv_ref = refs[n_tau], refs[n_tau + 1]
+    head_refs = refs[:n_tau] + refs[n_tau + 2:n_tau + 7]
+    route_out = refs[n_tau + 7:]
+
+    @pl.when(h < n_heads)
+    def _head_program():
+        _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *head_refs, n_heads=n_heads, n_kv=n_kv, dh=dh,
+               rot=rot, has_tau=has_tau, has_factors=has_factors, chunk=chunk, fp8=fp8, low=low)
+
+    @pl.when((h == n_heads) & (m == 0))
+    def _route_program():
+        moe_route_triton._kernel(logits_ref, nv_ref, *route_out, top_k=route[0], nt=route[1])
+
+
+def _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: int, n_kv: int, dh: int,
+           rot: int, has_tau: bool, has_factors: bool, chunk: int, fp8: bool, low: bool):
     tq_ref = tv_ref = None
     if has_tau:
         wq_ref, wv_ref, alpha_ref, _kp_in, _vp_in, q_ref, kp_ref, vp_ref = refs
@@ -165,7 +194,6 @@ def _kernel(u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: i
     else:
         _kp_in, _vp_in, q_ref, kp_ref, vp_ref = refs
     f32 = jnp.float32
-    m, h = pl.program_id(0), pl.program_id(1)
     n = u_ref.shape[1]
     P, _, S, _ = kp_ref.shape
     half, rest_w = rot // 2, dh - rot
@@ -249,6 +277,57 @@ def decode_qkv_kernel(
     """-> (q [M, H, Dh] in u.dtype, k_pages, v_pages with the M new rows written). With `factors`
     the kernel scales q and v by tau factors formed outside (`tau_factors`, rounded to u.dtype)
     instead of forming them from `tau` itself (for batches past `MAX_TAU_ROWS`)."""
+    q, kp, vp, _ = _decode_qkv(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
+                               rotary_dim=rotary_dim, theta=theta, factors=factors, interpret=interpret,
+                               num_warps=num_warps)
+    return q, kp, vp
+
+
+def decode_qkv_route_supported(logits: jax.Array, top_k: int) -> bool:
+    """Whether `decode_qkv_route_kernel` takes these [Nt, E] router logits (`moe_route_triton`'s limits)."""
+    return logits.ndim == 2 and moe_route_triton.route_tables_supported(logits.shape[0], logits.shape[1], top_k)
+
+
+@functools.partial(jax.jit, static_argnames=("n_heads", "rotary_dim", "theta", "top_k", "block_tokens", "interpret",
+                                             "num_warps"))
+def decode_qkv_route_kernel(
+    u: jax.Array,
+    positions: jax.Array,
+    slots: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    k_scale: jax.Array,
+    v_scale: jax.Array,
+    tau: TauWeights | None,
+    logits: jax.Array,  # [Nt, E] router logits (f32 or bf16), rows >= num_valid ignored
+    num_valid: jax.Array,  # [1] int32
+    *,
+    n_heads: int,
+    rotary_dim: int,
+    theta: float,
+    top_k: int,
+    block_tokens: int,
+    factors: tuple[jax.Array, jax.Array] | None = None,
+    interpret: bool = False,
+    num_warps: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, DenseRoute]:
+    """`decode_qkv_kernel` and `moe_route_triton.route_tables(logits, num_valid, top_k=top_k,
+    block_tokens=block_tokens)` in one launch: -> (q, k_pages, v_pages, the routing tables)."""
+    if not decode_qkv_route_supported(logits, top_k):
+        raise ValueError(f"decode_qkv_route_kernel: unsupported logits {logits.shape} with top_k {top_k}")
+    q, kp, vp, route = _decode_qkv(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
+                                   rotary_dim=rotary_dim, theta=theta, factors=factors, interpret=interpret,
+                                   num_warps=num_warps, route=(logits, num_valid, top_k, block_tokens))
+    assert route is not None
+    return q, kp, vp, route
+
+
+def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                k_scale: jax.Array, v_scale: jax.Array, tau: TauWeights | None, *, n_heads: int, rotary_dim: int,
+                theta: float, factors: tuple[jax.Array, jax.Array] | None, interpret: bool, num_warps: int | None,
+                route: tuple[jax.Array, jax.Array, int, int] | None = None,  # (logits, n_valid, top_k, Nt)
+                ) -> tuple[jax.Array, jax.Array, jax.Array, DenseRoute | None]:
+    """The two public kernels' body (arguments as `decode_qkv_kernel`'s and `decode_qkv_route_kernel`'s)."""
     check_pool(k_pages, v_pages)
     problem = decode_qkv_problem(u, k_pages, tau, n_heads=n_heads, rotary_dim=rotary_dim, factors=factors)
     if problem is not None:
@@ -263,21 +342,33 @@ def decode_qkv_kernel(
     tau_args = [tau.wq, tau.wv, tau.alpha] if tau is not None else []
     if factors is not None:
         tau_args = [f.astype(u.dtype) for f in factors]
-    ins = [u, positions.astype(jnp.int32), slots.astype(jnp.int32), *scales, inv, *tau_args, k_pages, v_pages]
+    route_ins: list[jax.Array] = []
+    route_shapes: list[jax.ShapeDtypeStruct] = []
+    if route is not None:  # the routing tables' inputs and outputs, as `route_tables` forms them
+        logits, num_valid, top_k, block_tokens = route
+        nt, n_experts = logits.shape
+        p = max(8, 1 << (nt - 1).bit_length())  # Triton block rows: a power of two
+        route_ins = [jnp.pad(logits, ((0, p - nt), (0, 0))) if p != nt else logits,
+                     num_valid.astype(jnp.int32).reshape(1)]
+        meta = jax.ShapeDtypeStruct((1, 3, n_experts), jnp.int32)
+        route_shapes = [jax.ShapeDtypeStruct((top_k, p), jnp.float32), jax.ShapeDtypeStruct((top_k, p), jnp.int32),
+                        jax.ShapeDtypeStruct((top_k, p), jnp.int32), meta, meta]
+    ins = [u, positions.astype(jnp.int32), slots.astype(jnp.int32), *scales, inv, *tau_args, *route_ins, k_pages,
+           v_pages]
     kern = functools.partial(
         _kernel, n_heads=n_heads, n_kv=n_kv, dh=dh, rot=rotary_dim, has_tau=tau is not None,
         has_factors=factors is not None, chunk=_chunk(N), fp8=is_fp8(k_pages.dtype),
-        low=jnp.dtype(u.dtype) == jnp.dtype(jnp.bfloat16))
-    q, kp, vp = pl.pallas_call(
+        low=jnp.dtype(u.dtype) == jnp.dtype(jnp.bfloat16), route=None if route is None else (route[2], route[3]))
+    q, kp, vp, *tables = pl.pallas_call(
         kern,
         out_shape=(jax.ShapeDtypeStruct((M, n_heads, dh), u.dtype),
                    jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
-        grid=(M, n_heads),
+                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype), *route_shapes),
+        grid=(M, n_heads + (1 if route is not None else 0)),
         input_output_aliases={len(ins) - 2: 1, len(ins) - 1: 2},
         compiler_params=pltriton.CompilerParams(
             num_warps=num_warps or (TAU_WARPS if tau is not None else PLAIN_WARPS), num_stages=1),
         interpret=interpret,
         name="kestrel_decode_qkv",
     )(*ins)
-    return q, kp, vp
+    return q, kp, vp, (DenseRoute(*tables) if route is not None else None)

@@ -36,7 +36,8 @@ def _partials(x, w, w2=None, **_):  # [2, N, Mp] f32 partials of y^T, K split in
 
 
 def _rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tokens=None, logits=None, tokens=None,
-          x_f16=None):
+          x_f16=None, route=None):
+    assert route is None  # routing tables from the QKV epilogue: opt-in, off here
     t = x.shape[0] if tokens is None else tokens
     xs = x[:t].astype(jnp.float32)
     r = route_ref(x[:t], router_w, router_b, top_k)
@@ -132,6 +133,22 @@ def test_default_decode_keeps_the_unfused_path(stand_ins: list[str], monkeypatch
     assert stand_ins == ["layernorm"] * moe_layers  # no residual kernel; each MoE layer's LayerNorm kernel
 
 
+def _bf16_decode_case(seed: int) -> tuple:
+    """The tiny MD3 text model in bf16, one decode row at position 100 over a filled random cache."""
+    model = random_model(tiny_config("md3"), dtype=jnp.bfloat16, std=0.05).text
+    cfg = model.cfg
+    rng = np.random.default_rng(seed)
+    pool = init_kv_pool(cfg.n_layers, PAGES, PAGE, cfg.n_kv_heads, cfg.head_dim, jnp.bfloat16)
+    cache = KVCache(tuple(jnp.asarray(rng.standard_normal(k.shape), jnp.bfloat16) for k, _ in pool),
+                    tuple(jnp.asarray(rng.standard_normal(v.shape), jnp.bfloat16) for _, v in pool),
+                    jnp.ones(cfg.n_layers), jnp.ones(cfg.n_layers))
+    x = jnp.asarray(rng.standard_normal((1, cfg.dim)), jnp.bfloat16)
+    table = jnp.asarray(rng.permutation(PAGES)[:MAXP], jnp.int32)[None]
+    positions = jnp.array([100], jnp.int32)
+    batch = AttentionBatch(positions, table[0, 1:2] * PAGE + 100 % PAGE, positions + 1, table)
+    return model, x, batch, cache
+
+
 def test_padded_qkv_rows_reach_the_epilogue_and_router_unsliced(stand_ins: list[str],
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The default decode path with the decode GEMM's rows kernel (`gemv_mgpu.gemv_rows`): its
@@ -157,18 +174,7 @@ def test_padded_qkv_rows_reach_the_epilogue_and_router_unsliced(stand_ins: list[
     monkeypatch.setattr(gemv_mgpu, "gemv_rows", rows)
     real_qkv = qkv_epilogue.decode_qkv_kernel
     monkeypatch.setattr(qkv_epilogue, "decode_qkv_kernel", lambda *a, **kw: real_qkv(*a, **kw, interpret=True))
-    model = random_model(tiny_config("md3"), dtype=jnp.bfloat16, std=0.05).text
-    cfg = model.cfg
-    rng = np.random.default_rng(7)
-    pool = init_kv_pool(cfg.n_layers, PAGES, PAGE, cfg.n_kv_heads, cfg.head_dim, jnp.bfloat16)
-    cache = KVCache(tuple(jnp.asarray(rng.standard_normal(k.shape), jnp.bfloat16) for k, _ in pool),
-                    tuple(jnp.asarray(rng.standard_normal(v.shape), jnp.bfloat16) for _, v in pool),
-                    jnp.ones(cfg.n_layers), jnp.ones(cfg.n_layers))
-    x = jnp.asarray(rng.standard_normal((1, cfg.dim)), jnp.bfloat16)
-    table = jnp.asarray(rng.permutation(PAGES)[:MAXP], jnp.int32)[None]
-    positions = jnp.array([100], jnp.int32)
-    slots = table[0, 1:2] * PAGE + 100 % PAGE
-    batch = AttentionBatch(positions, slots, positions + 1, table)
+    model, x, batch, cache = _bf16_decode_case(7)
     with ops.use_backend("reference"):
         want = np.asarray(model(x, batch, cache)[0].astype(jnp.float32))
     monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS", "1")
@@ -183,3 +189,65 @@ def test_padded_qkv_rows_reach_the_epilogue_and_router_unsliced(stand_ins: list[
     with ops.use_backend("kernel"):
         jax.eval_shape(lambda: model(x, batch, cache))  # traced only: the switch keeps the pair kernel
     assert calls == [(8, 8)]
+
+
+def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """KESTREL_JAX_ROUTE_IN_QKV=1: each decode MoE layer's QKV epilogue launch (interpreted) also
+    builds the routing tables from the router logits of the same decode GEMM launch, and the MoE
+    receives them instead of routing itself. A stand-in for the expert rows routes from whatever it
+    gets (the tables it is handed, else `route_tables` on the logits, interpreted), so the hidden
+    states agree bit for bit with the switch off only if the epilogue's tables are the tables
+    program's and reach the right layer; the stand-in records which it got."""
+    from kestrel_jax.pallas import moe_route_triton, qkv_epilogue
+
+    monkeypatch.delenv("KESTREL_JAX_DECODE_RESIDUAL")
+    monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
+    got_route: list[bool] = []
+
+    def gemv_rows(x, w1, b1, w2=None, b2=None, **_):
+        mp = -(-x.shape[0] // 8) * 8
+        xp = jnp.pad(x, ((0, mp - x.shape[0]), (0, 0))).astype(jnp.float32)
+        return tuple((xp @ w.astype(jnp.float32)).astype(x.dtype) + (0 if b is None else b)
+                     for w, b in ((w1, b1), (w2, b2)))
+
+    def rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tokens=None, logits=None,
+             tokens=None, x_f16=None, route=None):
+        t = x.shape[0] if tokens is None else tokens
+        got_route.append(route is not None)
+        if route is None:
+            n = jnp.asarray(t if num_valid_tokens is None else num_valid_tokens, jnp.int32).reshape(1)
+            route = moe_route_triton.route_tables(logits, n, top_k=top_k, block_tokens=logits.shape[0],
+                                                  interpret=True)
+        experts_t, weights_t = route.experts[:, :t].T, route.weights[:, :t].T  # [t, k]
+        xs = x[:t].astype(jnp.float32)
+        up = _expert_matrix(experts.up_w, experts.up_scale, jnp.float32)[experts_t]
+        down = _expert_matrix(experts.down_w, experts.down_scale, jnp.float32)[experts_t]
+        hg = jnp.einsum("tkod,td->tko", up, xs)
+        i = hg.shape[-1] // 2
+        y = jnp.einsum("tkdi,tki->tkd", down, gelu_erf(hg[..., :i]) * (hg[..., i:] + 1.0))
+        n = jnp.asarray(t, jnp.int32).reshape(1)
+        return dr.ExpertRows(y.reshape(t * top_k, -1).astype(x.dtype),
+                             jnp.arange(t * top_k, dtype=jnp.int32).reshape(t, top_k).T, weights_t.T, n)
+
+    monkeypatch.setattr(gemv_mgpu, "gemv_rows", gemv_rows)
+    monkeypatch.setattr(ops, "moe_layer_rows", rows)
+    for name in ("decode_qkv_kernel", "decode_qkv_route_kernel"):
+        real = getattr(qkv_epilogue, name)
+        monkeypatch.setattr(qkv_epilogue, name, lambda *a, _real=real, **kw: _real(*a, **kw, interpret=True))
+    model, x, batch, cache = _bf16_decode_case(11)
+    cfg = model.cfg
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    out = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("KESTREL_JAX_ROUTE_IN_QKV", switch)
+        ops._jitted.cache_clear()
+        got_route.clear()
+        with ops.use_backend("kernel"):
+            out[switch] = np.asarray(model(x, batch, cache)[0].astype(jnp.float32))
+        assert got_route == [switch == "1"] * moe_layers, switch
+    assert np.isfinite(out["1"]).all()
+    np.testing.assert_array_equal(out["1"], out["0"])
+    monkeypatch.setenv("KESTREL_JAX_ROUTE_IN_QKV", "2")
+    with ops.use_backend("kernel"), pytest.raises(ValueError, match="KESTREL_JAX_ROUTE_IN_QKV"):
+        ops.route_in_qkv_wanted()

@@ -248,3 +248,61 @@ def test_tau_gelu_is_the_polynomial_on_the_kernel_path_unless_switched_off(monke
     for a, b in zip(got, ref, strict=True):
         assert a.dtype == b.dtype == BF16
         np.testing.assert_allclose(as_f32(a), as_f32(b), rtol=0, atol=2.0**-6 * np.abs(as_f32(b)).max())
+
+
+@pytest.mark.parametrize("M,nt,tau,factors,logit_dtype", [
+    (1, 8, True, False, BF16),  # MD3 batch-1 decode: the routing program beside 4 head programs
+    (3, 8, True, False, jnp.float32),  # f32 logits (the comparison top-k), a padding row
+    (5, 8, True, True, BF16),  # tau factors formed outside (the kernel's other mode)
+])
+def test_routing_program_equals_the_routing_launch(M, nt, tau, factors, logit_dtype):
+    """`decode_qkv_route_kernel`: the heads' results bit-identical to `decode_qkv_kernel`'s and the
+    routing tables to `moe_route_triton.route_tables`' on the same logits (ties included: the logits
+    are drawn from a few values; rows past num_valid are NaN and must not matter)."""
+    from kestrel_jax.pallas.moe_route_triton import route_tables
+
+    rng = fresh_rng()
+    H, E, k = 4, 16, 4
+    u, positions, slots, (kp, vp), (ks, vs), tw = _case(rng, M, H, H, 16, 8, FP8, tau)
+    kw: dict[str, Any] = dict(n_heads=H, rotary_dim=8, theta=10000.0)
+    if factors:
+        assert tw is not None
+        tq, tv, _ = qe.tau_factors(u, positions, tw)
+        kw["factors"] = (tq.astype(BF16), tv.astype(BF16))
+        tw = None
+    logits = rng.choice(np.asarray([-1.5, -0.25, 0.0, 0.5, 2.0], np.float32), size=(nt, E))
+    n_valid = jnp.asarray([M - (1 if M > 2 else 0)], jnp.int32)
+    logits[int(n_valid[0]):] = np.nan
+    lg = jnp.asarray(logits, logit_dtype)
+    q, kp2, vp2, r = qe.decode_qkv_route_kernel(u, positions, slots, kp, vp, ks, vs, tw, lg, n_valid, top_k=k,
+                                                block_tokens=nt, interpret=True, **kw)
+    q_o, kp_o, vp_o = qe.decode_qkv_kernel(u, positions, slots, kp, vp, ks, vs, tw, interpret=True, **kw)
+    for a, b in ((q, q_o), (kp2, kp_o), (vp2, vp_o)):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    r_o = route_tables(lg, n_valid, top_k=k, block_tokens=nt, interpret=True)
+    for name, a, b in zip(r._fields, r, r_o, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    assert int(r.meta_up[0, 2, 0]) >= 1  # some expert is active
+    with pytest.raises(ValueError, match="unsupported logits"):
+        qe.decode_qkv_route_kernel(u, positions, slots, kp, vp, ks, vs, tw, lg[:, :12], n_valid, top_k=k,
+                                   block_tokens=nt, interpret=True, **kw)
+
+
+def test_routed_kernel_lowers_at_md3_decode_shapes():
+    """The epilogue with the routing program (MD3: 64 experts, top-8; one and eight decode rows,
+    the logits padded to the decode GEMM's 8-row tile) lowers for an H100 as one Triton launch."""
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    i32, f32 = jnp.int32, jnp.float32
+    pool = _SDS((4824, 32, 64, 64), FP8)
+    tw = (_SDS((32, 6144), BF16), _SDS((32, 6144), BF16), _SDS((32,), BF16))
+    for M in (1, 8):
+        def f(u, pos, slots, kp, vp, ks, vs, tw, lg, nv):
+            return qe.decode_qkv_route_kernel(u, pos, slots, kp, vp, ks, vs, qe.TauWeights(*tw), lg, nv, n_heads=32,
+                                              rotary_dim=32, theta=1500000.0, top_k=8, block_tokens=8)
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(f).trace(_SDS((8, 6144), BF16), _SDS((M,), i32), _SDS((M,), i32), pool, pool,
+                                    _SDS((), f32), _SDS((), f32), tw, _SDS((8, 64), BF16),
+                                    _SDS((1,), i32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1 and "output_operand_alias" in text
