@@ -2,7 +2,8 @@
 
 At batch 1 the normalised rows of an MoE layer feed two kernels: the decode GEMM's rows kernel
 (QKV + router, `gemv_mgpu.gemv_rows`) reads them as bf16 rows padded to its 8-row tile, and the
-MoE's W8A16 expert GEMMs read them as f16 (`moe_mgpu`: clipped to +-65504). XLA ran that as three
+MoE's expert GEMMs read them as bf16 (W8A8, the default) or, in the W8A16 mode
+(KESTREL_JAX_W8A8_MIN_TOKENS=2), as f16 (`moe_mgpu`: clipped to +-65504). XLA ran that as three
 launches per layer: the statistics, then normalise + pad, then normalise + convert + pad (each
 consumer recomputing the normalisation from x). `layer_norm_rows_kernel` does the statistics, the
 normalisation and both copies in one, over a grid of padded rows.

@@ -345,8 +345,8 @@ def test_moe_ref_matches_oracle(rng, fp8):
                          ids=["sorted-W8A16", "sorted-W8A16-bf16-operands", "dense-W8A16-bf16-operands"])
 def test_kernel_fp8_modes_in_both_regimes(rng, T, w8a8, f16):
     """The non-default FP8 modes: W8A16 in the sorted regime, and W8A16 with bf16 instead of f16
-    operands (dense W8A8 is the default at T=64, dense W8A16 with f16 operands at T = 1, sorted
-    W8A8 at T=300: all in test_kernel_matches_oracle)."""
+    operands (dense and sorted W8A8, the defaults, are in test_kernel_matches_oracle; dense W8A16
+    with f16 operands in test_fused_up_down_matches_the_two_gemms_and_the_oracle)."""
     ex = make_experts(rng, fp8=True)
     x = jnp.asarray(rng.standard_normal((T, D_FP8)), jnp.bfloat16)
     routing = random_routing(rng, T, 2)
@@ -652,9 +652,10 @@ def test_pdl_switch_changes_no_result(rng, T, w8a8, monkeypatch):
 
 
 def test_fused_up_down_matches_the_two_gemms_and_the_oracle(rng, monkeypatch):
-    """Dense W8A16 (FP8 experts; the default at T = 1): UP and DOWN in one clustered launch. Clusters
-    of 2 CTAs (the interpreter's limit) over I / 64 = 4 inner slices, three tokens: two partial
-    outputs per block, the ring refilled across the two phases, the parts combined. Held to
+    """Dense W8A16 (FP8 experts; at T = 1 with KESTREL_JAX_W8A8_MIN_TOKENS=2): UP and DOWN in one
+    clustered launch. Clusters of 2 CTAs (the interpreter's limit) over I / 64 = 4 inner slices,
+    three tokens: two partial outputs per block, the ring refilled across the two phases, the
+    parts combined. Held to
     the two-GEMM path's bound against the float64 oracle, and close to that path (the H partial
     outputs are rounded to bf16 separately); unselected experts hold NaN weights that must not
     leak. KESTREL_JAX_MOE_FUSED=0 restores the two launches."""
