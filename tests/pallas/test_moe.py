@@ -757,7 +757,9 @@ def test_cross_lowering_production_shapes_h100(fp8):
                        S((Ep, 2 * Ip), jnp.float32) if fp8 else None,  # type: ignore[arg-type]
                        S((Ep, Dp), jnp.float32) if fp8 else None)  # type: ignore[arg-type]
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=H100)
-    cases: list[tuple[int, bool | None]] = [(T, None) for T in (1, 4, 8, 16, 32, 64, 256, 740, 2048)]
+    # FP8 at 4 and 8 tokens would lower the same kernels as at one (8-row blocks): skipped there.
+    cases: list[tuple[int, bool | None]] = [(T, None) for T in (1, 4, 8, 16, 32, 64, 256, 740, 2048)
+                                            if not (fp8 and T in (4, 8))]
     if fp8:
         cases += [(T, False) for T in (1, 16)]  # the W8A16 alternative of the streaming regime
     for T, w8a8 in cases:
@@ -803,14 +805,14 @@ def test_w8a8_threshold_of_the_dense_regime(monkeypatch):
         default_config(1)
 
 
-@pytest.mark.parametrize("T,k", [(1, 4), (16, 4), (17, 3)], ids=["nt8", "nt16", "nt24"])
+@pytest.mark.parametrize("T,k", [(1, 4), (17, 3)], ids=["nt8", "nt24"])
 def test_in_gemm_quantisation_equals_the_quantise_launches(rng, T, k, monkeypatch):
     """Dense W8A8 with the GEMMs quantising their own bf16 rows (the default) against the same GEMMs
     reading rows quantised by the Triton launches: bit-identical (the same arithmetic as
     `quantize_rows`), within the W8A8 bound of the float64 oracle, and the program has no
     quantisation launch left. Three CTAs: the down GEMM's contiguous unit ranges start mid-block,
     span several blocks (each quantised once, the next one's rows prefetched) and end unevenly;
-    1-3 row groups of 8. Unselected experts hold NaN weights."""
+    one and three row groups of 8. Unselected experts hold NaN weights."""
     monkeypatch.delenv("KESTREL_JAX_MOE_GEMM_QUANT", raising=False)
     experts = np.stack([rng.permutation(np.arange(1, E))[:k] for _ in range(T)])
     ex = make_experts(rng, True, poison=(0,))
