@@ -65,7 +65,9 @@ def _packed_top_k(logits: jax.Array, col: jax.Array, top_k: int) -> tuple[list[j
     return maxima, picks
 
 
-def _kernel(logits_ref, nv_ref, w_ref, e_ref, dest_ref, mu_ref, md_ref, *, top_k: int, nt: int):
+def tables_program(logits_ref, nv_ref, w_ref, e_ref, dest_ref, mu_ref, md_ref, *, top_k: int, nt: int):
+    """The program body (also run as one program of `qkv_epilogue.decode_qkv_route_kernel`): refs as
+    `tables_io` lays them out."""
     f32, i32 = jnp.float32, jnp.int32
     P, E = logits_ref.shape
     logits = logits_ref[...].astype(f32)
@@ -116,20 +118,29 @@ def route_tables(
     num_warps: int | None = None,  # None: DEFAULT_WARPS
     interpret: bool = False,
 ) -> DenseRoute:
-    nt, E = logits.shape
-    if not route_tables_supported(nt, E, top_k):
-        raise ValueError(f"route_tables: unsupported logits {logits.shape} with top_k {top_k}")
-    P = max(8, 1 << (nt - 1).bit_length())  # Triton block rows: a power of two
-    if nt != P:
-        logits = jnp.pad(logits, ((0, P - nt), (0, 0)))
-    vec = jax.ShapeDtypeStruct((top_k, P), jnp.float32)
-    ivec = jax.ShapeDtypeStruct((top_k, P), jnp.int32)
-    meta = jax.ShapeDtypeStruct((1, 3, E), jnp.int32)
+    ins, shapes = tables_io(logits, num_valid, top_k)
     w, e, dest, meta_up, meta_down = pl.pallas_call(
-        functools.partial(_kernel, top_k=top_k, nt=block_tokens),
-        out_shape=(vec, ivec, ivec, meta, meta),
+        functools.partial(tables_program, top_k=top_k, nt=block_tokens),
+        out_shape=tuple(shapes),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps or DEFAULT_WARPS, num_stages=1),
         interpret=interpret,
         name="moe_route_tables",
-    )(logits, num_valid.astype(jnp.int32).reshape(1))
+    )(*ins)
     return DenseRoute(w, e, dest, meta_up, meta_down)
+
+
+def tables_io(logits: jax.Array, num_valid: jax.Array, top_k: int
+              ) -> tuple[list[jax.Array], list[jax.ShapeDtypeStruct]]:
+    """`tables_program`'s inputs (the logits padded to P rows, a power of two >= 8, as Triton blocks
+    want; num_valid as [1] int32) and its outputs' shapes ([k, P] weights, experts, dest; two
+    [1, 3, E] block tables)."""
+    nt, E = logits.shape
+    if not route_tables_supported(nt, E, top_k):
+        raise ValueError(f"route_tables: unsupported logits {logits.shape} with top_k {top_k}")
+    P = max(8, 1 << (nt - 1).bit_length())
+    if nt != P:
+        logits = jnp.pad(logits, ((0, P - nt), (0, 0)))
+    meta = jax.ShapeDtypeStruct((1, 3, E), jnp.int32)
+    return ([logits, num_valid.astype(jnp.int32).reshape(1)],
+            [jax.ShapeDtypeStruct((top_k, P), jnp.float32), jax.ShapeDtypeStruct((top_k, P), jnp.int32),
+             jax.ShapeDtypeStruct((top_k, P), jnp.int32), meta, meta])

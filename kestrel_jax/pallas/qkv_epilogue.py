@@ -181,7 +181,7 @@ def _kernel(u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: i
 
     @pl.when((h == n_heads) & (m == 0))
     def _route_program():
-        moe_route_triton._kernel(logits_ref, nv_ref, *route_out, top_k=route[0], nt=route[1])
+        moe_route_triton.tables_program(logits_ref, nv_ref, *route_out, top_k=route[0], nt=route[1])
 
 
 def _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: int, n_kv: int, dh: int,
@@ -345,14 +345,7 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
     route_ins: list[jax.Array] = []
     route_shapes: list[jax.ShapeDtypeStruct] = []
     if route is not None:  # the routing tables' inputs and outputs, as `route_tables` forms them
-        logits, num_valid, top_k, block_tokens = route
-        nt, n_experts = logits.shape
-        p = max(8, 1 << (nt - 1).bit_length())  # Triton block rows: a power of two
-        route_ins = [jnp.pad(logits, ((0, p - nt), (0, 0))) if p != nt else logits,
-                     num_valid.astype(jnp.int32).reshape(1)]
-        meta = jax.ShapeDtypeStruct((1, 3, n_experts), jnp.int32)
-        route_shapes = [jax.ShapeDtypeStruct((top_k, p), jnp.float32), jax.ShapeDtypeStruct((top_k, p), jnp.int32),
-                        jax.ShapeDtypeStruct((top_k, p), jnp.int32), meta, meta]
+        route_ins, route_shapes = moe_route_triton.tables_io(route[0], route[1], route[2])
     ins = [u, positions.astype(jnp.int32), slots.astype(jnp.int32), *scales, inv, *tau_args, *route_ins, k_pages,
            v_pages]
     kern = functools.partial(
