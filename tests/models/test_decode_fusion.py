@@ -37,18 +37,21 @@ def _partials(x, w, w2=None, **_):  # [2, N, Mp] f32 partials of y^T, K split in
 
 def _rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tokens=None, logits=None, tokens=None,
           x_f16=None, route=None):
-    assert route is None  # routing tables from the QKV epilogue: opt-in, off here
     t = x.shape[0] if tokens is None else tokens
     xs = x[:t].astype(jnp.float32)
-    r = route_ref(x[:t], router_w, router_b, top_k)
-    up = _expert_matrix(experts.up_w, experts.up_scale, jnp.float32)[r.experts]  # [T, k, 2I, D]
-    down = _expert_matrix(experts.down_w, experts.down_scale, jnp.float32)[r.experts]  # [T, k, D, I]
+    if route is None:
+        r = route_ref(x[:t], router_w, router_b, top_k)
+        chosen, weights = r.experts, r.weights  # [T, k]
+    else:  # the tables built in the QKV epilogue's launch
+        chosen, weights = route.experts[:, :t].T, route.weights[:, :t].T
+    up = _expert_matrix(experts.up_w, experts.up_scale, jnp.float32)[chosen]  # [T, k, 2I, D]
+    down = _expert_matrix(experts.down_w, experts.down_scale, jnp.float32)[chosen]  # [T, k, D, I]
     hg = jnp.einsum("tkod,td->tko", up, xs)
     i = hg.shape[-1] // 2
     act = gelu_erf(hg[..., :i]) * (hg[..., i:] + 1.0)
     y = jnp.einsum("tkdi,tki->tkd", down, act).reshape(t * top_k, -1).astype(x.dtype)
     n = jnp.asarray(t if num_valid_tokens is None else num_valid_tokens, jnp.int32).reshape(1)
-    return dr.ExpertRows(y, jnp.arange(t * top_k, dtype=jnp.int32).reshape(t, top_k).T, r.weights.T, n)
+    return dr.ExpertRows(y, jnp.arange(t * top_k, dtype=jnp.int32).reshape(t, top_k).T, weights.T, n)
 
 
 @pytest.fixture()
@@ -172,8 +175,9 @@ def test_padded_qkv_rows_reach_the_epilogue_and_router_unsliced(stand_ins: list[
         return tuple(out)
 
     monkeypatch.setattr(gemv_mgpu, "gemv_rows", rows)
-    real_qkv = qkv_epilogue.decode_qkv_kernel
-    monkeypatch.setattr(qkv_epilogue, "decode_qkv_kernel", lambda *a, **kw: real_qkv(*a, **kw, interpret=True))
+    for name in ("decode_qkv_kernel", "decode_qkv_route_kernel"):
+        real = getattr(qkv_epilogue, name)
+        monkeypatch.setattr(qkv_epilogue, name, lambda *a, _real=real, **kw: _real(*a, **kw, interpret=True))
     model, x, batch, cache = _bf16_decode_case(7)
     with ops.use_backend("reference"):
         want = np.asarray(model(x, batch, cache)[0].astype(jnp.float32))
