@@ -320,13 +320,15 @@ class TextModel(nnx.Module):
         t = x.shape[0]
         pad_rows = -(-t // 8) * 8  # the decode GEMM's and the MoE block's row tile
         n_next: jax.Array | None = None  # this layer's LayerNorm output, from the previous layer's kernel
+        n16_next: jax.Array | None = None  # and its f16 copy, where that kernel formed one
         for i, block in enumerate(self.blocks):
             aux: dict[str, jax.Array] | None = {} if capture else None
             if aux is not None:
                 aux["block_inputs"] = x
             moe = isinstance(block.mlp, MoE)
-            n16: jax.Array | None = None  # the MoE's f16 operand rows, when the LayerNorm kernel formed them
-            if n_next is None and moe and aux is None and batch.cu_q_lens is None and t <= qkv_kernel_rows():
+            n16, n16_next = n16_next, None  # the MoE's f16 operand rows, when a LayerNorm kernel formed them
+            ln_kernel = aux is None and batch.cu_q_lens is None and t <= qkv_kernel_rows()
+            if n_next is None and moe and ln_kernel:
                 assert isinstance(block.mlp, MoE)
                 ln_rows = ops.decode_moe_layer_norm(x, block.ln.scale[...], block.ln.bias[...], block.mlp.experts(),
                                                     eps=block.ln.eps, pad_rows=pad_rows)
@@ -360,6 +362,15 @@ class TextModel(nnx.Module):
                     x, n_next = done
                     continue
             a = finish_proj(a, x.dtype) if isinstance(a, ProjParts) else a
+            nxt_block = self.blocks[i + 1] if i + 1 < len(self.blocks) else None
+            if rows is not None and ln_kernel and nxt_block is not None and isinstance(nxt_block.mlp, MoE):
+                # opt-in: the residual and the next MoE layer's LayerNorm in one launch
+                ended = ops.decode_residual_layer_norm(x, a, rows, nxt_block.ln.scale[...], nxt_block.ln.bias[...],
+                                                       nxt_block.mlp.experts(), eps=nxt_block.ln.eps,
+                                                       pad_rows=pad_rows)
+                if ended is not None:
+                    x, n_next, n16_next = ended
+                    continue
             if rows is not None:
                 m = combine_rows(rows, t, x.dtype)
             else:

@@ -238,6 +238,41 @@ def decode_moe_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, exper
     return kern.layer_norm_rows_kernel(x, scale, bias, eps=eps, pad_rows=pad_rows, f16_copy=f16)
 
 
+def residual_layer_norm_wanted() -> bool:
+    """Whether a decode MoE layer followed by another forms its residual in the next layer's
+    LayerNorm launch (`decode_residual_layer_norm`): KESTREL_JAX_RESIDUAL_LN=1, read at trace time.
+    Off by default: measured no faster (H100, twentieth session, batch-1 decode step): the launch
+    takes 3.5-3.7 us against 1.7 (LayerNorm kernel) + 1.8-2.2 (XLA's residual fusion), and the
+    output projection's split-K partials then need a summing launch of their own (1.5 us; XLA had
+    fused that sum into the residual): step 1,688.9 -> 1,715.3 us, W1 686.9 / 682.9 vs 672.3 /
+    686.8 tok/s. Finished unsplit projection rows (`gemv_mgpu.gemv_rows`) instead cost 7.5 us
+    against 4.6 (32 CTAs for 2,048 columns)."""
+    value = os.environ.get("KESTREL_JAX_RESIDUAL_LN", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"KESTREL_JAX_RESIDUAL_LN must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def decode_residual_layer_norm(x: jax.Array, a: jax.Array, moe: Any, scale: jax.Array, bias: jax.Array,
+                               experts: ExpertWeights, *, eps: float, pad_rows: int
+                               ) -> tuple[jax.Array, jax.Array, jax.Array | None] | None:
+    """The end of a decode MoE layer and the next MoE layer's LayerNorm in one launch
+    (`layer_norm_triton.residual_layer_norm_rows_kernel`): x' = (x + a) + the weighted sum of the
+    expert rows `moe` (`ExpertRows`), LN(x') with the next layer's `scale` / `bias` padded to
+    `pad_rows` rows, and the f16 copy the next layer's `experts` read where they run W8A16:
+    (x', rows, f16 rows or None). None where `decode_moe_layer_norm` would be None, with
+    KESTREL_JAX_RESIDUAL_LN=0, or for shapes the kernel does not take."""
+    if not _want_kernel() or os.environ.get("KESTREL_JAX_LN_KERNEL", "1") == "0" or not residual_layer_norm_wanted():
+        return None
+    from kestrel_jax.pallas import layer_norm_triton as kern
+    from kestrel_jax.pallas import moe_mgpu
+
+    if kern.residual_layer_norm_rows_problem(x, a, moe, scale, bias, pad_rows) is not None:
+        return None
+    f16 = moe_mgpu.moe_kernel_supported(x, experts, 1) and moe_mgpu.f16_rows_wanted(x.shape[0], experts)
+    return kern.residual_layer_norm_rows_kernel(x, a, moe, scale, bias, eps=eps, pad_rows=pad_rows, f16_copy=f16)
+
+
 def moe_layer(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: ExpertWeights, *,
               top_k: int, num_valid_tokens: jax.Array | int | None = None,
               logits: jax.Array | None = None) -> jax.Array:

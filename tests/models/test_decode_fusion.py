@@ -54,10 +54,23 @@ def _rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tok
     return dr.ExpertRows(y, jnp.arange(t * top_k, dtype=jnp.int32).reshape(t, top_k).T, weights.T, n)
 
 
+def _gemv_rows(x, w1, b1, w2=None, b2=None, **_):
+    """Finished rows padded to the 8-row tile; the padding rows' products are NaN (the kernel's are
+    its padding rows' products: no consumer may read them)."""
+    mp = -(-x.shape[0] // 8) * 8
+    out = []
+    for w, b in ((w1, b1),) if w2 is None else ((w1, b1), (w2, b2)):
+        y = (x.astype(jnp.float32) @ w.astype(jnp.float32)).astype(x.dtype)
+        y = y if b is None else y + b
+        out.append(jnp.concatenate([y, jnp.full((mp - x.shape[0], w.shape[1]), jnp.nan, y.dtype)]))
+    return tuple(out)
+
+
 @pytest.fixture()
 def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
     monkeypatch.setattr(gemv_mgpu, "gemv_partials", _partials)
+    monkeypatch.setattr(gemv_mgpu, "gemv_rows", _gemv_rows)
     monkeypatch.setattr(gemv_mgpu, "gemv_supported", lambda x, w: x.shape[0] <= 64)
     monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_KERNEL", "0")
     monkeypatch.setenv("KESTREL_JAX_DECODE_RESIDUAL", "1")  # opt-in (off by default: measured slower)
@@ -71,6 +84,13 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return real_ln(*args, **kw, interpret=True)
 
     monkeypatch.setattr(layer_norm_triton, "layer_norm_rows_kernel", layer_norm)
+    real_rln = layer_norm_triton.residual_layer_norm_rows_kernel
+
+    def residual_layer_norm(*args, **kw):
+        calls.append("residual+layernorm")
+        return real_rln(*args, **kw, interpret=True)
+
+    monkeypatch.setattr(layer_norm_triton, "residual_layer_norm_rows_kernel", residual_layer_norm)
     real = dr.residual_ln_kernel
 
     def residual(*args, **kw):
@@ -82,8 +102,14 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
-@pytest.mark.parametrize("t", [1, 3])
-def test_fused_decode_matches_the_reference_path(stand_ins: list[str], t: int) -> None:
+@pytest.mark.parametrize("t,path", [(1, "residual"), (3, "residual"), (1, "residual+layernorm")])
+def test_fused_decode_matches_the_reference_path(stand_ins: list[str], t: int, path: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """path "residual": MoE layers end in `ops.decode_residual` (opt-in); "residual+layernorm": a
+    MoE layer followed by another ends in `ops.decode_residual_layer_norm` (opt-in)."""
+    if path == "residual+layernorm":
+        monkeypatch.delenv("KESTREL_JAX_DECODE_RESIDUAL")
+        monkeypatch.setenv("KESTREL_JAX_RESIDUAL_LN", "1")
     model = random_model(tiny_config("md3"), dtype=jnp.float32, std=0.05).text
     cfg = model.cfg
     rng = np.random.default_rng(t)
@@ -107,7 +133,10 @@ def test_fused_decode_matches_the_reference_path(stand_ins: list[str], t: int) -
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     # the first MoE layer normalises its own input (one launch at one row); the others get it from
     # the previous layer's residual kernel
-    assert stand_ins == ["layernorm"] * (t == 1) + ["residual"] * (moe_layers - 1) + ["residual-last"]
+    if path == "residual":
+        assert stand_ins == ["layernorm"] * (t == 1) + ["residual"] * (moe_layers - 1) + ["residual-last"]
+    else:
+        assert stand_ins == ["layernorm"] + ["residual+layernorm"] * (moe_layers - 1)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
 
 
@@ -121,8 +150,12 @@ def test_switch_is_opt_in_and_kernel_path_only(monkeypatch: pytest.MonkeyPatch) 
         assert not ops.decode_residual_wanted()
 
 
-def test_default_decode_keeps_the_unfused_path(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_residual_layer_norm_switch(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default each decode MoE layer runs its own LayerNorm kernel and XLA forms the residual;
+    with KESTREL_JAX_RESIDUAL_LN=1 a MoE layer followed by another ends in the residual +
+    LayerNorm kernel."""
     monkeypatch.delenv("KESTREL_JAX_DECODE_RESIDUAL")
+    monkeypatch.delenv("KESTREL_JAX_RESIDUAL_LN", raising=False)
     model = random_model(tiny_config("md3"), dtype=jnp.float32).text
     cfg = model.cfg
     pool = init_kv_pool(cfg.n_layers, PAGES, PAGE, cfg.n_kv_heads, cfg.head_dim, jnp.float32)
@@ -130,10 +163,18 @@ def test_default_decode_keeps_the_unfused_path(stand_ins: list[str], monkeypatch
                     jnp.ones(cfg.n_layers))
     table = jnp.arange(MAXP, dtype=jnp.int32)[None]
     batch = AttentionBatch(jnp.array([3], jnp.int32), jnp.array([3], jnp.int32), jnp.array([4], jnp.int32), table)
-    with ops.use_backend("kernel"):
-        model(jnp.ones((1, cfg.dim), jnp.float32), batch, cache)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    assert stand_ins == ["layernorm"] * moe_layers  # no residual kernel; each MoE layer's LayerNorm kernel
+    for switch, want in ((None, ["layernorm"] * moe_layers),  # no residual kernel: each layer's LayerNorm
+                         ("1", ["layernorm"] + ["residual+layernorm"] * (moe_layers - 1))):
+        if switch is not None:
+            monkeypatch.setenv("KESTREL_JAX_RESIDUAL_LN", switch)
+        stand_ins.clear()
+        with ops.use_backend("kernel"):
+            model(jnp.ones((1, cfg.dim), jnp.float32), batch, cache)
+        assert stand_ins == want, switch
+    monkeypatch.setenv("KESTREL_JAX_RESIDUAL_LN", "2")
+    with ops.use_backend("kernel"), pytest.raises(ValueError, match="KESTREL_JAX_RESIDUAL_LN"):
+        model(jnp.ones((1, cfg.dim), jnp.float32), batch, cache)
 
 
 def _bf16_decode_case(seed: int) -> tuple:
@@ -165,14 +206,9 @@ def test_padded_qkv_rows_reach_the_epilogue_and_router_unsliced(stand_ins: list[
     calls: list[tuple[int, ...]] = []
 
     def rows(x, w1, b1, w2=None, b2=None, **_):
-        mp = -(-x.shape[0] // 8) * 8
-        out = []
-        for w, b in ((w1, b1), (w2, b2)):
-            y = (x.astype(jnp.float32) @ w.astype(jnp.float32)).astype(x.dtype)
-            y = y if b is None else y + b
-            out.append(jnp.concatenate([y, jnp.full((mp - x.shape[0], w.shape[1]), jnp.nan, y.dtype)]))
+        out = _gemv_rows(x, w1, b1, w2, b2)
         calls.append(tuple(o.shape[0] for o in out))
-        return tuple(out)
+        return out
 
     monkeypatch.setattr(gemv_mgpu, "gemv_rows", rows)
     for name in ("decode_qkv_kernel", "decode_qkv_route_kernel"):
@@ -213,7 +249,7 @@ def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[
         mp = -(-x.shape[0] // 8) * 8
         xp = jnp.pad(x, ((0, mp - x.shape[0]), (0, 0))).astype(jnp.float32)
         return tuple((xp @ w.astype(jnp.float32)).astype(x.dtype) + (0 if b is None else b)
-                     for w, b in ((w1, b1), (w2, b2)))
+                     for w, b in (((w1, b1),) if w2 is None else ((w1, b1), (w2, b2))))
 
     def rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tokens=None, logits=None,
              tokens=None, x_f16=None, route=None):
