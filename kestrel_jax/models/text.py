@@ -21,7 +21,7 @@ from kestrel_jax.pallas import ops
 from kestrel_jax.pallas.decode_residual import ExpertRows, ProjParts, combine_rows, finish_proj
 from kestrel_jax.pallas.moe import ExpertWeights
 from kestrel_jax.pallas.moe_route_mgpu import DenseRoute
-from kestrel_jax.pallas.qkv_epilogue import TauWeights, qkv_heads_ref
+from kestrel_jax.pallas.qkv_epilogue import TauDots, TauWeights, qkv_heads_ref
 
 # Decode rows up to which the attention projections of MoE layers use the decode GEMM kernel
 # (`kestrel_jax.pallas.gemv_mgpu`) instead of XLA's GEMM. H100, fifth session, 24 cold weights:
@@ -149,7 +149,7 @@ class Attention(nnx.Module):
         t = batch.positions.shape[0]
         hd, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         decode = batch.cu_q_lens is None and self.decode_gemm_kernel
-        u, logits = self._qkv(x, t, decode, router)
+        u, logits, dots = self._qkv(x, t, decode, router)
         tau = self.tau.weights() if self.tau is not None else None
         rot, theta = cfg.rotary_dim, cfg.rope_theta
         # Decode on a GPU: tau, rotary and the KV write in one kernel (captures need the jnp path).
@@ -159,13 +159,13 @@ class Attention(nnx.Module):
             if route_top_k is not None and logits is not None:
                 out = ops.decode_qkv_routed(u, batch.positions, batch.slots, k_pages, v_pages, k_scale, v_scale, tau,
                                             n_heads=h, rotary_dim=rot, theta=theta, logits=logits,
-                                            num_valid=batch.num_valid, top_k=route_top_k)
+                                            num_valid=batch.num_valid, top_k=route_top_k, tau_dots=dots)
                 if out is not None:
                     fused = out[:3]
                     routed = logits if out[3] is None else out[3]
             else:
                 fused = ops.decode_qkv(u, batch.positions, batch.slots, k_pages, v_pages, k_scale, v_scale, tau,
-                                       n_heads=h, rotary_dim=rot, theta=theta)
+                                       n_heads=h, rotary_dim=rot, theta=theta, tau_dots=dots)
         if fused is not None:
             q, k_pages, v_pages = fused
         else:
@@ -199,16 +199,24 @@ class Attention(nnx.Module):
         return ops.small_linear(x, layer.kernel[...], bias, max_rows=kernel_rows, rows=rows)
 
     def _qkv(self, x: jax.Array, t: int, decode: bool,
-             router: Linear | None) -> tuple[jax.Array, jax.Array | None]:
+             router: Linear | None) -> tuple[jax.Array, jax.Array | None, TauDots | None]:
+        """(QKV product, router logits or None, MD3's tau dots formed in the same launch or None)."""
+        if decode and router is not None and self.tau is not None:
+            with_dots = ops.small_linear_pair_tau(
+                x, self.qkv.kernel[...], self.qkv.bias[...] if self.qkv.bias is not None else None,
+                router.kernel[...], router.bias[...] if router.bias is not None else None, self.tau.weights(),
+                max_rows=qkv_kernel_rows(), rows=t)
+            if with_dots is not None:
+                return with_dots
         if decode and router is not None:
             pair = ops.small_linear_pair(
                 x, self.qkv.kernel[...], self.qkv.bias[...] if self.qkv.bias is not None else None,
                 router.kernel[...], router.bias[...] if router.bias is not None else None, max_rows=qkv_kernel_rows(),
                 rows=t, padded_ok=True)
             if pair is not None:
-                return pair
+                return (*pair, None)
         y = self._linear(self.qkv, x, qkv_kernel_rows(), rows=t) if decode else None
-        return (self.qkv(x[:t]) if y is None else y), None
+        return (self.qkv(x[:t]) if y is None else y), None, None
 
     def _project(self, o: jax.Array, decode: bool, want_parts: bool = False) -> jax.Array | ProjParts:
         """Output projection. At decode on a GPU, the decode GEMM kernel (unreduced with

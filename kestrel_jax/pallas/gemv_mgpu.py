@@ -30,6 +30,7 @@ seventeenth session: an MoE layer's QKV + router product at batch 1 in one launc
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kestrel_jax.pallas.moe import gelu_erf_poly
 from kestrel_jax.pallas.paged_attention_mgpu import _interpret_params
 
 BLOCK_N = 64  # output columns per CTA: the wgmma M of one warpgroup
@@ -176,6 +178,7 @@ def gemv_rows(
     w2: jax.Array | None = None,  # [K, N2] bf16: a second product of the same x, same launch
     b2: jax.Array | None = None,  # [N2] bf16
     *,
+    tau_w: tuple[jax.Array, jax.Array] | None = None,  # (wq, wv) [H, N1] bf16, 2 H = 64: MD3's tau dots
     stages: int = ROWS_STAGES,
     interpret: bool = False,
     detect_races: bool = False,
@@ -185,7 +188,15 @@ def gemv_rows(
     as the decode GEMM's and the MoE block's row tile). The rounding is `gemv`'s: the f32 product
     rounded to bf16, the bias added in bf16. For consumers that are kernels (the decode QKV
     epilogue, the routing tables): XLA cannot fuse `gemv`'s split sum into them, so it ran as two
-    launches of its own per layer."""
+    launches of its own per layer.
+
+    With `tau_w` (MD3's tau weights over the QKV row, `qkv_epilogue.TauWeights.wq` / `.wv`), each
+    CTA of the first product also forms its columns' share of the tau dot products: g =
+    GELU(u) of its finished bf16 block (`gelu_erf_poly`, rounded to bf16) times the [2 H, 64] tile
+    of [wq; wv] (one more wgmma), f32. Appended output: dots [N1 / 64, 2 H, Mp] f32, whose sum
+    over the first axis is g . wq[h] (rows h < H) and g . wv[h - H] (`tau_dots_ref`). The QKV
+    epilogue then reads 2 x N1 / 64 floats per head instead of the whole row and both weight rows
+    (`qkv_epilogue`'s dots mode)."""
     ws = (w1,) if w2 is None else (w1, w2)
     bs = (b1,) if w2 is None else (b1, b2)
     for ww, bb in zip(ws, bs, strict=True):
@@ -195,23 +206,40 @@ def gemv_rows(
             raise ValueError(f"bias {bb.shape} {bb.dtype} does not fit w {ww.shape}: need bf16 [{ww.shape[1]}]")
     M, K = x.shape
     N1 = w1.shape[1]
+    problem = None if tau_w is None else tau_dots_problem(tau_w[0], tau_w[1], N1)
+    if problem is not None:
+        raise ValueError(f"gemv_rows: {problem}")
     mp = -(-M // 8) * 8
     if mp != M:
         x = jnp.pad(x, ((0, mp - M), (0, 0)))
     steps = K // BLOCK_K
     per_stage = (BLOCK_K * BLOCK_N + mp * BLOCK_K) * 2
-    n_stages = max(1, min(stages, steps, (_SMEM_LIMIT - mp * BLOCK_N * 2 - 2048) // per_stage))
+    tau_smem = 0 if tau_w is None else TAU_ROWS * BLOCK_N * 2 + mp * BLOCK_N * 2 + TAU_ROWS * mp * 4 + 64
+    n_stages = max(1, min(stages, steps, (_SMEM_LIMIT - mp * BLOCK_N * 2 - 2048 - tau_smem) // per_stage))
     n_blocks = sum(ww.shape[1] for ww in ws) // BLOCK_N
     w_refs_n, b_present = len(ws), [bb is not None for bb in bs]
+    has_tau = tau_w is not None
+    h_tau = TAU_ROWS // 2
 
     def body(x_ref, *refs):
         w_refs = refs[:w_refs_n]
         rest = list(refs[w_refs_n:])
         b_refs = [rest.pop(0) if present else None for present in b_present]
+        wq_ref, wv_ref = (rest.pop(0), rest.pop(0)) if has_tau else (None, None)
         o_refs = [rest.pop(0) for _ in ws]
-        w_buf, x_buf, o_smem, bars = rest
+        d_ref = rest.pop(0) if has_tau else None
+        w_buf, x_buf, o_smem, bars = rest[:4]
         nb = lax.axis_index("n")
         n0 = pl.multiple_of(nb * BLOCK_N, BLOCK_N)
+        if has_tau:
+            t_smem, g_smem, d_smem, t_bar = rest[4:]
+            assert wq_ref is not None and wv_ref is not None
+
+            @pl.when(n0 < N1)
+            def _tau_tile():  # [wq; wv] columns of this block, in flight beside the ring
+                cols = pl.ds(jnp.minimum(n0, N1 - BLOCK_N), BLOCK_N)
+                plgpu.copy_gmem_to_smem(wq_ref.at[:, cols], t_smem.at[pl.ds(0, h_tau)], t_bar.at[0])
+                plgpu.copy_gmem_to_smem(wv_ref.at[:, cols], t_smem.at[pl.ds(h_tau, h_tau)], t_bar.at[0])
 
         def on_matrix(i, fn):  # run fn(column offset inside matrix i) in the CTAs whose block is in it
             lo = 0 if i == 0 else N1
@@ -241,28 +269,76 @@ def gemv_rows(
                     o_smem.T[...] = r
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(o_smem, o_refs[m].at[:, pl.ds(col, BLOCK_N)])
+                    if m == 0 and has_tau:
+                        tau_block(r, col)
                 on_matrix(m, store)
+
+        def tau_block(r, col):
+            """dots[block] = [wq; wv][:, block] @ GELU(u block) (bf16 operands, f32 product)."""
+            g_smem.T[...] = gelu_erf_poly(r.astype(jnp.float32)).astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            plgpu.barrier_wait(t_bar.at[0])
+
+            def dots(acc_ref):
+                plgpu.wgmma(acc_ref, t_smem, g_smem.T)
+                plgpu.wgmma_wait(0)
+                d_smem[...] = acc_ref[...]
+
+            pl.run_scoped(dots, plgpu.ACC((TAU_ROWS, mp), jnp.float32))
+            plgpu.commit_smem()
+            assert d_ref is not None
+            plgpu.copy_smem_to_gmem(d_smem, d_ref.at[col // BLOCK_N])
 
         pl.run_scoped(scope, plgpu.ACC((BLOCK_N, mp), jnp.float32))
         plgpu.wait_smem_to_gmem(0)
 
+    out_type = [jax.ShapeDtypeStruct((mp, ww.shape[1]), jnp.bfloat16) for ww in ws]
+    scratch: list[Any] = [
+        plgpu.SMEM((n_stages, BLOCK_K, BLOCK_N), x.dtype, transforms=_TRANSFORMS),
+        plgpu.SMEM((n_stages, mp, BLOCK_K), x.dtype, transforms=_TRANSFORMS),
+        plgpu.SMEM((mp, BLOCK_N), jnp.bfloat16, transforms=_OUT_TRANSFORMS),
+        plgpu.Barrier(num_arrivals=2, num_barriers=n_stages),
+    ]
+    if has_tau:
+        out_type.append(jax.ShapeDtypeStruct((N1 // BLOCK_N, TAU_ROWS, mp), jnp.float32))
+        scratch += [
+            plgpu.SMEM((TAU_ROWS, BLOCK_N), x.dtype, transforms=_TRANSFORMS),  # [wq; wv] tile: the wgmma A
+            plgpu.SMEM((mp, BLOCK_N), jnp.bfloat16, transforms=_TRANSFORMS),  # GELU(u) block: the wgmma B
+            plgpu.SMEM((TAU_ROWS, mp), jnp.float32),
+            plgpu.Barrier(num_arrivals=2, num_barriers=1),
+        ]
     kern = plgpu.kernel(
         body,
-        out_type=tuple(jax.ShapeDtypeStruct((mp, ww.shape[1]), jnp.bfloat16) for ww in ws),
+        out_type=tuple(out_type),
         grid=(n_blocks,),
         grid_names=("n",),
         kernel_name="kestrel_gemv_rows",
-        scratch_types=[
-            plgpu.SMEM((n_stages, BLOCK_K, BLOCK_N), x.dtype, transforms=_TRANSFORMS),
-            plgpu.SMEM((n_stages, mp, BLOCK_K), x.dtype, transforms=_TRANSFORMS),
-            plgpu.SMEM((mp, BLOCK_N), jnp.bfloat16, transforms=_OUT_TRANSFORMS),
-            plgpu.Barrier(num_arrivals=2, num_barriers=n_stages),
-        ],
+        scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret, detect_races),
     )
-    args = [x, *ws, *[bb for bb in bs if bb is not None]]
+    args = [x, *ws, *[bb for bb in bs if bb is not None], *(tau_w or ())]
     return tuple(kern(*args))
+
+
+TAU_ROWS = 64  # rows of [wq; wv]: MD3's 2 x 32 heads, one wgmma M
+
+
+def tau_dots_problem(wq: jax.Array, wv: jax.Array, n1: int) -> str | None:
+    """Why `gemv_rows` cannot form tau dots with these weights for a first product of n1 columns."""
+    if wq.shape != (TAU_ROWS // 2, n1) or wv.shape != wq.shape:
+        return f"tau weights {wq.shape} / {wv.shape} must be [{TAU_ROWS // 2}, {n1}] (2 x heads = one wgmma M)"
+    if any(jnp.dtype(w.dtype) != jnp.dtype(jnp.bfloat16) for w in (wq, wv)):
+        return f"tau weights must be bf16, got {wq.dtype} / {wv.dtype}"
+    return None
+
+
+def tau_dots_ref(u: jax.Array, wq: jax.Array, wv: jax.Array) -> jax.Array:
+    """The tau dot products `gemv_rows(tau_w=...)`'s blocks sum to: [2 H, rows] f32 of
+    g . [wq; wv] with g = GELU(u) rounded to bf16 (`gelu_erf_poly`), for u [rows, N1] bf16."""
+    g = gelu_erf_poly(u.astype(jnp.float32)).astype(jnp.bfloat16).astype(jnp.float32)
+    w = jnp.concatenate([wq, wv]).astype(jnp.float32)
+    return jnp.dot(w, g.T, precision=lax.Precision.HIGHEST)
 
 
 def _summed(parts: jax.Array, rows: int) -> jax.Array:

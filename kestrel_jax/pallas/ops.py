@@ -144,6 +144,38 @@ def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax
     return _jitted(kern.gemv_pair, ("rows",))(x, w1c, b1, w2c, b2, rows=rows)
 
 
+def tau_dots_wanted() -> bool:
+    """Whether `small_linear_pair_tau` runs: KESTREL_JAX_TAU_DOTS, default 1; 0 has the QKV
+    epilogue form MD3's tau dots from the whole row itself (an A/B switch, read at trace time)."""
+    value = os.environ.get("KESTREL_JAX_TAU_DOTS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"KESTREL_JAX_TAU_DOTS must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def small_linear_pair_tau(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None,
+                          tau: Any, *, max_rows: int, rows: int | None = None
+                          ) -> tuple[jax.Array, jax.Array, Any] | None:
+    """`small_linear_pair(padded_ok=True)` for an MoE layer's QKV + router products whose launch also
+    forms MD3's tau dot products (`gemv_mgpu.gemv_rows`' tau_w): (QKV rows, router rows,
+    `qkv_epilogue.TauDots` for `decode_qkv`'s tau_dots), padded to the row tile. None where that
+    path does not apply (the padded-rows kernel not taken, `tau_dots_wanted()` off, tau weights
+    that are not bf16 [32, N1]): the caller runs `small_linear_pair`."""
+    if tau is None or not (tau_dots_wanted() and gemv_rows_wanted() and _gemv_usable(x, max_rows, w1, w2, rows=rows)):
+        return None
+    from kestrel_jax.pallas import gemv_mgpu as kern
+    from kestrel_jax.pallas.qkv_epilogue import TauDots
+
+    w1c, w2c = w1.astype(x.dtype), w2.astype(x.dtype)
+    if not all(b is None or (b.shape == (w.shape[1],) and jnp.dtype(b.dtype) == jnp.dtype(jnp.bfloat16))
+               for b, w in ((b1, w1c), (b2, w2c))):
+        return None
+    if kern.tau_dots_problem(tau.wq, tau.wv, w1c.shape[1]) is not None:
+        return None
+    y1, y2, dots = _jitted(kern.gemv_rows)(x, w1c, b1, w2c, b2, tau_w=(tau.wq, tau.wv))
+    return y1, y2, TauDots(dots, tau.alpha)
+
+
 def gemv_rows_wanted() -> bool:
     """Whether an MoE layer's decode QKV and router products come from `gemv_mgpu.gemv_rows`
     (finished bf16 rows read by the QKV epilogue and routing-table kernels as they are) rather than
@@ -311,7 +343,7 @@ def _gelu_poly(u: jax.Array) -> jax.Array:
 
 def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                k_scale: jax.Array, v_scale: jax.Array, tau: Any, *, n_heads: int, rotary_dim: int,
-               theta: float) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+               theta: float, tau_dots: Any = None) -> tuple[jax.Array, jax.Array, jax.Array] | None:
     """(q, k_pages, v_pages) from the fused QKV rows of a decode step in one kernel launch (tau,
     rotary and the KV write: `qkv_epilogue.decode_qkv_kernel`) when the kernel path is on and
     supports the shapes; None otherwise (the caller runs `qkv_heads_ref` and `write_kv`). With tau
@@ -320,9 +352,11 @@ def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: ja
     expressions) and the kernel does rotary, scaling and the KV write. H100, twelfth session: the
     MD3 decode step 95 us faster at 16 rows (-1.8%, 48 fewer launches), 36 us at 64 rows (-0.3%,
     within the probe's spread); W2 at 64 clients A/B/A/B 6,432 / 6,682 / 6,467 / 6,437 tok/s.
-    KESTREL_JAX_TAU_FACTORS=0 (read at trace time) keeps the XLA path there."""
+    KESTREL_JAX_TAU_FACTORS=0 (read at trace time) keeps the XLA path there. `tau_dots`
+    (`small_linear_pair_tau`): the kernel forms tau from the dots the QKV GEMM formed, where it
+    takes them (else from `tau`)."""
     out = _decode_qkv(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
-                      rotary_dim=rotary_dim, theta=theta, route=None)
+                      rotary_dim=rotary_dim, theta=theta, route=None, tau_dots=tau_dots)
     return None if out is None else out[:3]
 
 
@@ -340,7 +374,7 @@ def route_in_qkv_wanted() -> bool:
 
 def decode_qkv_routed(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                       k_scale: jax.Array, v_scale: jax.Array, tau: Any, *, n_heads: int, rotary_dim: int, theta: float,
-                      logits: jax.Array, num_valid: jax.Array | None, top_k: int
+                      logits: jax.Array, num_valid: jax.Array | None, top_k: int, tau_dots: Any = None
                       ) -> tuple[jax.Array, jax.Array, jax.Array, Any] | None:
     """`decode_qkv` for an MoE layer whose router logits ([Nt, E], from the same decode GEMM
     launch) are at hand: with `route_in_qkv_wanted()`, and where the MoE's dense regime routes
@@ -358,7 +392,7 @@ def decode_qkv_routed(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pa
             n_valid = jnp.asarray(rows if num_valid is None else num_valid, jnp.int32).reshape(1)
             route = (logits, n_valid, top_k, nt)
     out = _decode_qkv(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
-                      rotary_dim=rotary_dim, theta=theta, route=route)
+                      rotary_dim=rotary_dim, theta=theta, route=route, tau_dots=tau_dots)
     if out is None:
         return None
     return out if len(out) == 4 else (*out, None)
@@ -366,7 +400,7 @@ def decode_qkv_routed(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pa
 
 def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                 k_scale: jax.Array, v_scale: jax.Array, tau: Any, *, n_heads: int, rotary_dim: int, theta: float,
-                route: tuple[jax.Array, jax.Array, int, int] | None) -> tuple | None:
+                route: tuple[jax.Array, jax.Array, int, int] | None, tau_dots: Any = None) -> tuple | None:
     """`decode_qkv`'s dispatch; with `route` (logits, num_valid, top_k, block_tokens) the routing
     tables come back fourth where the routed kernel takes the logits."""
     if not _want_kernel() or os.environ.get("KESTREL_JAX_DECODE_QKV_KERNEL", "1") == "0":  # "0": A/B runs
@@ -376,15 +410,19 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
     if route is not None and not kern.decode_qkv_route_supported(route[0], route[2]):
         route = None
 
-    def call(u, tau, factors=None):
+    def call(u, tau, factors=None, dots=None):
         if route is None:
             return kern.decode_qkv_kernel(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau,
-                                          n_heads=n_heads, rotary_dim=rotary_dim, theta=theta, factors=factors)
+                                          n_heads=n_heads, rotary_dim=rotary_dim, theta=theta, factors=factors,
+                                          tau_dots=dots)
         return kern.decode_qkv_route_kernel(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, route[0],
                                             route[1], n_heads=n_heads, rotary_dim=rotary_dim, theta=theta,
-                                            top_k=route[2], block_tokens=route[3], factors=factors)
+                                            top_k=route[2], block_tokens=route[3], factors=factors, tau_dots=dots)
 
     rows = positions.shape[0]  # u may carry padding rows past them (`gemv_rows`): the kernel reads the first
+    if tau_dots is not None and rows <= kern.MAX_TAU_ROWS and kern.decode_qkv_problem(
+            u, k_pages, None, n_heads=n_heads, rotary_dim=rotary_dim, tau_dots=tau_dots) is None:
+        return call(u, None, dots=tau_dots)
     if tau is not None and rows > kern.MAX_TAU_ROWS:
         if os.environ.get("KESTREL_JAX_TAU_FACTORS", "1") == "0":
             return None

@@ -58,6 +58,14 @@ class TauWeights(NamedTuple):
     alpha: jax.Array  # [H]
 
 
+class TauDots(NamedTuple):
+    """MD3's tau dot products formed by the QKV GEMM (`gemv_mgpu.gemv_rows(tau_w=...)`): their
+    per-column-block shares, summed here, and the position slope."""
+
+    dots: jax.Array  # [blocks, 2 H, >= M] f32: rows h < H are g . wq[h], rows H + h are g . wv[h]
+    alpha: jax.Array  # [H]
+
+
 def split_heads(u: jax.Array, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     t = u.shape[0]
     hq, hk = n_heads * head_dim, n_kv_heads * head_dim
@@ -115,6 +123,16 @@ def _pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
+def _pow2_spans(n: int) -> list[tuple[int, int]]:
+    """[0, n) as consecutive power-of-two spans, largest first (Triton blocks are powers of two)."""
+    spans, c0 = [], 0
+    for bit in reversed(range(n.bit_length())):
+        if n >> bit & 1:
+            spans.append((c0, 1 << bit))
+            c0 += 1 << bit
+    return spans
+
+
 def _chunk(n: int) -> int:
     """Largest power of two <= 2048 dividing n (the tau dots' tile)."""
     c = 2048
@@ -124,8 +142,19 @@ def _chunk(n: int) -> int:
 
 
 def decode_qkv_problem(u: jax.Array, k_pages: jax.Array, tau: TauWeights | None, *, n_heads: int,
-                       rotary_dim: int, factors: tuple[jax.Array, jax.Array] | None = None) -> str | None:
+                       rotary_dim: int, factors: tuple[jax.Array, jax.Array] | None = None,
+                       tau_dots: TauDots | None = None) -> str | None:
     """Why `decode_qkv_kernel` cannot take these shapes (None: it can)."""
+    if tau_dots is not None:
+        if tau is not None or factors is not None:
+            return "tau dots, tau weights and tau factors are exclusive"
+        d = tau_dots.dots
+        if d.ndim != 3 or d.shape[1] != 2 * n_heads or d.shape[2] < u.shape[0] or d.dtype != jnp.float32:
+            return f"tau dots {d.shape} {d.dtype} must be f32 [blocks, 2 x heads {n_heads}, >= rows {u.shape[0]}]"
+        if tau_dots.alpha.shape != (n_heads,):
+            return f"tau alpha {tau_dots.alpha.shape} must be [{n_heads}]"
+        if k_pages.ndim == 4 and k_pages.shape[1] != n_heads:
+            return f"tau needs as many KV heads as query heads, got {k_pages.shape[1]} and {n_heads}"
     if factors is not None:
         if tau is not None:
             return "tau weights and precomputed tau factors are exclusive"
@@ -161,15 +190,17 @@ def _bf16(x: jax.Array) -> jax.Array:
 
 
 def _kernel(u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: int, n_kv: int, dh: int, rot: int,
-            has_tau: bool, has_factors: bool, chunk: int, fp8: bool, low: bool, route: tuple[int, int] | None):
+            has_tau: bool, has_factors: bool, has_dots: bool, chunk: int, fp8: bool, low: bool,
+            route: tuple[int, int] | None):
     # program ids are read here, outside any branch (the interpreter evaluates them only there)
     m, h = pl.program_id(0), pl.program_id(1)
+    mode = dict(has_tau=has_tau, has_factors=has_factors, has_dots=has_dots)
     if route is None:
         _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads=n_heads, n_kv=n_kv, dh=dh,
-               rot=rot, has_tau=has_tau, has_factors=has_factors, chunk=chunk, fp8=fp8, low=low)
+               rot=rot, chunk=chunk, fp8=fp8, low=low, **mode)
         return
     # [..., logits, n_valid, (the pools), q, pools, weights, experts, dest, meta_up, meta_down]
-    n_tau = 3 if has_tau else (2 if has_factors else 0)
+    n_tau = 3 if has_tau else (2 if has_factors or has_dots else 0)
     logits_ref, nv_ref = refs[n_tau], refs[n_tau + 1]
     head_refs = refs[:n_tau] + refs[n_tau + 2:n_tau + 7]
     route_out = refs[n_tau + 7:]
@@ -177,7 +208,7 @@ def _kernel(u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: i
     @pl.when(h < n_heads)
     def _head_program():
         _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *head_refs, n_heads=n_heads, n_kv=n_kv, dh=dh,
-               rot=rot, has_tau=has_tau, has_factors=has_factors, chunk=chunk, fp8=fp8, low=low)
+               rot=rot, chunk=chunk, fp8=fp8, low=low, **mode)
 
     @pl.when((h == n_heads) & (m == 0))
     def _route_program():
@@ -185,10 +216,12 @@ def _kernel(u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: i
 
 
 def _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: int, n_kv: int, dh: int,
-           rot: int, has_tau: bool, has_factors: bool, chunk: int, fp8: bool, low: bool):
-    tq_ref = tv_ref = None
+           rot: int, has_tau: bool, has_factors: bool, has_dots: bool, chunk: int, fp8: bool, low: bool):
+    tq_ref = tv_ref = dots_ref = None
     if has_tau:
         wq_ref, wv_ref, alpha_ref, _kp_in, _vp_in, q_ref, kp_ref, vp_ref = refs
+    elif has_dots:
+        dots_ref, alpha_ref, _kp_in, _vp_in, q_ref, kp_ref, vp_ref = refs
     elif has_factors:
         tq_ref, tv_ref, _kp_in, _vp_in, q_ref, kp_ref, vp_ref = refs
     else:
@@ -221,19 +254,29 @@ def _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_hea
     # programs with h >= Hkv read head Hkv - 1 and discard it.
     hk = jnp.minimum(h, n_kv - 1)
     qh, kh, vh = head(h * dh), head((n_heads + hk) * dh), head((n_heads + n_kv + hk) * dh)
-    if has_tau:
-        tiles = [(u_ref[m, pl.ds(c0, chunk)], wq_ref[h, pl.ds(c0, chunk)], wv_ref[h, pl.ds(c0, chunk)])
-                 for c0 in range(0, n, chunk)]
-        alpha = alpha_ref[h].astype(f32)
-        acc_q = jnp.zeros((chunk,), f32)
-        acc_v = jnp.zeros((chunk,), f32)
-        for ut, wqt, wvt in tiles:
-            g = rnd(gelu_erf_poly(ut.astype(f32)))
-            acc_q += g * wqt.astype(f32)
-            acc_v += g * wvt.astype(f32)
+    if has_tau or dots_ref is not None:
+        if dots_ref is not None:  # the GEMM's per-block shares of the two dots: sum them
+            blocks = dots_ref.shape[0]
+            spans = [(c0, c) for c0, c in _pow2_spans(blocks)]
+            parts_q = [dots_ref[pl.ds(c0, c), h, m] for c0, c in spans]
+            parts_v = [dots_ref[pl.ds(c0, c), n_heads + h, m] for c0, c in spans]
+            alpha = alpha_ref[h].astype(f32)
+            dot_q = functools.reduce(jnp.add, [jnp.sum(t) for t in parts_q])
+            dot_v = functools.reduce(jnp.add, [jnp.sum(t) for t in parts_v])
+        else:
+            tiles = [(u_ref[m, pl.ds(c0, chunk)], wq_ref[h, pl.ds(c0, chunk)], wv_ref[h, pl.ds(c0, chunk)])
+                     for c0 in range(0, n, chunk)]
+            alpha = alpha_ref[h].astype(f32)
+            acc_q = jnp.zeros((chunk,), f32)
+            acc_v = jnp.zeros((chunk,), f32)
+            for ut, wqt, wvt in tiles:
+                g = rnd(gelu_erf_poly(ut.astype(f32)))
+                acc_q += g * wqt.astype(f32)
+                acc_v += g * wvt.astype(f32)
+            dot_q, dot_v = jnp.sum(acc_q), jnp.sum(acc_v)
         p = 0.5 + 1.0 / (1.0 + jnp.exp(-(alpha * jnp.log(pos.astype(f32) + 1.0))))
-        tau_q = rnd(jnp.tanh(rnd(jnp.sum(acc_q))) + p)
-        tau_v = rnd(jnp.tanh(rnd(jnp.sum(acc_v))) + p)
+        tau_q = rnd(jnp.tanh(rnd(dot_q)) + p)
+        tau_v = rnd(jnp.tanh(rnd(dot_v)) + p)
         qh, vh = scaled(qh, tau_q), scaled(vh, tau_v)
     elif tq_ref is not None and tv_ref is not None:  # the factors in u.dtype, formed outside
         qh, vh = scaled(qh, tq_ref[m, h].astype(f32)), scaled(vh, tv_ref[m, hk].astype(f32))
@@ -271,16 +314,27 @@ def decode_qkv_kernel(
     rotary_dim: int,
     theta: float,
     factors: tuple[jax.Array, jax.Array] | None = None,  # (tau_q, tau_v) [M, H] in u.dtype, instead of tau
+    tau_dots: TauDots | None = None,  # the tau dots from the QKV GEMM, instead of tau
     interpret: bool = False,
     num_warps: int | None = None,  # None: TAU_WARPS with tau, else PLAIN_WARPS
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """-> (q [M, H, Dh] in u.dtype, k_pages, v_pages with the M new rows written). With `factors`
     the kernel scales q and v by tau factors formed outside (`tau_factors`, rounded to u.dtype)
-    instead of forming them from `tau` itself (for batches past `MAX_TAU_ROWS`)."""
+    instead of forming them from `tau` itself (for batches past `MAX_TAU_ROWS`); with `tau_dots`
+    it forms the factors from the dot products the QKV GEMM formed (`gemv_mgpu.gemv_rows`'
+    tau_w) instead of from the whole row and the tau weights."""
     q, kp, vp, _ = _decode_qkv(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
-                               rotary_dim=rotary_dim, theta=theta, factors=factors, interpret=interpret,
-                               num_warps=num_warps)
+                               rotary_dim=rotary_dim, theta=theta, factors=factors, tau_dots=tau_dots,
+                               interpret=interpret, num_warps=num_warps)
     return q, kp, vp
+
+
+def _default_warps(tau: bool, route: bool) -> int:
+    """TAU_WARPS where programs form tau from the whole row; else PLAIN_WARPS, or the routing
+    program's own default where the launch also routes (its one program is the long one)."""
+    if tau:
+        return TAU_WARPS
+    return moe_route_triton.DEFAULT_WARPS if route else PLAIN_WARPS
 
 
 def decode_qkv_route_supported(logits: jax.Array, top_k: int) -> bool:
@@ -308,6 +362,7 @@ def decode_qkv_route_kernel(
     top_k: int,
     block_tokens: int,
     factors: tuple[jax.Array, jax.Array] | None = None,
+    tau_dots: TauDots | None = None,
     interpret: bool = False,
     num_warps: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, DenseRoute]:
@@ -316,8 +371,9 @@ def decode_qkv_route_kernel(
     if not decode_qkv_route_supported(logits, top_k):
         raise ValueError(f"decode_qkv_route_kernel: unsupported logits {logits.shape} with top_k {top_k}")
     q, kp, vp, route = _decode_qkv(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
-                                   rotary_dim=rotary_dim, theta=theta, factors=factors, interpret=interpret,
-                                   num_warps=num_warps, route=(logits, num_valid, top_k, block_tokens))
+                                   rotary_dim=rotary_dim, theta=theta, factors=factors, tau_dots=tau_dots,
+                                   interpret=interpret, num_warps=num_warps,
+                                   route=(logits, num_valid, top_k, block_tokens))
     assert route is not None
     return q, kp, vp, route
 
@@ -326,10 +382,12 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
                 k_scale: jax.Array, v_scale: jax.Array, tau: TauWeights | None, *, n_heads: int, rotary_dim: int,
                 theta: float, factors: tuple[jax.Array, jax.Array] | None, interpret: bool, num_warps: int | None,
                 route: tuple[jax.Array, jax.Array, int, int] | None = None,  # (logits, n_valid, top_k, Nt)
+                tau_dots: TauDots | None = None,
                 ) -> tuple[jax.Array, jax.Array, jax.Array, DenseRoute | None]:
     """The two public kernels' body (arguments as `decode_qkv_kernel`'s and `decode_qkv_route_kernel`'s)."""
     check_pool(k_pages, v_pages)
-    problem = decode_qkv_problem(u, k_pages, tau, n_heads=n_heads, rotary_dim=rotary_dim, factors=factors)
+    problem = decode_qkv_problem(u, k_pages, tau, n_heads=n_heads, rotary_dim=rotary_dim, factors=factors,
+                                 tau_dots=tau_dots)
     if problem is not None:
         raise ValueError(f"decode_qkv_kernel: {problem}")
     M, N = positions.shape[0], u.shape[1]  # u may have padding rows past the M decode rows
@@ -342,6 +400,8 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
     tau_args = [tau.wq, tau.wv, tau.alpha] if tau is not None else []
     if factors is not None:
         tau_args = [f.astype(u.dtype) for f in factors]
+    if tau_dots is not None:
+        tau_args = [tau_dots.dots, tau_dots.alpha]
     route_ins: list[jax.Array] = []
     route_shapes: list[jax.ShapeDtypeStruct] = []
     if route is not None:  # the routing tables' inputs and outputs, as `route_tables` forms them
@@ -350,7 +410,7 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
            v_pages]
     kern = functools.partial(
         _kernel, n_heads=n_heads, n_kv=n_kv, dh=dh, rot=rotary_dim, has_tau=tau is not None,
-        has_factors=factors is not None, chunk=_chunk(N), fp8=is_fp8(k_pages.dtype),
+        has_factors=factors is not None, has_dots=tau_dots is not None, chunk=_chunk(N), fp8=is_fp8(k_pages.dtype),
         low=jnp.dtype(u.dtype) == jnp.dtype(jnp.bfloat16), route=None if route is None else (route[2], route[3]))
     q, kp, vp, *tables = pl.pallas_call(
         kern,
@@ -360,7 +420,7 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
         grid=(M, n_heads + (1 if route is not None else 0)),
         input_output_aliases={len(ins) - 2: 1, len(ins) - 1: 2},
         compiler_params=pltriton.CompilerParams(
-            num_warps=num_warps or (TAU_WARPS if tau is not None else PLAIN_WARPS), num_stages=1),
+            num_warps=num_warps or _default_warps(tau is not None, route is not None), num_stages=1),
         interpret=interpret,
         name="kestrel_decode_qkv",
     )(*ins)

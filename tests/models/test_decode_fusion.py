@@ -231,6 +231,56 @@ def test_padded_qkv_rows_reach_the_epilogue_and_router_unsliced(stand_ins: list[
     assert calls == [(8, 8)]
 
 
+def test_tau_dots_from_the_qkv_gemm_reach_the_epilogue(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default (KESTREL_JAX_TAU_DOTS=1) an MoE layer's decode QKV GEMM also forms MD3's tau dot
+    products (`gemv_rows(tau_w=...)`; a stand-in here with per-64-column-block shares from
+    `tau_dots_ref`, NaN in the padding rows) and the QKV epilogue (interpreted) forms tau from them
+    instead of from the whole row: the hidden states match the reference path within bf16 rounding
+    with the switch on and off, and the epilogue gets the dots only with it on. (The real kernel
+    takes 32 heads only; the tiny model's 4 pass its shape check here.)"""
+    from kestrel_jax.pallas import qkv_epilogue
+
+    monkeypatch.delenv("KESTREL_JAX_DECODE_RESIDUAL")
+    monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
+    got_dots: list[bool] = []
+
+    def rows(x, w1, b1, w2=None, b2=None, *, tau_w=None, **_):
+        out = _gemv_rows(x, w1, b1, w2, b2)
+        if tau_w is None:
+            return out
+        u = out[0]
+        shares = [gemv_mgpu.tau_dots_ref(u[:, c:c + 64], tau_w[0][:, c:c + 64], tau_w[1][:, c:c + 64])
+                  for c in range(0, u.shape[1], 64)]
+        return (*out, jnp.stack(shares))
+
+    def epilogue(*a, **kw):
+        got_dots.append(kw.get("tau_dots") is not None)
+        return real(*a, **kw, interpret=True)
+
+    real = qkv_epilogue.decode_qkv_route_kernel
+    monkeypatch.setattr(gemv_mgpu, "gemv_rows", rows)
+    monkeypatch.setattr(gemv_mgpu, "tau_dots_problem", lambda *a: None)
+    monkeypatch.setattr(qkv_epilogue, "decode_qkv_route_kernel", epilogue)
+    real_plain = qkv_epilogue.decode_qkv_kernel
+    monkeypatch.setattr(qkv_epilogue, "decode_qkv_kernel", lambda *a, **kw: real_plain(*a, **kw, interpret=True))
+    model, x, batch, cache = _bf16_decode_case(5)
+    with ops.use_backend("reference"):
+        want = np.asarray(model(x, batch, cache)[0].astype(jnp.float32))
+    for switch in ("1", "0"):
+        monkeypatch.setenv("KESTREL_JAX_TAU_DOTS", switch)
+        ops._jitted.cache_clear()
+        got_dots.clear()
+        with ops.use_backend("kernel"):
+            got = np.asarray(model(x, batch, cache)[0].astype(jnp.float32))
+        moe_layers = sum(model.cfg.is_moe_layer(i) for i in range(model.cfg.n_layers))
+        assert got_dots == [switch == "1"] * moe_layers, switch
+        assert np.isfinite(got).all()
+        assert np.abs(got - want).max() <= 2.0**-6 * np.abs(want).max()
+    monkeypatch.setenv("KESTREL_JAX_TAU_DOTS", "2")
+    with ops.use_backend("kernel"), pytest.raises(ValueError, match="KESTREL_JAX_TAU_DOTS"):
+        ops.tau_dots_wanted()
+
+
 def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[str],
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """KESTREL_JAX_ROUTE_IN_QKV=1: each decode MoE layer's QKV epilogue launch (interpreted) also

@@ -80,6 +80,34 @@ def test_gemv_rows_are_the_single_split_product_padded_to_the_row_tile(M, N1, N2
         jax.eval_shape(g.gemv_rows, x, ws[0], jnp.zeros((ws[0].shape[1],), jnp.float32))
 
 
+@pytest.mark.parametrize("M,N2", [(1, 64), (5, None)])
+def test_gemv_rows_tau_dots_are_the_blocks_shares_of_the_tau_products(M, N2):
+    """With `tau_w` the first product's CTAs also form their blocks' share of MD3's tau dots
+    (GELU of the finished bf16 rows times [wq; wv], f32): the rows are unchanged, and the dots
+    summed over blocks match `tau_dots_ref` on those rows to f32 rounding. The padding rows'
+    dots are those of the padding rows' products."""
+    rng = fresh_rng()
+    K, N1, H = 128, 192, g.TAU_ROWS // 2
+    x = jnp.asarray(rng.standard_normal((M, K)), BF16)
+    w1 = jnp.asarray(rng.standard_normal((K, N1)) * 0.2, BF16)
+    b1 = jnp.asarray(rng.standard_normal(N1), BF16)
+    wq, wv = (jnp.asarray(rng.standard_normal((H, N1)) * 0.05, BF16) for _ in range(2))
+    extra = () if N2 is None else (jnp.asarray(rng.standard_normal((K, N2)) * 0.2, BF16), None)
+    run = jax.jit(functools.partial(g.gemv_rows, stages=2, interpret=True))
+    plain = run(x, w1, b1, *extra)
+    *rows, dots = jax.jit(functools.partial(g.gemv_rows, stages=2, interpret=True, tau_w=(wq, wv)))(
+        x, w1, b1, *extra)
+    assert len(rows) == len(plain) and dots.shape == (N1 // 64, g.TAU_ROWS, 8) and dots.dtype == jnp.float32
+    for a, b in zip(rows, plain, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    want = np.asarray(g.tau_dots_ref(rows[0], wq, wv))  # [2H, 8]
+    got = np.asarray(dots).sum(0)
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 1e-5 * scale, np.abs(got - want).max() / scale
+    with pytest.raises(ValueError, match="tau weights"):
+        jax.eval_shape(functools.partial(g.gemv_rows, tau_w=(wq[:8], wv[:8])), x, w1, b1)
+
+
 def test_small_linear_pair_hands_padded_rows_only_to_callers_that_take_them(monkeypatch: pytest.MonkeyPatch):
     x = jnp.ones((1, 128), BF16)
     w1, w2 = jnp.ones((128, 192), BF16), jnp.ones((128, 64), BF16)
@@ -178,4 +206,11 @@ def test_gemv_lowers_at_decoder_shapes():
         rows_pair = (_SDS((M, 2048), BF16), *pair[1:])
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(g.gemv_rows).trace(*rows_pair).lower(lowering_platforms=("cuda",)).as_text()
+        assert "kestrel_gemv_rows" in text
+    # with MD3's tau dots (32 heads over the 6,144-wide QKV row), at 1 and 8 rows
+    tw = (_SDS((32, 6144), BF16), _SDS((32, 6144), BF16))
+    for M in (1, 8):
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(lambda x, w1, b1, w2, b2, wq, wv: g.gemv_rows(x, w1, b1, w2, b2, tau_w=(wq, wv))).trace(
+                _SDS((M, 2048), BF16), *pair[1:], *tw).lower(lowering_platforms=("cuda",)).as_text()
         assert "kestrel_gemv_rows" in text

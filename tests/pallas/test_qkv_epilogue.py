@@ -56,6 +56,57 @@ def _bits(x: jax.Array) -> np.ndarray:
     return np.asarray(x.view(jnp.uint8) if x.dtype == FP8 else x.view(jnp.uint16))
 
 
+def _assert_matches_ref(got, want, old, slots, pool_dtype) -> None:
+    """q and the written pool rows within the module's bounds of the reference's; every other pool
+    element bit-identical."""
+    (q, kp2, vp2), (q_r, kp_r, vp_r), (kp, vp) = got, want, old
+    np.testing.assert_allclose(as_f32(q), as_f32(q_r), rtol=0, atol=2.0**-6 * np.abs(as_f32(q_r)).max())
+    written = np.zeros(kp.shape[0] * kp.shape[2], bool)
+    written[np.asarray(slots)[np.asarray(slots) >= 0]] = True
+    written = written.reshape(kp.shape[0], kp.shape[2])  # [P, S]
+    for new, ref, prev in ((kp2, kp_r, kp), (vp2, vp_r, vp)):
+        assert new.shape == prev.shape and new.dtype == prev.dtype
+        untouched = ~written[:, None, :, None] & np.ones(prev.shape, bool)
+        np.testing.assert_array_equal(_bits(new)[untouched], _bits(prev)[untouched])  # bit-identical elsewhere
+        a = as_f32(new).transpose(0, 2, 1, 3)[written]  # [rows, Hkv, Dh]
+        b = as_f32(ref).transpose(0, 2, 1, 3)[written]
+        assert np.isfinite(a).all()
+        tol = (2.0**-3 * np.abs(b) + 2.0**-6 * np.abs(b).max()) if pool_dtype == FP8 else 2.0**-6 * np.abs(b).max()
+        assert (np.abs(a - b) <= tol).all(), np.abs(a - b).max()
+        if pool_dtype == FP8:  # a quotient on an e4m3 rounding boundary may round the other way
+            assert np.mean(a == b) > 0.9
+
+
+def _tau_dots(u: jax.Array, tw: qe.TauWeights, block: int) -> qe.TauDots:
+    """MD3's tau dots as the QKV GEMM hands them over: per-block shares of g . [wq; wv] (f32, g =
+    GELU(u) rounded to bf16), padded rows past u's."""
+    from kestrel_jax.pallas.gemv_mgpu import tau_dots_ref
+
+    n = u.shape[1]
+    up = jnp.pad(u, ((0, 8 - u.shape[0] % 8 if u.shape[0] % 8 else 0), (0, 0)))
+    shares = [tau_dots_ref(up[:, c:c + block], tw.wq[:, c:c + block], tw.wv[:, c:c + block])
+              for c in range(0, n, block)]
+    return qe.TauDots(jnp.stack(shares), tw.alpha)
+
+
+@pytest.mark.parametrize("M,pool_dtype,block", [(1, FP8, 64), (5, BF16, 32)])
+def test_dots_mode_matches_the_reference(M, pool_dtype, block):
+    """Tau dots formed by the QKV GEMM (`TauDots`: per-block shares, here 3 and 6 blocks, summed by
+    the kernel) instead of the tau weights: within the bounds above; the factor exclusions named."""
+    rng = fresh_rng()
+    H, dh, rot = 4, 16, 8
+    u, positions, slots, (kp, vp), (ks, vs), tw = _case(rng, M, H, H, dh, rot, pool_dtype, True)
+    assert tw is not None
+    kw: dict[str, Any] = dict(n_heads=H, rotary_dim=rot, theta=10000.0)
+    dots = _tau_dots(u, tw, block)
+    got = qe.decode_qkv_kernel(u, positions, slots, kp, vp, ks, vs, None, tau_dots=dots, interpret=True, **kw)
+    want = jax.jit(functools.partial(qe.decode_qkv_ref, **kw))(u, positions, slots, kp, vp, ks, vs, tw)
+    _assert_matches_ref(got, want, (kp, vp), slots, pool_dtype)
+    assert "exclusive" in (qe.decode_qkv_problem(u, kp, tw, n_heads=H, rotary_dim=rot, tau_dots=dots) or "")
+    short = qe.TauDots(dots.dots[:, :H], dots.alpha)
+    assert "2 x heads" in (qe.decode_qkv_problem(u, kp, None, n_heads=H, rotary_dim=rot, tau_dots=short) or "")
+
+
 @pytest.mark.parametrize("M,H,Hkv,dh,rot,pool_dtype,tau", [
     (1, 4, 4, 16, 8, FP8, True),  # MD3-like: tau, FP8 pool, MHA
     (3, 4, 2, 16, 8, FP8, False),  # GQA, a padding row
@@ -67,25 +118,9 @@ def test_kernel_matches_the_reference(M, H, Hkv, dh, rot, pool_dtype, tau):
     u, positions, slots, (kp, vp), (ks, vs), tw = _case(rng, M, H, Hkv, dh, rot, pool_dtype, tau)
     kw = dict(n_heads=H, rotary_dim=rot, theta=10000.0)
     q, kp2, vp2 = qe.decode_qkv_kernel(u, positions, slots, kp, vp, ks, vs, tw, interpret=True, **kw)
-    q_r, kp_r, vp_r = jax.jit(functools.partial(qe.decode_qkv_ref, **kw))(u, positions, slots, kp, vp, ks, vs, tw)
+    want = jax.jit(functools.partial(qe.decode_qkv_ref, **kw))(u, positions, slots, kp, vp, ks, vs, tw)
     assert q.shape == (M, H, dh) and q.dtype == BF16
-    qa, qb = as_f32(q), as_f32(q_r)
-    np.testing.assert_allclose(qa, qb, rtol=0, atol=2.0**-6 * np.abs(qb).max())
-    written = np.zeros(kp.shape[0] * kp.shape[2], bool)
-    written[np.asarray(slots)[np.asarray(slots) >= 0]] = True
-    written = written.reshape(kp.shape[0], kp.shape[2])  # [P, S]
-    for new, ref, old in ((kp2, kp_r, kp), (vp2, vp_r, vp)):
-        assert new.shape == old.shape and new.dtype == old.dtype
-        nb, ob = _bits(new), _bits(old)
-        untouched = ~written[:, None, :, None] & np.ones(nb.shape, bool)
-        np.testing.assert_array_equal(nb[untouched], ob[untouched])  # bit-identical elsewhere
-        a = as_f32(new).transpose(0, 2, 1, 3)[written]  # [rows, Hkv, Dh]
-        b = as_f32(ref).transpose(0, 2, 1, 3)[written]
-        assert np.isfinite(a).all()
-        tol = (2.0**-3 * np.abs(b) + 2.0**-6 * np.abs(b).max()) if pool_dtype == FP8 else 2.0**-6 * np.abs(b).max()
-        assert (np.abs(a - b) <= tol).all(), np.abs(a - b).max()
-        if pool_dtype == FP8:  # most codes agree exactly
-            assert np.mean(a == b) > 0.9
+    _assert_matches_ref((q, kp2, vp2), want, (kp, vp), slots, pool_dtype)
 
 
 @pytest.mark.parametrize("M,pool_dtype", [(12, FP8), (9, BF16)])
@@ -102,21 +137,8 @@ def test_factor_mode_matches_the_reference(M, pool_dtype):
     tq, tv, _ = qe.tau_factors(u, positions, tw)
     q, kp2, vp2 = qe.decode_qkv_kernel(u, positions, slots, kp, vp, ks, vs, None, factors=(tq, tv), interpret=True,
                                        **kw)
-    q_r, kp_r, vp_r = jax.jit(functools.partial(qe.decode_qkv_ref, **kw))(u, positions, slots, kp, vp, ks, vs, tw)
-    np.testing.assert_allclose(as_f32(q), as_f32(q_r), rtol=0, atol=2.0**-6 * np.abs(as_f32(q_r)).max())
-    written = np.zeros(kp.shape[0] * kp.shape[2], bool)
-    written[np.asarray(slots)[np.asarray(slots) >= 0]] = True
-    written = written.reshape(kp.shape[0], kp.shape[2])
-    for new, ref, old in ((kp2, kp_r, kp), (vp2, vp_r, vp)):
-        untouched = ~written[:, None, :, None] & np.ones(kp.shape, bool)
-        np.testing.assert_array_equal(_bits(new)[untouched], _bits(old)[untouched])
-        a = as_f32(new).transpose(0, 2, 1, 3)[written]
-        b = as_f32(ref).transpose(0, 2, 1, 3)[written]
-        assert np.isfinite(a).all()
-        tol = (2.0**-3 * np.abs(b) + 2.0**-6 * np.abs(b).max()) if pool_dtype == FP8 else 2.0**-6 * np.abs(b).max()
-        assert (np.abs(a - b) <= tol).all(), np.abs(a - b).max()
-        if pool_dtype == FP8:  # a quotient on an e4m3 rounding boundary may round the other way
-            assert np.mean(a == b) > 0.9
+    want = jax.jit(functools.partial(qe.decode_qkv_ref, **kw))(u, positions, slots, kp, vp, ks, vs, tw)
+    _assert_matches_ref((q, kp2, vp2), want, (kp, vp), slots, pool_dtype)
     assert "exclusive" in (qe.decode_qkv_problem(u, kp, tw, n_heads=H, rotary_dim=rot, factors=(tq, tv)) or "")
     assert "must be [rows" in (qe.decode_qkv_problem(u, kp, None, n_heads=H, rotary_dim=rot,
                                                      factors=(tq[:1], tv)) or "")
@@ -253,6 +275,7 @@ def test_tau_gelu_is_the_polynomial_on_the_kernel_path_unless_switched_off(monke
 @pytest.mark.parametrize("M,nt,tau,factors,logit_dtype", [
     (1, 8, True, False, BF16),  # MD3 batch-1 decode: the routing program beside 4 head programs
     (3, 8, True, True, jnp.float32),  # tau factors formed outside, f32 logits (the comparison top-k), a padding row
+    (1, 8, True, "dots", BF16),  # tau dots from the QKV GEMM (the default at batch 1)
 ])
 def test_routing_program_equals_the_routing_launch(M, nt, tau, factors, logit_dtype):
     """`decode_qkv_route_kernel`: the heads' results bit-identical to `decode_qkv_kernel`'s and the
@@ -264,7 +287,11 @@ def test_routing_program_equals_the_routing_launch(M, nt, tau, factors, logit_dt
     H, E, k = 4, 16, 4
     u, positions, slots, (kp, vp), (ks, vs), tw = _case(rng, M, H, H, 16, 8, FP8, tau)
     kw: dict[str, Any] = dict(n_heads=H, rotary_dim=8, theta=10000.0)
-    if factors:
+    if factors == "dots":
+        assert tw is not None
+        kw["tau_dots"] = _tau_dots(u, tw, 32)
+        tw = None
+    elif factors:
         assert tw is not None
         tq, tv, _ = qe.tau_factors(u, positions, tw)
         kw["factors"] = (tq.astype(BF16), tv.astype(BF16))
@@ -305,3 +332,13 @@ def test_routed_kernel_lowers_at_md3_decode_shapes():
                                     _SDS((), f32), _SDS((), f32), tw, _SDS((8, 64), BF16),
                                     _SDS((1,), i32)).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 1 and "output_operand_alias" in text
+
+    # with the tau dots of the QKV GEMM (96 column blocks of the 6,144-wide row) at one row
+    def g(u, pos, slots, kp, vp, ks, vs, dots, alpha, lg, nv):
+        return qe.decode_qkv_route_kernel(u, pos, slots, kp, vp, ks, vs, None, lg, nv, n_heads=32, rotary_dim=32,
+                                          theta=1500000.0, top_k=8, block_tokens=8, tau_dots=qe.TauDots(dots, alpha))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(g).trace(_SDS((8, 6144), BF16), _SDS((1,), i32), _SDS((1,), i32), pool, pool, _SDS((), f32),
+                                _SDS((), f32), _SDS((96, 64, 8), f32), _SDS((32,), BF16), _SDS((8, 64), BF16),
+                                _SDS((1,), i32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
