@@ -381,7 +381,7 @@ def decode_qkv_routed(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pa
     with the tables program at these shapes, the epilogue's launch also builds the routing tables
     (`qkv_epilogue.decode_qkv_route_kernel`): (q, k_pages, v_pages, `DenseRoute` for
     `moe_layer_rows`' `route`). Otherwise the fourth item is None (the MoE routes itself); None
-    where `decode_qkv` is None."""
+    where `decode_qkv` is None. `tau_dots`: as `decode_qkv`'s."""
     route = None
     if _want_kernel() and route_in_qkv_wanted():
         from kestrel_jax.pallas import moe_mgpu

@@ -16,10 +16,12 @@ Kernel: grid (rows M, query heads H); program (m, h) computes its head of q, and
 head of k and v and writes both rows to the pool. With `route` (an MoE layer's router logits from
 the same decode GEMM launch, `decode_qkv_route_kernel`) the grid has one more column and program
 (0, H) builds the dense regime's routing tables (`moe_route_triton`'s program) beside the heads,
-saving that program's launch. With tau, each program reads the whole row u[m]
-and its heads' tau weights (wq[h], wv[h]) to form the two dot products itself: M * H programs
-each read ~3 * N * 2 bytes from L2, fine for decode rows (the model uses it up to
-`MAX_TAU_ROWS`), wasteful for prefill. Numerics follow the jnp path's roundings: GELU output,
+saving that program's launch. With `TauDots` (the MoE layers' decode QKV GEMM formed the tau
+dot products, per column block: `gemv_mgpu.gemv_rows`' tau_w) each program only sums its head's
+two columns of block shares. Otherwise, with tau, each program reads the whole row u[m] and its
+heads' tau weights (wq[h], wv[h]) to form the two dot products itself: M * H programs each read
+~3 * N * 2 bytes from L2, fine for decode rows (the model uses it up to `MAX_TAU_ROWS`),
+wasteful for prefill. Numerics follow the jnp path's roundings: GELU output,
 tau dot, tau and the tau products in bf16, rotary in float32 rounded to bf16, FP8 quantisation by
 an IEEE divide then a clamp. GELU uses erf from Abramowitz-Stegun 7.1.26 (|error| <= 1.5e-7,
 below bf16 resolution), since Pallas Triton has no erf.
@@ -257,7 +259,7 @@ def _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_hea
     if has_tau or dots_ref is not None:
         if dots_ref is not None:  # the GEMM's per-block shares of the two dots: sum them
             blocks = dots_ref.shape[0]
-            spans = [(c0, c) for c0, c in _pow2_spans(blocks)]
+            spans = _pow2_spans(blocks)
             parts_q = [dots_ref[pl.ds(c0, c), h, m] for c0, c in spans]
             parts_v = [dots_ref[pl.ds(c0, c), n_heads + h, m] for c0, c in spans]
             alpha = alpha_ref[h].astype(f32)
