@@ -36,7 +36,7 @@ def _partials(x, w, w2=None, **_):  # [2, N, Mp] f32 partials of y^T, K split in
 
 
 def _rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tokens=None, logits=None, tokens=None,
-          x_f16=None, route=None):
+          x_f16=None, route=None, x_q=None):
     t = x.shape[0] if tokens is None else tokens
     xs = x[:t].astype(jnp.float32)
     if route is None:
@@ -84,6 +84,13 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return real_ln(*args, **kw, interpret=True)
 
     monkeypatch.setattr(layer_norm_triton, "layer_norm_rows_kernel", layer_norm)
+    real_lnq = layer_norm_triton.layer_norm_quant_rows_kernel
+
+    def layer_norm_quant(*args, **kw):
+        calls.append("layernorm+quant")
+        return real_lnq(*args, **kw, interpret=True)
+
+    monkeypatch.setattr(layer_norm_triton, "layer_norm_quant_rows_kernel", layer_norm_quant)
     real_rln = layer_norm_triton.residual_layer_norm_rows_kernel
 
     def residual_layer_norm(*args, **kw):
@@ -286,6 +293,60 @@ def test_tau_dots_from_the_qkv_gemm_reach_the_epilogue(stand_ins: list[str], mon
         ops.tau_dots_wanted()
 
 
+def test_quantised_rows_from_the_layer_norm_reach_the_moe(stand_ins: list[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """KESTREL_JAX_LN_QUANT=1 (opt-in), FP8 experts at one decode row (dense W8A8): each MoE layer's
+    LayerNorm kernel (interpreted) also quantises its rows and the layer's expert rows receive them
+    beside the rows themselves, equal to `quantize_rows` of those rows (so formed from the right
+    layer's normalisation); off, nothing is quantised there."""
+    from kestrel_jax.pallas import qkv_epilogue
+    from kestrel_jax.pallas.moe import quantize_rows
+
+    monkeypatch.delenv("KESTREL_JAX_DECODE_RESIDUAL")
+    monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
+    monkeypatch.delenv("KESTREL_JAX_W8A8_MIN_TOKENS", raising=False)
+    for name in ("decode_qkv_kernel", "decode_qkv_route_kernel"):
+        real = getattr(qkv_epilogue, name)
+        monkeypatch.setattr(qkv_epilogue, name, lambda *a, _real=real, **kw: _real(*a, **kw, interpret=True))
+    got: list[bool] = []
+
+    checked: list[bool] = []
+
+    def check(x, q, qs):  # on the host, with the values
+        want_q, want_s = jax.jit(quantize_rows)(x)
+        np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(want_q).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(qs), np.asarray(want_s))
+        checked.append(True)
+
+    def rows(x, *a, x_q=None, **kw):
+        got.append(x_q is not None)
+        if x_q is not None:
+            jax.debug.callback(check, x, *x_q)
+        return _rows(x, *a, **kw)
+
+    from kestrel_jax.pallas import moe_mgpu
+
+    monkeypatch.setattr(ops, "moe_layer_rows", rows)
+    # the tiny experts (inner 64) are below the real GEMMs' tiles; the stand-in above takes them
+    monkeypatch.setattr(moe_mgpu, "moe_kernel_supported", lambda *a: True)
+    model = random_model(tiny_config("md3"), dtype=jnp.bfloat16, std=0.05, fp8_experts=True).text
+    _, x, batch, cache = _bf16_decode_case(3)
+    moe_layers = sum(model.cfg.is_moe_layer(i) for i in range(model.cfg.n_layers))
+    for switch in ("1", "0"):
+        monkeypatch.setenv("KESTREL_JAX_LN_QUANT", switch)
+        got.clear()
+        stand_ins.clear()
+        with ops.use_backend("kernel"):
+            if switch == "1":
+                out = jax.jit(lambda x, cache: model(x, batch, cache)[0])(x, cache)
+                assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
+                assert checked == [True] * moe_layers
+            else:  # traced only: nothing to compare
+                jax.eval_shape(lambda: model(x, batch, cache))
+        assert got == [switch == "1"] * moe_layers, switch
+        assert stand_ins == ["layernorm+quant" if switch == "1" else "layernorm"] * moe_layers
+
+
 def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[str],
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """KESTREL_JAX_ROUTE_IN_QKV=1: each decode MoE layer's QKV epilogue launch (interpreted) also
@@ -307,7 +368,7 @@ def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[
                      for w, b in (((w1, b1),) if w2 is None else ((w1, b1), (w2, b2))))
 
     def rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tokens=None, logits=None,
-             tokens=None, x_f16=None, route=None):
+             tokens=None, x_f16=None, route=None, x_q=None):
         t = x.shape[0] if tokens is None else tokens
         got_route.append(route is not None)
         if route is None:
