@@ -7,6 +7,10 @@ mixed steps of ~1,500 tokens, decode at batch 64); this says what inside them co
 
   PYTHONPATH=. python3 tools/probe_step_kernels.py --model md3 --kinds prefill,mixed,decode --out-dir $OUT
   PYTHONPATH=. python3 tools/probe_step_kernels.py --model md3 --tiny --kinds prefill   # CPU smoke run
+  PYTHONPATH=. python3 tools/probe_step_kernels.py --kinds decode --batch 1 --ab KESTREL_JAX_TAU_DOTS=0,1
+
+With --ab, one process compiles the step once per value of a switch and measures the variants in
+turn (A B A B ...): one model build and one machine for the comparison, drift shared alike.
 """
 
 from __future__ import annotations
@@ -31,8 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kestrel_jax.models.config import md2_config, md3_config, tiny_config  # noqa: E402
 from kestrel_jax.models.moondream import MoondreamModel, random_model  # noqa: E402
 from kestrel_jax.models.vision import tile_pool_matrices  # noqa: E402
+from kestrel_jax.pallas import ops  # noqa: E402
 from kestrel_jax.serving import batch as bt  # noqa: E402
 from kestrel_jax.serving.runner import Runner, RunnerConfig  # noqa: E402
+from tools.diff_step_kernels import diff as diff_steps  # noqa: E402
 
 
 def synthetic_model(name: Literal["md2", "md3"], *, tiny: bool = False, seed: int = 3) -> MoondreamModel:
@@ -83,12 +89,12 @@ def aggregate_runs(runs: list[list[tuple[str, float]]]) -> list[dict[str, Any]]:
              "launches": max(r.get(n, (0.0, 0))[1] for r in per_run)} for n in order]
 
 
-def per_kernel(fn: Any, args: tuple[Any, ...], iters: int) -> tuple[list[dict[str, Any]], str]:
-    """[(kernel, median us over iterations, launches per call)] of `fn(*args)` with CUPTI, else one
-    host-timed total (CPU, or where CUPTI is unavailable). `fn` is a jitted function or a compiled
-    one; it must not donate its arguments (they are passed again every iteration). The arrays go in
-    as arguments: the profiler jits whatever callable it is given, and a closure over the weights
-    would bake them into the program as constants (15 GB for MD3: minutes of compile)."""
+def measure_runs(fn: Any, args: tuple[Any, ...], iters: int) -> tuple[list[list[tuple[str, float]]], str]:
+    """`iters` measurements of `fn(*args)`: CUPTI's [(kernel, ms)] per run, else one host-timed
+    pseudo-kernel per run (CPU, or where CUPTI is unavailable). `fn` is a jitted function or a
+    compiled one; it must not donate its arguments (they are passed again every iteration). The
+    arrays go in as arguments: the profiler jits whatever callable it is given, and a closure over
+    the weights would bake them into the program as constants (15 GB for MD3: minutes of compile)."""
     compiled = fn if isinstance(fn, jax.stages.Compiled) else fn.lower(*args).compile()
     try:
         from jax.experimental.mosaic.gpu import profiler
@@ -102,16 +108,45 @@ def per_kernel(fn: Any, args: tuple[Any, ...], iters: int) -> tuple[list[dict[st
             if not measured:
                 raise RuntimeError("CUPTI saw no kernels")
             runs.append(list(measured))
+        return runs, "cupti"
     except Exception as e:  # noqa: BLE001 - a probe: fall back to host timing
         jax.block_until_ready(compiled(*args))
-        times = []
+        runs = []
         for _ in range(iters):
             t0 = time.perf_counter()
             jax.block_until_ready(compiled(*args))
-            times.append((time.perf_counter() - t0) * 1e6)
-        return [{"kernel": "(host-timed step)", "us": round(float(np.median(times)), 1), "launches": 1}], \
-            f"host timing ({type(e).__name__}: {e})"
-    return aggregate_runs(runs), "cupti"
+            runs.append([("(host-timed step)", (time.perf_counter() - t0) * 1e3)])
+        return runs, f"host timing ({type(e).__name__}: {e})"
+
+
+def per_kernel(fn: Any, args: tuple[Any, ...], iters: int) -> tuple[list[dict[str, Any]], str]:
+    """[(kernel, median us over iterations, launches per call)] of `fn(*args)` (`measure_runs`)."""
+    runs, how = measure_runs(fn, args, iters)
+    return aggregate_runs(runs), how
+
+
+def parse_ab(spec: str | None) -> tuple[str, list[str]] | None:
+    """--ab NAME=V1,V2[,...] -> (NAME, [V1, V2, ...]); None without one."""
+    if not spec:
+        return None
+    name, eq, values = spec.partition("=")
+    vals = [v.strip() for v in values.split(",") if v.strip()]
+    if not eq or not name.startswith("KESTREL_JAX_") or len(vals) < 2:
+        raise SystemExit(f"--ab wants KESTREL_JAX_NAME=V1,V2[,...], got {spec!r}")
+    return name, vals
+
+
+def interleaved(fns: list[Any], args: tuple[Any, ...], iters: int,
+                measure: Any = measure_runs) -> tuple[list[list[list[tuple[str, float]]]], str]:
+    """One measurement of each variant in turn, `iters` rounds (A B A B ...: drift on the machine
+    lands on every variant alike): the runs per variant, and how they were timed."""
+    runs: list[list[list[tuple[str, float]]]] = [[] for _ in fns]
+    how = ""
+    for _ in range(iters):
+        for i, fn in enumerate(fns):
+            r, how = measure(fn, args, 1)
+            runs[i] += r
+    return runs, how
 
 
 def main() -> int:
@@ -132,7 +167,12 @@ def main() -> int:
     ap.add_argument("--kernels", type=int, default=40, help="kernels printed per step, with their HLO shapes")
     ap.add_argument("--out-dir", default=None, help="step_kernels.json and each step's optimized HLO (gzip)")
     ap.add_argument("--json", default=None, help="the results alone, to this path (tools/diff_step_kernels.py)")
+    ap.add_argument("--ab", default=None, metavar="KESTREL_JAX_NAME=V1,V2",
+                    help="each step compiled once per value of this switch (read at trace time) and measured "
+                         "in turn, A B A B ...; --json then names one file per value (PATH stem + _NAME=V) and "
+                         "the diff against the first value is printed")
     a = ap.parse_args()
+    ab = parse_ab(a.ab)
     model = synthetic_model(a.model, tiny=a.tiny)
     page = a.page
     per_row = a.context // page + 1  # pages of a decode row
@@ -154,6 +194,8 @@ def main() -> int:
                            "settings": {k: v for k, v in vars(a).items() if k not in ("out_dir", "json")},
                            "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KESTREL_JAX_")},
                            "steps": {}}
+    # --ab: one result per value, each naming its value among the switches
+    variants = {v: {**res, "switches": {**res["switches"], ab[0]: v}, "steps": {}} for v in ab[1]} if ab else {}
     for kind in [k.strip() for k in a.kinds.split(",") if k.strip()]:
         step_fn: Any
         args: tuple[Any, ...]
@@ -174,36 +216,65 @@ def main() -> int:
         else:
             raise SystemExit(f"unknown step kind {kind!r}")
         # the runner's step donates the KV pool; the probe runs it again and again on the same pool
-        compiled = jax.jit(getattr(step_fn, "__wrapped__", step_fn)).lower(*args).compile()
-        if out_dir is not None:
-            with gzip.open(out_dir / f"step_{kind}.hlo.txt.gz", "wt") as f:
-                f.write(compiled.as_text() or "")
-        kernels, how = per_kernel(compiled, args, a.iters)
-        index = hlo_index(compiled.as_text() or "")
-        fam: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-        r: dict[str, Any]
-        for r in kernels:
-            r["hlo"] = index.get(r["kernel"], "")
-            fam[family(r["kernel"])][0] += r["launches"]
-            fam[family(r["kernel"])][1] += r["us"]
-        total = sum(r["us"] for r in kernels)
-        fams: list[dict[str, Any]] = [{"family": k, "launches": int(v[0]), "us": round(v[1], 1)} for k, v in
-                sorted(fam.items(), key=lambda kv: -kv[1][1])]
-        step: dict[str, Any] = {"timing": how, "total_us": round(total, 1),
-                                "launches": sum(r["launches"] for r in kernels), "families": fams, "kernels": kernels}
-        res["steps"][kind] = step
-        print(f"{kind}: {total:.1f} us in {step['launches']} launches ({how})", flush=True)
-        for f_ in fams[:a.top]:
-            print(f"   {f_['us']:9.1f} us  x{f_['launches']:<4d} {f_['family'][:100]}", flush=True)
-        print(f"  {kind}: kernels by time (us per launch, launches, the HLO's output shape and op)", flush=True)
-        for r in sorted(kernels, key=lambda r: -r["us"])[:a.kernels]:
-            per = r["us"] / max(1, r["launches"])
-            print(f"   {per:8.2f} us x{r['launches']:<3d} {r['kernel'][:44]:44s} {r['hlo']}", flush=True)
+        values = ab[1] if ab else [None]
+        compiled_v = []
+        for value in values:
+            if ab:
+                os.environ[ab[0]] = str(value)
+                jax.clear_caches()  # the switch is read when a step (or a kernel's entry point) is traced
+                ops._jitted.cache_clear()
+            compiled_v.append(jax.jit(getattr(step_fn, "__wrapped__", step_fn)).lower(*args).compile())
+        runs_v, how = interleaved(compiled_v, args, a.iters)
+        for value, compiled, runs in zip(values, compiled_v, runs_v, strict=True):
+            if ab is None:
+                report(kind, compiled, aggregate_runs(runs), how, res, a, out_dir)
+            else:
+                report(kind, compiled, aggregate_runs(runs), how, variants[str(value)], a, out_dir,
+                       label=f"[{ab[0]}={value}] ")
+    if ab:
+        first = variants[ab[1][0]]
+        for value in ab[1][1:]:
+            print("\n".join(diff_steps(first, variants[value], 15)), flush=True)
     if out_dir is not None:
-        (out_dir / "step_kernels.json").write_text(json.dumps(res, indent=1))
+        (out_dir / "step_kernels.json").write_text(json.dumps({"variants": variants} if ab else res, indent=1))
     if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
+        if ab:
+            path = Path(a.json)
+            for value, r in variants.items():
+                path.with_name(f"{path.stem}_{ab[0]}={value}{path.suffix}").write_text(json.dumps(r, indent=1))
+        else:
+            Path(a.json).write_text(json.dumps(res, indent=1))
     return 0
+
+
+def report(kind: str, compiled: Any, kernels: list[dict[str, Any]], how: str, res: dict[str, Any], a: Any,
+           out_dir: Path | None, label: str = "") -> None:
+    """One step's kernels into `res["steps"][kind]` (with the HLO beside them in `out_dir`), printed
+    by family and by kernel; `label` names the --ab variant."""
+    if out_dir is not None:
+        tag = label.strip(" []").replace("=", "_")
+        with gzip.open(out_dir / f"step_{kind}{'_' + tag if tag else ''}.hlo.txt.gz", "wt") as f:
+            f.write(compiled.as_text() or "")
+    index = hlo_index(compiled.as_text() or "")
+    fam: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    r: dict[str, Any]
+    for r in kernels:
+        r["hlo"] = index.get(r["kernel"], "")
+        fam[family(r["kernel"])][0] += r["launches"]
+        fam[family(r["kernel"])][1] += r["us"]
+    total = sum(r["us"] for r in kernels)
+    fams: list[dict[str, Any]] = [{"family": k, "launches": int(v[0]), "us": round(v[1], 1)} for k, v in
+                                  sorted(fam.items(), key=lambda kv: -kv[1][1])]
+    step: dict[str, Any] = {"timing": how, "total_us": round(total, 1),
+                            "launches": sum(r["launches"] for r in kernels), "families": fams, "kernels": kernels}
+    res["steps"][kind] = step
+    print(f"{label}{kind}: {total:.1f} us in {step['launches']} launches ({how})", flush=True)
+    for f_ in fams[:a.top]:
+        print(f"   {f_['us']:9.1f} us  x{f_['launches']:<4d} {f_['family'][:100]}", flush=True)
+    print(f"  {kind}: kernels by time (us per launch, launches, the HLO's output shape and op)", flush=True)
+    for r in sorted(kernels, key=lambda r: -r["us"])[:a.kernels]:
+        per = r["us"] / max(1, r["launches"])
+        print(f"   {per:8.2f} us x{r['launches']:<3d} {r['kernel'][:44]:44s} {r['hlo']}", flush=True)
 
 
 if __name__ == "__main__":

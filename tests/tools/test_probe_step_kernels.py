@@ -1,8 +1,11 @@
-"""The step probe's HLO index: CUPTI kernel names mapped to their fusion's output shape and op."""
+"""The step probe's HLO index (CUPTI kernel names mapped to their fusion's output shape and op),
+its run aggregation, and its in-process A/B (--ab): the switch spec and the interleaved order."""
 
 from __future__ import annotations
 
-from tools.probe_step_kernels import aggregate_runs, family, hlo_index
+import pytest
+
+from tools.probe_step_kernels import aggregate_runs, family, hlo_index, interleaved, parse_ab
 
 # one line per instruction, as XLA prints them
 HLO = """
@@ -38,3 +41,26 @@ def test_aggregate_runs_takes_medians_and_tolerates_a_kernel_missing_from_a_run(
     assert rows["gemm"] == {"kernel": "gemm", "us": 22.0, "launches": 2}
     assert rows["add"]["us"] == 2.0 and rows["add"]["launches"] == 1
     assert rows["copy"] == {"kernel": "copy", "us": 0.0, "launches": 1}  # median of 0, 5, 0
+
+
+def test_ab_spec_names_a_switch_and_at_least_two_values():
+    assert parse_ab(None) is None
+    assert parse_ab("KESTREL_JAX_TAU_DOTS=0,1") == ("KESTREL_JAX_TAU_DOTS", ["0", "1"])
+    assert parse_ab("KESTREL_JAX_MOE_FUSED=0, 2,4") == ("KESTREL_JAX_MOE_FUSED", ["0", "2", "4"])
+    for bad in ("KESTREL_JAX_TAU_DOTS=1", "TAU_DOTS=0,1", "KESTREL_JAX_TAU_DOTS"):
+        with pytest.raises(SystemExit, match="--ab"):
+            parse_ab(bad)
+
+
+def test_variants_are_measured_in_turn():
+    calls: list[str] = []
+
+    def measure(fn, args, iters):
+        assert iters == 1 and args == (7,)
+        calls.append(fn)
+        return [[(f"k_{fn}", 0.001 * len(calls))]], "fake"
+
+    runs, how = interleaved(["a", "b"], (7,), 3, measure=measure)
+    assert calls == ["a", "b", "a", "b", "a", "b"] and how == "fake"
+    assert [len(r) for r in runs] == [3, 3]
+    assert [r[0][0] for r in runs[0]] == ["k_a"] * 3 and [ms for r in runs[1] for _, ms in r] == [0.002, 0.004, 0.006]
