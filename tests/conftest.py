@@ -66,7 +66,6 @@ SLOW_FIRST = (
     "pallas/test_qkv_epilogue.py",
     "serving/test_vision_thread.py",
     "models/test_device_crops.py",
-    "pallas/test_decode_residual.py",
     "serving/test_runner_vision.py",
     "models/test_dense_prefill_split.py",
 )

@@ -29,7 +29,7 @@ from tools.probe_step_kernels import synthetic_model  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--switch", nargs="+", default=["KESTREL_JAX_DECODE_RESIDUAL"],
+    ap.add_argument("--switch", nargs="+", default=["KESTREL_JAX_TAU_DOTS"],
                     help="one or more switches, each compared on against off (the others at their defaults)")
     ap.add_argument("--model", default="md3", choices=["md2", "md3"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])

@@ -18,7 +18,7 @@ from flax import nnx
 from kestrel_jax.models.config import TextConfig
 from kestrel_jax.models.layers import MLP, LayerNorm, Linear, gelu_erf
 from kestrel_jax.pallas import ops
-from kestrel_jax.pallas.decode_residual import ExpertRows, ProjParts, combine_rows, finish_proj
+from kestrel_jax.pallas.decode_residual import ExpertRows, combine_rows
 from kestrel_jax.pallas.moe import ExpertWeights
 from kestrel_jax.pallas.moe_route_mgpu import DenseRoute
 from kestrel_jax.pallas.qkv_epilogue import TauDots, TauWeights, qkv_heads_ref
@@ -134,17 +134,14 @@ class Attention(nnx.Module):
         aux: dict[str, jax.Array] | None,
         router: Linear | None = None,
         *,
-        want_parts: bool = False,
         route_top_k: int | None = None,
-    ) -> tuple[jax.Array | ProjParts, jax.Array, jax.Array, jax.Array | DenseRoute | None]:
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | DenseRoute | None]:
         """-> (output, k_pages, v_pages, router logits, routing tables or None). With `router` (the
         MoE layer's, which reads the same normalised input), decode on a GPU computes its logits in
         the QKV product's launch (rows past the batch's may follow: x's padding rows' logits); with
         `route_top_k` as well, the QKV epilogue's launch may turn them into the MoE's routing
         tables (`ops.decode_qkv_routed`, a `DenseRoute` returned instead of the logits). x may
-        arrive padded past the batch's rows (the decode residual kernel's normalised rows). With
-        `want_parts`, decode on a GPU returns the output projection unreduced (`ProjParts`, for
-        `ops.decode_residual`)."""
+        arrive padded past the batch's rows (the decode LayerNorm kernel's normalised rows)."""
         cfg = self.cfg
         t = batch.positions.shape[0]
         hd, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -179,7 +176,7 @@ class Attention(nnx.Module):
         if batch.cu_q_lens is None:
             o = ops.decode_attention(q, k_pages, v_pages, batch.kv_lens, batch.page_table,
                                      k_scale, v_scale, sm_scale=scale)
-            return self._project(o.reshape(t, h * hd), decode, want_parts), k_pages, v_pages, routed
+            return self._project(o.reshape(t, h * hd), decode), k_pages, v_pages, routed
         else:
             assert batch.prefix_lens is not None
             nd = 0 if batch.decode is None else batch.decode.rows
@@ -218,17 +215,12 @@ class Attention(nnx.Module):
         y = self._linear(self.qkv, x, qkv_kernel_rows(), rows=t) if decode else None
         return (self.qkv(x[:t]) if y is None else y), None, None
 
-    def _project(self, o: jax.Array, decode: bool, want_parts: bool = False) -> jax.Array | ProjParts:
-        """Output projection. At decode on a GPU, the decode GEMM kernel (unreduced with
-        `want_parts`). Otherwise, with a single row, XLA's GPU simplifier rewrites a [1, D] x [D, D]
-        dot below its size threshold into multiply + reduce, which materialises a [D, D] product
-        (3x the weight bytes per decode step). Two rows keep it a GEMM; the barrier stops the slice
-        from being pushed back into the dot."""
-        if decode and want_parts:
-            bias = self.proj.bias[...] if self.proj.bias is not None else None
-            parts = ops.small_linear_parts(o, self.proj.kernel[...], bias, max_rows=proj_kernel_rows())
-            if parts is not None:
-                return parts
+    def _project(self, o: jax.Array, decode: bool) -> jax.Array:
+        """Output projection. At decode on a GPU, the decode GEMM kernel. Otherwise, with a single
+        row, XLA's GPU simplifier rewrites a [1, D] x [D, D] dot below its size threshold into
+        multiply + reduce, which materialises a [D, D] product (3x the weight bytes per decode
+        step). Two rows keep it a GEMM; the barrier stops the slice from being pushed back into the
+        dot."""
         y = self._linear(self.proj, o, proj_kernel_rows()) if decode else None
         if y is not None:
             return y
@@ -351,28 +343,17 @@ class TextModel(nnx.Module):
                     x = jax.lax.optimization_barrier(x)
             n = block.ln(x) if n_next is None else n_next  # [T or pad_rows, D]
             n_next = None
-            # Decode MoE layers on a GPU end in one kernel (`ops.decode_residual`): both residual
-            # adds from the unreduced projection and expert rows, and the next layer's LayerNorm.
-            fuse = (moe and aux is None and batch.cu_q_lens is None and t <= proj_kernel_rows()
-                    and ops.decode_residual_wanted())
             router = block.mlp.router if isinstance(block.mlp, MoE) else None
-            # The expert rows path (below) takes routing tables built in the QKV epilogue's launch.
-            rows_path = isinstance(block.mlp, MoE) and (fuse or n16 is not None or nq is not None or n.shape[0] != t)
+            # The expert rows path (below: MoE layers whose rows a LayerNorm kernel formed, padded)
+            # takes routing tables built in the QKV epilogue's launch.
+            rows_path = isinstance(block.mlp, MoE) and (n16 is not None or nq is not None or n.shape[0] != t)
             top_k = block.mlp.top_k if isinstance(block.mlp, MoE) and rows_path else None
             a, ks[i], vs[i], routed = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux,
-                                                 router=router, want_parts=fuse, route_top_k=top_k)
+                                                 router=router, route_top_k=top_k)
             logits, route = (None, routed) if isinstance(routed, DenseRoute) else (routed, None)
             rows = None
             if isinstance(block.mlp, MoE) and rows_path:
                 rows = block.mlp.rows(n, batch.num_valid, logits, t, x_f16=n16, route=route, x_q=nq)
-            if isinstance(a, ProjParts) and rows is not None:
-                nxt = self.blocks[i + 1].ln if i + 1 < len(self.blocks) else None
-                ln = (nxt.scale[...], nxt.bias[...]) if nxt is not None else None
-                done = ops.decode_residual(x, a, rows, ln, eps=block.ln.eps, pad_rows=pad_rows)
-                if done is not None:
-                    x, n_next = done
-                    continue
-            a = finish_proj(a, x.dtype) if isinstance(a, ProjParts) else a
             nxt_block = self.blocks[i + 1] if i + 1 < len(self.blocks) else None
             if rows is not None and ln_kernel and nxt_block is not None and isinstance(nxt_block.mlp, MoE):
                 # opt-in: the residual and the next MoE layer's LayerNorm in one launch

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from kestrel_jax.models.layers import gelu_erf
 from kestrel_jax.pallas import moe as moe_ref_mod
 from kestrel_jax.pallas import paged_attention as attn_ref_mod
-from kestrel_jax.pallas.decode_residual import ExpertRows, ProjParts
+from kestrel_jax.pallas.decode_residual import ExpertRows
 from kestrel_jax.pallas.moe import ExpertWeights, Routing
 
 Backend = Literal["auto", "reference", "kernel"]
@@ -184,25 +184,6 @@ def gemv_rows_wanted() -> bool:
     return os.environ.get("KESTREL_JAX_GEMV_ROWS", "1") != "0"
 
 
-def small_linear_parts(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_rows: int,
-                       rows: int | None = None) -> ProjParts | None:
-    """`x @ w + b` left unreduced (the decode GEMM's split partials, for `decode_residual` to sum),
-    under the same conditions as `small_linear`; None otherwise."""
-    if not _gemv_usable(x, max_rows, w, rows=rows):
-        return None
-    from kestrel_jax.pallas import gemv_mgpu as kern
-
-    return ProjParts(_jitted(kern.gemv_partials)(x, w.astype(x.dtype)), b, rows or x.shape[0])
-
-
-def decode_residual_wanted() -> bool:
-    """Whether decode MoE layers end in `decode_residual`: kernel path on and opted in with
-    `KESTREL_JAX_DECODE_RESIDUAL=1`. Off by default: measured slower (H100, seventh session: its two
-    launches take 5.2 us per layer against 5.0 for the XLA kernels they replace, plus a conversion
-    kernel; MD3 batch-1 596 vs 608 tok/s; see `decode_residual`). Read at trace time."""
-    return _want_kernel() and os.environ.get("KESTREL_JAX_DECODE_RESIDUAL", "0") == "1"
-
-
 def split_dense_prefill_gemms() -> bool:
     """Whether a dense layer's MLP input in prefill and mixed steps passes an optimization barrier,
     so that XLA's dot merger cannot fuse the QKV and fc1 products (they read the same LayerNorm
@@ -214,18 +195,6 @@ def split_dense_prefill_gemms() -> bool:
     session). On by default on the kernel path; KESTREL_JAX_SPLIT_DENSE_GEMMS=0 turns it off (an
     A/B switch, read at trace time)."""
     return _want_kernel() and os.environ.get("KESTREL_JAX_SPLIT_DENSE_GEMMS", "1") != "0"
-
-
-def decode_residual(x: jax.Array, proj: ProjParts, moe: ExpertRows, ln: tuple[jax.Array, jax.Array] | None, *,
-                    eps: float, pad_rows: int) -> tuple[jax.Array, jax.Array | None] | None:
-    """(x + proj) + moe and the next layer's LayerNorm of it, padded to `pad_rows` rows, in one
-    kernel (`decode_residual.residual_ln_kernel`); None where the kernel path is off or the kernel
-    does not take the shapes (the caller finishes with `finish_proj` / `combine_rows`)."""
-    from kestrel_jax.pallas import decode_residual as kern
-
-    if not decode_residual_wanted() or kern.residual_ln_problem(x, proj, moe, pad_rows) is not None:
-        return None
-    return kern.residual_ln_kernel(x, proj, moe, ln, eps=eps, pad_rows=pad_rows)
 
 
 # --------------------------------------------------------------------------------------------

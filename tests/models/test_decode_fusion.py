@@ -1,10 +1,12 @@
-"""The decode path that ends MoE layers in `ops.decode_residual` (the kernel path on a GPU) computes
-the same hidden states as the reference path. The GPU kernels it calls cannot run un-interpreted
-on the CPU, so each is replaced by a stand-in with the same contract: the decode GEMM's split
-partials from a jnp product split in two, per-(token, choice) expert rows from the reference MoE
-math, the QKV epilogue and attention references, and the residual kernel itself interpreted. What
-is tested is the model's plumbing: padded LayerNorm rows handed from layer to layer, real-row
-slicing, the unreduced projection and expert rows, the last layer without a LayerNorm.
+"""The fused decode path of MoE layers on a GPU (the LayerNorm kernel's padded rows, the decode
+GEMM's rows kernel, the QKV epilogue with the routing tables or the tau dots, the expert rows, the
+opt-in residual + LayerNorm launch) computes the same hidden states as the reference path. The GPU
+kernels it calls cannot run un-interpreted on the CPU, so each is replaced by a stand-in with the
+same contract (the decode GEMM's split partials from a jnp product split in two, its finished rows
+padded with NaN, per-(token, choice) expert rows from the reference MoE math, the attention
+reference) or interpreted (the Triton LayerNorm and QKV epilogue kernels). What is tested is the
+model's plumbing: padded rows handed from kernel to kernel and layer to layer, real-row slicing,
+the last layer without a next LayerNorm.
 """
 
 from __future__ import annotations
@@ -75,7 +77,6 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(gemv_mgpu, "gemv_rows", _gemv_rows)
     monkeypatch.setattr(gemv_mgpu, "gemv_supported", lambda x, w: x.shape[0] <= 64)
     monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_KERNEL", "0")
-    monkeypatch.setenv("KESTREL_JAX_DECODE_RESIDUAL", "1")  # opt-in (off by default: measured slower)
     monkeypatch.setattr(ops, "decode_attention", lambda q, kp, vp, lens, table, ks, vs, *, sm_scale:
                         pa.decode_attention_ref(q, kp, vp, lens, table, ks, vs, sm_scale=sm_scale))
     monkeypatch.setattr(ops, "moe_layer_rows", _rows)
@@ -100,25 +101,15 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return real_rln(*args, **kw, interpret=True)
 
     monkeypatch.setattr(layer_norm_triton, "residual_layer_norm_rows_kernel", residual_layer_norm)
-    real = dr.residual_ln_kernel
-
-    def residual(*args, **kw):
-        calls.append("residual" if args[3] is not None else "residual-last")
-        return real(*args, **kw, interpret=True)
-
-    monkeypatch.setattr(dr, "residual_ln_kernel", residual)
     ops._jitted.cache_clear()
     return calls
 
 
-@pytest.mark.parametrize("t,path", [(1, "residual"), (1, "residual+layernorm")])  # rows > 1: kernel tests
-def test_fused_decode_matches_the_reference_path(stand_ins: list[str], t: int, path: str,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """path "residual": MoE layers end in `ops.decode_residual` (opt-in); "residual+layernorm": a
-    MoE layer followed by another ends in `ops.decode_residual_layer_norm` (opt-in)."""
-    if path == "residual+layernorm":
-        monkeypatch.delenv("KESTREL_JAX_DECODE_RESIDUAL")
-        monkeypatch.setenv("KESTREL_JAX_RESIDUAL_LN", "1")
+def test_fused_decode_matches_the_reference_path(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """One decode row, float32 weights, each layer its own LayerNorm; with the opt-in residual +
+    LayerNorm launch a MoE layer followed by another ends in `ops.decode_residual_layer_norm`."""
+    t = 1
+    monkeypatch.setenv("KESTREL_JAX_RESIDUAL_LN", "1")
     model = random_model(tiny_config("md3"), dtype=jnp.float32, std=0.05).text
     cfg = model.cfg
     rng = np.random.default_rng(t)
@@ -140,30 +131,16 @@ def test_fused_decode_matches_the_reference_path(stand_ins: list[str], t: int, p
     with ops.use_backend("kernel"):
         got, _, _ = model(x, batch, cache)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    # the first MoE layer normalises its own input (one launch at one row); the others get it from
-    # the previous layer's residual kernel
-    if path == "residual":
-        assert stand_ins == ["layernorm"] * (t == 1) + ["residual"] * (moe_layers - 1) + ["residual-last"]
-    else:
-        assert stand_ins == ["layernorm"] + ["residual+layernorm"] * (moe_layers - 1)
+    # the first MoE layer normalises its own input; the others get it from the previous layer's
+    # residual + LayerNorm kernel (the last layer ends in XLA's residual: no next LayerNorm)
+    assert stand_ins == ["layernorm"] + ["residual+layernorm"] * (moe_layers - 1)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
-
-
-def test_switch_is_opt_in_and_kernel_path_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("KESTREL_JAX_DECODE_RESIDUAL", raising=False)
-    with ops.use_backend("kernel"):
-        assert not ops.decode_residual_wanted()  # default off
-        monkeypatch.setenv("KESTREL_JAX_DECODE_RESIDUAL", "1")
-        assert ops.decode_residual_wanted()
-    with ops.use_backend("reference"):
-        assert not ops.decode_residual_wanted()
 
 
 def test_residual_layer_norm_switch(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """By default each decode MoE layer runs its own LayerNorm kernel and XLA forms the residual;
     with KESTREL_JAX_RESIDUAL_LN=1 a MoE layer followed by another ends in the residual +
     LayerNorm kernel."""
-    monkeypatch.delenv("KESTREL_JAX_DECODE_RESIDUAL")
     monkeypatch.delenv("KESTREL_JAX_RESIDUAL_LN", raising=False)
     model = random_model(tiny_config("md3"), dtype=jnp.float32).text
     cfg = model.cfg
@@ -210,7 +187,6 @@ def test_padded_qkv_rows_reach_the_epilogue_and_router_unsliced(stand_ins: list[
     the reference path within bf16 rounding; with `KESTREL_JAX_GEMV_ROWS=0` it is not called."""
     from kestrel_jax.pallas import qkv_epilogue
 
-    monkeypatch.delenv("KESTREL_JAX_DECODE_RESIDUAL")
     monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
     calls: list[tuple[int, ...]] = []
 
@@ -249,7 +225,6 @@ def test_tau_dots_from_the_qkv_gemm_reach_the_epilogue(stand_ins: list[str], mon
     takes 32 heads only; the tiny model's 4 pass its shape check here.)"""
     from kestrel_jax.pallas import qkv_epilogue
 
-    monkeypatch.delenv("KESTREL_JAX_DECODE_RESIDUAL")
     monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
     got_dots: list[bool] = []
 
@@ -304,7 +279,6 @@ def test_quantised_rows_from_the_layer_norm_reach_the_moe(stand_ins: list[str],
     from kestrel_jax.pallas import qkv_epilogue
     from kestrel_jax.pallas.moe import quantize_rows
 
-    monkeypatch.delenv("KESTREL_JAX_DECODE_RESIDUAL")
     monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
     monkeypatch.delenv("KESTREL_JAX_W8A8_MIN_TOKENS", raising=False)
     for name in ("decode_qkv_kernel", "decode_qkv_route_kernel"):
@@ -361,7 +335,6 @@ def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[
     program's and reach the right layer; the stand-in records which it got."""
     from kestrel_jax.pallas import moe_route_triton, qkv_epilogue
 
-    monkeypatch.delenv("KESTREL_JAX_DECODE_RESIDUAL")
     monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
     got_route: list[bool] = []
 
