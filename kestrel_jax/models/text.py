@@ -198,20 +198,13 @@ class Attention(nnx.Module):
     def _qkv(self, x: jax.Array, t: int, decode: bool,
              router: Linear | None) -> tuple[jax.Array, jax.Array | None, TauDots | None]:
         """(QKV product, router logits or None, MD3's tau dots formed in the same launch or None)."""
-        if decode and router is not None and self.tau is not None:
-            with_dots = ops.small_linear_pair_tau(
-                x, self.qkv.kernel[...], self.qkv.bias[...] if self.qkv.bias is not None else None,
-                router.kernel[...], router.bias[...] if router.bias is not None else None, self.tau.weights(),
-                max_rows=qkv_kernel_rows(), rows=t)
-            if with_dots is not None:
-                return with_dots
         if decode and router is not None:
             pair = ops.small_linear_pair(
                 x, self.qkv.kernel[...], self.qkv.bias[...] if self.qkv.bias is not None else None,
                 router.kernel[...], router.bias[...] if router.bias is not None else None, max_rows=qkv_kernel_rows(),
-                rows=t, padded_ok=True)
+                rows=t, padded_ok=True, tau=self.tau.weights() if self.tau is not None else None)
             if pair is not None:
-                return (*pair, None)
+                return pair
         y = self._linear(self.qkv, x, qkv_kernel_rows(), rows=t) if decode else None
         return (self.qkv(x[:t]) if y is None else y), None, None
 

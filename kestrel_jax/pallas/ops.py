@@ -124,13 +124,16 @@ def small_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_rows: i
 
 
 def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None, *,
-                      max_rows: int, rows: int | None = None,
-                      padded_ok: bool = False) -> tuple[jax.Array, jax.Array] | None:
-    """(`x @ w1 + b1`, `x @ w2 + b2`) from one decode GEMM launch, under the same conditions as
-    `small_linear`; None otherwise. With `padded_ok` (callers whose consumers are kernels that take
-    padded rows) and `gemv_rows_wanted()`, the two products come back as finished rows padded to
-    x's row tile (`gemv_mgpu.gemv_rows`: rows >= `rows` belong to padding rows of x) instead of
-    being summed from split partials by XLA."""
+                      max_rows: int, rows: int | None = None, padded_ok: bool = False,
+                      tau: Any = None) -> tuple[jax.Array, jax.Array, Any] | None:
+    """(`x @ w1 + b1`, `x @ w2 + b2`, tau dots or None) from one decode GEMM launch, under the same
+    conditions as `small_linear`; None otherwise. With `padded_ok` (callers whose consumers are
+    kernels that take padded rows) and `gemv_rows_wanted()`, the two products come back as finished
+    rows padded to x's row tile (`gemv_mgpu.gemv_rows`: rows >= `rows` belong to padding rows of x)
+    instead of being summed from split partials by XLA; then with `tau` (MD3's `TauWeights` over
+    the first product's columns, bf16 [32, N1]) and `tau_dots_wanted()` the same launch also forms
+    the tau dot products (`gemv_rows`' tau_w), the third item (`qkv_epilogue.TauDots`, for
+    `decode_qkv`'s tau_dots)."""
     if not _gemv_usable(x, max_rows, w1, w2, rows=rows):
         return None
     from kestrel_jax.pallas import gemv_mgpu as kern
@@ -139,41 +142,25 @@ def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax
     if padded_ok and gemv_rows_wanted() and all(
             b is None or (b.shape == (w.shape[1],) and jnp.dtype(b.dtype) == jnp.dtype(jnp.bfloat16))
             for b, w in ((b1, w1c), (b2, w2c))):
+        if tau is not None and tau_dots_wanted() and kern.tau_dots_problem(tau.wq, tau.wv, w1c.shape[1]) is None:
+            from kestrel_jax.pallas.qkv_epilogue import TauDots
+
+            y1, y2, dots = _jitted(kern.gemv_rows)(x, w1c, b1, w2c, b2, tau_w=(tau.wq, tau.wv))
+            return y1, y2, TauDots(dots, tau.alpha)
         y1, y2 = _jitted(kern.gemv_rows)(x, w1c, b1, w2c, b2)
-        return y1, y2
-    return _jitted(kern.gemv_pair, ("rows",))(x, w1c, b1, w2c, b2, rows=rows)
+        return y1, y2, None
+    y1, y2 = _jitted(kern.gemv_pair, ("rows",))(x, w1c, b1, w2c, b2, rows=rows)
+    return y1, y2, None
 
 
 def tau_dots_wanted() -> bool:
-    """Whether `small_linear_pair_tau` runs: KESTREL_JAX_TAU_DOTS, default 1; 0 has the QKV
-    epilogue form MD3's tau dots from the whole row itself (an A/B switch, read at trace time)."""
+    """Whether `small_linear_pair` forms MD3's tau dots in its launch where it can:
+    KESTREL_JAX_TAU_DOTS, default 1; 0 has the QKV epilogue form them from the whole row itself
+    (an A/B switch, read at trace time)."""
     value = os.environ.get("KESTREL_JAX_TAU_DOTS", "1")
     if value not in ("0", "1"):
         raise ValueError(f"KESTREL_JAX_TAU_DOTS must be 0 or 1, got {value!r}")
     return value == "1"
-
-
-def small_linear_pair_tau(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None,
-                          tau: Any, *, max_rows: int, rows: int | None = None
-                          ) -> tuple[jax.Array, jax.Array, Any] | None:
-    """`small_linear_pair(padded_ok=True)` for an MoE layer's QKV + router products whose launch also
-    forms MD3's tau dot products (`gemv_mgpu.gemv_rows`' tau_w): (QKV rows, router rows,
-    `qkv_epilogue.TauDots` for `decode_qkv`'s tau_dots), padded to the row tile. None where that
-    path does not apply (the padded-rows kernel not taken, `tau_dots_wanted()` off, tau weights
-    that are not bf16 [32, N1]): the caller runs `small_linear_pair`."""
-    if tau is None or not (tau_dots_wanted() and gemv_rows_wanted() and _gemv_usable(x, max_rows, w1, w2, rows=rows)):
-        return None
-    from kestrel_jax.pallas import gemv_mgpu as kern
-    from kestrel_jax.pallas.qkv_epilogue import TauDots
-
-    w1c, w2c = w1.astype(x.dtype), w2.astype(x.dtype)
-    if not all(b is None or (b.shape == (w.shape[1],) and jnp.dtype(b.dtype) == jnp.dtype(jnp.bfloat16))
-               for b, w in ((b1, w1c), (b2, w2c))):
-        return None
-    if kern.tau_dots_problem(tau.wq, tau.wv, w1c.shape[1]) is not None:
-        return None
-    y1, y2, dots = _jitted(kern.gemv_rows)(x, w1c, b1, w2c, b2, tau_w=(tau.wq, tau.wv))
-    return y1, y2, TauDots(dots, tau.alpha)
 
 
 def gemv_rows_wanted() -> bool:
@@ -330,7 +317,7 @@ def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: ja
     MD3 decode step 95 us faster at 16 rows (-1.8%, 48 fewer launches), 36 us at 64 rows (-0.3%,
     within the probe's spread); W2 at 64 clients A/B/A/B 6,432 / 6,682 / 6,467 / 6,437 tok/s.
     KESTREL_JAX_TAU_FACTORS=0 (read at trace time) keeps the XLA path there. `tau_dots`
-    (`small_linear_pair_tau`): the kernel forms tau from the dots the QKV GEMM formed, where it
+    (`small_linear_pair`'s third item): the kernel forms tau from the dots the QKV GEMM formed, where it
     takes them (else from `tau`)."""
     out = _decode_qkv(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
                       rotary_dim=rotary_dim, theta=theta, route=None, tau_dots=tau_dots)

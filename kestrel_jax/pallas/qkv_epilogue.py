@@ -258,8 +258,7 @@ def _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_hea
     qh, kh, vh = head(h * dh), head((n_heads + hk) * dh), head((n_heads + n_kv + hk) * dh)
     if has_tau or dots_ref is not None:
         if dots_ref is not None:  # the GEMM's per-block shares of the two dots: sum them
-            blocks = dots_ref.shape[0]
-            spans = _pow2_spans(blocks)
+            spans = _pow2_spans(dots_ref.shape[0])
             parts_q = [dots_ref[pl.ds(c0, c), h, m] for c0, c in spans]
             parts_v = [dots_ref[pl.ds(c0, c), n_heads + h, m] for c0, c in spans]
             alpha = alpha_ref[h].astype(f32)

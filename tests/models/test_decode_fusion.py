@@ -80,27 +80,15 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(ops, "decode_attention", lambda q, kp, vp, lens, table, ks, vs, *, sm_scale:
                         pa.decode_attention_ref(q, kp, vp, lens, table, ks, vs, sm_scale=sm_scale))
     monkeypatch.setattr(ops, "moe_layer_rows", _rows)
-    real_ln = layer_norm_triton.layer_norm_rows_kernel
+    def interpreted(real, label):  # the kernel interpreted, its call recorded
+        def call(*args, **kw):
+            calls.append(label)
+            return real(*args, **kw, interpret=True)
+        return call
 
-    def layer_norm(*args, **kw):
-        calls.append("layernorm")
-        return real_ln(*args, **kw, interpret=True)
-
-    monkeypatch.setattr(layer_norm_triton, "layer_norm_rows_kernel", layer_norm)
-    real_lnq = layer_norm_triton.layer_norm_quant_rows_kernel
-
-    def layer_norm_quant(*args, **kw):
-        calls.append("layernorm+quant")
-        return real_lnq(*args, **kw, interpret=True)
-
-    monkeypatch.setattr(layer_norm_triton, "layer_norm_quant_rows_kernel", layer_norm_quant)
-    real_rln = layer_norm_triton.residual_layer_norm_rows_kernel
-
-    def residual_layer_norm(*args, **kw):
-        calls.append("residual+layernorm")
-        return real_rln(*args, **kw, interpret=True)
-
-    monkeypatch.setattr(layer_norm_triton, "residual_layer_norm_rows_kernel", residual_layer_norm)
+    for name, label in (("layer_norm_rows_kernel", "layernorm"), ("layer_norm_quant_rows_kernel", "layernorm+quant"),
+                        ("residual_layer_norm_rows_kernel", "residual+layernorm")):
+        monkeypatch.setattr(layer_norm_triton, name, interpreted(getattr(layer_norm_triton, name), label))
     ops._jitted.cache_clear()
     return calls
 

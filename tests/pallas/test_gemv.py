@@ -15,6 +15,7 @@ from kernel_helpers import fresh_rng
 
 from kestrel_jax.pallas import gemv_mgpu as g
 from kestrel_jax.pallas import ops
+from kestrel_jax.pallas.qkv_epilogue import TauDots, TauWeights
 
 BF16 = jnp.bfloat16
 _SDS = jax.ShapeDtypeStruct
@@ -113,18 +114,25 @@ def test_small_linear_pair_hands_padded_rows_only_to_callers_that_take_them(monk
     w1, w2 = jnp.ones((128, 192), BF16), jnp.ones((128, 64), BF16)
     b1, b2 = jnp.zeros((192,), BF16), jnp.zeros((64,), BF16)
 
-    def shapes(padded_ok, b=b1):  # traced only: the kernels cannot run un-interpreted on the CPU
+    tau = TauWeights(jnp.ones((32, 192), BF16), jnp.ones((32, 192), BF16), jnp.zeros((32,), BF16))
+
+    def shapes(padded_ok, b=b1, tau=None):  # traced only: the kernels cannot run un-interpreted on the CPU
         with ops.use_backend("kernel"):
             out = jax.eval_shape(lambda: ops.small_linear_pair(x, w1, b, w2, b2, max_rows=1, rows=1,
-                                                               padded_ok=padded_ok))
-        return [o.shape for o in out]
+                                                               padded_ok=padded_ok, tau=tau))
+        return [None if o is None else (o.dots.shape if isinstance(o, TauDots) else o.shape) for o in out]
 
     monkeypatch.delenv("KESTREL_JAX_GEMV_ROWS", raising=False)
-    assert shapes(True) == [(8, 192), (8, 64)]  # gemv_rows: the row tile
-    assert shapes(False) == [(1, 192), (1, 64)]  # gemv_pair: the real rows
-    assert shapes(True, b=jnp.zeros((192,), jnp.float32)) == [(1, 192), (1, 64)]  # not a bf16 bias
+    monkeypatch.delenv("KESTREL_JAX_TAU_DOTS", raising=False)
+    assert shapes(True) == [(8, 192), (8, 64), None]  # gemv_rows: the row tile
+    assert shapes(True, tau=tau) == [(8, 192), (8, 64), (3, 64, 8)]  # and the tau dots, per column block
+    assert shapes(True, tau=tau._replace(wq=tau.wq[:16], wv=tau.wv[:16])) == [(8, 192), (8, 64), None]  # 16 heads
+    assert shapes(False, tau=tau) == [(1, 192), (1, 64), None]  # gemv_pair: the real rows, no dots
+    assert shapes(True, b=jnp.zeros((192,), jnp.float32)) == [(1, 192), (1, 64), None]  # not a bf16 bias
+    monkeypatch.setenv("KESTREL_JAX_TAU_DOTS", "0")
+    assert shapes(True, tau=tau) == [(8, 192), (8, 64), None]
     monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS", "0")  # the A/B switch
-    assert shapes(True) == [(1, 192), (1, 64)]
+    assert shapes(True) == [(1, 192), (1, 64), None]
 
 
 def test_gemv_partials_sum_to_the_product_and_pad_rows_are_zero():
