@@ -31,6 +31,10 @@ from kestrel_jax.pallas.qkv_epilogue import TauDots, TauWeights, qkv_heads_ref
 # trace time, at most the kernel's 64) override them for A/B runs.
 QKV_KERNEL_ROWS = 1
 PROJ_KERNEL_ROWS = 8
+# The region heads' small products (encoders [256 | 512, 2048], decoders [2048, 1024 + 2048]), run
+# for every row of every step: at one row XLA rewrites each into a multiply + reduce (H100, session
+# 21: ~34 us of a batch-1 MD3 decode step for all four). KESTREL_JAX_GEMV_REGION_ROWS overrides.
+REGION_KERNEL_ROWS = 8
 
 
 def _kernel_rows(name: str, default: int) -> int:
@@ -48,6 +52,10 @@ def qkv_kernel_rows() -> int:
 
 def proj_kernel_rows() -> int:
     return _kernel_rows("PROJ", PROJ_KERNEL_ROWS)
+
+
+def region_kernel_rows() -> int:
+    return _kernel_rows("REGION", REGION_KERNEL_ROWS)
 
 
 class KVCache(NamedTuple):

@@ -42,7 +42,7 @@ from jax import export
 from kestrel_jax.models.device_crops import CANVAS, CropPlan, make_crops
 from kestrel_jax.models.moondream import MoondreamModel
 from kestrel_jax.models.region import coord_bin_to_value, size_bin_to_value
-from kestrel_jax.models.text import AttentionBatch, DecodeRows, KVCache
+from kestrel_jax.models.text import AttentionBatch, DecodeRows, KVCache, region_kernel_rows
 from kestrel_jax.models.vision import tile_pool_matrices
 from kestrel_jax.pallas import ops
 from kestrel_jax.pallas.paged_attention import init_kv_pool
@@ -143,8 +143,9 @@ def _embed(model: LM, kind: jax.Array, token: jax.Array, value: jax.Array,
     """Per-row input embedding: wte[token], E_coord(value[0]), E_size(value) or an image row."""
     dtype = model.dtype
     x = model.text.embed(jnp.clip(token, 0, model.cfg.text.vocab_size - 1), dtype)
-    coord = model.region.encode_coordinate(value[:, :1], dtype)
-    size = model.region.encode_size(value, dtype)
+    rows = region_kernel_rows()
+    coord = model.region.encode_coordinate(value[:, :1], dtype, kernel_rows=rows)
+    size = model.region.encode_size(value, dtype, kernel_rows=rows)
     x = jnp.where((kind == IN_COORD)[:, None], coord, x)
     x = jnp.where((kind == IN_SIZE)[:, None], size, x)
     if images is not None and image_row is not None:
@@ -176,8 +177,9 @@ def _heads(model: LM, hidden: jax.Array, sp: SamplingParams, backend: str, out_r
     else:
         nxt = jnp.argmax(logits, axis=-1)
     b = hidden.shape[0]
-    coord = coord_bin_to_value(jnp.argmax(model.region.decode_coordinate(hidden), axis=-1))
-    size = size_bin_to_value(jnp.argmax(model.region.decode_size(hidden), axis=-1))
+    coord_logits, size_logits = model.region.decode_heads(hidden, kernel_rows=region_kernel_rows())
+    coord = coord_bin_to_value(jnp.argmax(coord_logits, axis=-1))
+    size = size_bin_to_value(jnp.argmax(size_logits, axis=-1))
     assert out.logprobs is not None
     packed = StepOutputs(out.tokens, out.logprobs, coord, size, nxt.astype(jnp.int32)).packed()
     return jnp.pad(packed, ((0, out_rows - b), (0, 0)))

@@ -1,0 +1,84 @@
+"""The region heads on the decode GEMM kernel's path (few rows on a GPU) give the products of the
+reference path: MD3's two decoders from one paired launch, the two encoders each from one launch,
+and the jnp path wherever the kernel does not apply (more rows than the threshold, MD2's MLP
+decoders). The kernel's own numerics are tested in tests/pallas/test_gemv.py; here its split
+partials come from an exact f32 stand-in so that what is tested is the plumbing (pairing, bias,
+row padding, the size decoder's [N, 2, bins] reshape)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kestrel_jax.models.config import tiny_config
+from kestrel_jax.models.layers import Linear
+from kestrel_jax.models.moondream import random_model
+from kestrel_jax.pallas import gemv_mgpu, ops
+
+
+@pytest.fixture()
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """Stand in for the kernel (interpret mode is too slow for these widths); records each launch's
+    (rows, K, N)."""
+    seen: list[tuple[int, ...]] = []
+
+    def partials(x, w, w2=None, **_):  # [2, N, Mp] f32 partials of y^T, K split in two
+        ww = w if w2 is None else jnp.concatenate([w, w2], axis=1)
+        seen.append((x.shape[0], *ww.shape))
+        mp = -(-x.shape[0] // 8) * 8
+        xp = jnp.pad(x, ((0, mp - x.shape[0]), (0, 0))).astype(jnp.float32)
+        h = x.shape[1] // 2
+        return jnp.stack([(xp[:, :h] @ ww[:h].astype(jnp.float32)).T, (xp[:, h:] @ ww[h:].astype(jnp.float32)).T])
+
+    monkeypatch.setattr(gemv_mgpu, "gemv_partials", partials)
+    monkeypatch.setattr(gemv_mgpu, "gemv_supported", lambda x, w: x.shape[0] <= 64)
+    ops._jitted.cache_clear()
+    return seen
+
+
+def _close(a: jax.Array, b: jax.Array) -> None:
+    a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert a32.shape == b32.shape
+    # bf16 products: the stand-in accumulates in f32 as XLA's CPU dot does, in another order
+    np.testing.assert_allclose(a32, b32, rtol=2e-2, atol=2e-2 * float(np.abs(b32).max()))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_md3_region_heads_on_the_kernel_path(launches: list[tuple[int, ...]], rows: int) -> None:
+    model = random_model(tiny_config("md3"), seed=3)
+    region = model.region
+    rng = np.random.default_rng()
+    for lin in (region.coord_decoder, region.size_decoder, region.coord_encoder, region.size_encoder):
+        assert isinstance(lin, Linear) and lin.bias is not None  # zeros at random init: make them matter
+        lin.bias.value = jnp.asarray(rng.standard_normal(lin.bias.shape), jnp.bfloat16)
+    h = jnp.asarray(rng.standard_normal((rows, region.cfg.dim)), jnp.bfloat16)
+    v = jnp.asarray(rng.uniform(size=(rows, 2)), jnp.float32)
+    with ops.use_backend("kernel"):
+        coord, size = jax.jit(lambda h: region.decode_heads(h, kernel_rows=8))(h)
+        ec = region.encode_coordinate(v[:, :1], jnp.bfloat16, kernel_rows=8)
+        es = region.encode_size(v, jnp.bfloat16, kernel_rows=8)
+    d = region.cfg.dim
+    assert launches == [(rows, d, region.cfg.coord_out_dim + region.cfg.size_out_dim),
+                        (rows, region.cfg.coord_feat_dim, d), (rows, region.cfg.size_feat_dim, d)]
+    with ops.use_backend("reference"):
+        _close(coord, region.decode_coordinate(h))
+        _close(size, region.decode_size(h))
+        _close(ec, region.encode_coordinate(v[:, :1], jnp.bfloat16))
+        _close(es, region.encode_size(v, jnp.bfloat16))
+    assert coord.dtype == jnp.float32 and size.shape == (rows, 2, region.cfg.size_out_dim // 2)
+
+
+def test_region_heads_keep_the_jnp_path_past_the_threshold_and_for_mlps(launches: list[tuple[int, ...]]) -> None:
+    md3 = random_model(tiny_config("md3"), seed=3).region
+    md2 = random_model(tiny_config("md2"), seed=3).region
+    h9 = jnp.ones((9, md3.cfg.dim), jnp.bfloat16)
+    with ops.use_backend("kernel"):
+        coord, _ = md3.decode_heads(h9, kernel_rows=8)
+        md3.encode_size(jnp.full((9, 2), 0.5), jnp.bfloat16, kernel_rows=8)
+        md2.decode_heads(jnp.ones((1, md2.cfg.dim), jnp.bfloat16), kernel_rows=8)  # MLP decoders
+        md3.decode_heads(h9[:1], kernel_rows=0)  # the switch off
+    assert launches == []
+    with ops.use_backend("reference"):
+        np.testing.assert_array_equal(np.asarray(coord), np.asarray(md3.decode_coordinate(h9)))
