@@ -278,9 +278,6 @@ def run(args) -> dict[str, Any]:
                 phases[1].append((T, prec, dataclasses.replace(cfg, staging_buffers=1)))
             if cfg.dense and T <= 32:  # W8A16 upcasting to bf16 (through f32) instead of f16
                 phases[1].append((T, prec, dataclasses.replace(cfg, w8a8=False, f16_operands=False)))
-            if args.fused_ab and cfg.dense and not cfg.w8a8:  # the fused UP + DOWN launch's cluster size
-                phases[1] += [(T, prec, dataclasses.replace(cfg, fused_cluster=n)) for n in (8, 4, 2)
-                              if n != cfg.fused_cluster]
             if T >= 740 and not args.quick:
                 phases[1].append((T, prec, dataclasses.replace(cfg, block_tokens=64)))  # registers vs re-reads
     results: list[dict[str, Any]] = []
@@ -313,7 +310,6 @@ def bench_case(T, prec, cfg: MoEKernelConfig, dims, xs, rw, rb, exs, hit, flops,
         + ("/bf16ops" if not cfg.f16_operands and not cfg.w8a8 else "") \
         + (f"/w{cfg.route_warps}" if cfg.route_warps else "") \
         + (f"/down{cfg.down_row_tiles}" if cfg.down_row_tiles != 2 else "") \
-        + (f"/c{cfg.fused_cluster}" if cfg.fused_cluster else "") \
         + ("/sepq" if cfg.w8a8 and cfg.dense and not cfg.quant_in_gemm else "") \
         + (f"/ctas{cfg.num_ctas}x{cfg.max_stages}" if cfg.num_ctas > default_config(T).num_ctas else "")
     row: dict[str, Any] = {"T": T, "precision": prec, "mode": mode, "variant": variant,
@@ -406,8 +402,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in interpret mode on the CPU")
     p.add_argument("--tokens", default="", help="comma-separated token counts (overrides the list)")
     p.add_argument("--down-ab", action="store_true", help="down projection units of 1 and 4 row tiles")
-    p.add_argument("--fused-ab", action="store_true",
-                   help="dense W8A16: the fused UP + DOWN launch in clusters of 8, 4 and 2 CTAs")
     p.add_argument("--quant-ab", action="store_true",
                    help="alternatives: only the other dense FP8 mode and dense W8A8 with the quantisation in "
                         "separate launches (vs inside the GEMMs)")

@@ -14,10 +14,6 @@ One layer (`moe_layer`, T static), two regimes chosen by `default_config(T)`:
   DOWN: y[row, D]   = down_w[e] @ act[row]                                  (bf16 out)
   combine: out[t]   = sum_k w[t, k] * y[dest[t, k]]                         (f32, one fusion)
 
-Opt-in (KESTREL_JAX_MOE_FUSED, measured slower, see `fused_max_cluster`): the dense W8A16 regime's
-UP and DOWN as one launch of CTA clusters (`_fused_up_down`) that swap the activation slices
-through global memory and write H partial outputs per block for the combine.
-
 Dense: one block per active expert holding all T tokens (Nt = round_up(T, 8) >= T), so every
 active expert's weights are read exactly once and the bookkeeping needs no sort. Sorted: blocks
 of Nt = 64 / 128 tokens of one expert (`moe_grouping.py`).
@@ -95,7 +91,6 @@ from kestrel_jax.pallas.quantize_triton import quantize_rows_kernel, quantize_ro
 FP8 = jnp.float8_e4m3fn
 F16_MAX = 65504.0
 ROWS = 64  # weight rows per tile: the wgmma M of one warpgroup
-INTERPRET_MAX_CLUSTER = 2  # see _expert_gemms
 SMEM_LIMIT = 232448  # bytes of dynamic SMEM per block on H100/H200 (what Mosaic checks)
 H100_SMS = 132
 # Register layout of an [8, 128] slice of 16-bit token rows for the in-GEMM quantisation: each warp
@@ -135,10 +130,6 @@ class MoEKernelConfig:
     # per two weights (e4m3 -> bf16 goes through f32). Token rows and the intermediate activation
     # are f16 then: exact for bf16 tokens of magnitude in [2^-14, 65504], saturated beyond it.
     f16_operands: bool = True
-    # Dense W8A16 (FP8 experts, f16 operands): UP and DOWN in one launch of clusters of up to this
-    # many CTAs (`_fused_up_down`); 0 = the two grouped GEMMs. `default_config` takes it from
-    # KESTREL_JAX_MOE_FUSED (off by default: measured slower, see `fused_max_cluster`).
-    fused_cluster: int = 0
     # Dense W8A8: quantise the token rows and the activation inside the GEMMs (`_grouped_gemm`'s
     # quantize_b) instead of in two launches of their own, where the rows fit in SMEM beside the
     # ring (`quant_in_gemm_fits`). `default_config` takes it from KESTREL_JAX_MOE_GEMM_QUANT.
@@ -167,7 +158,7 @@ def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelCon
     if num_tokens <= 64:
         nt = max(ROW_ALIGN, -(-num_tokens // ROW_ALIGN) * ROW_ALIGN)
         return MoEKernelConfig(block_tokens=nt, dense=True, w8a8=num_tokens >= _w8a8_min_tokens(), num_ctas=ctas,
-                               fused_cluster=fused_max_cluster(), quant_in_gemm=quant_in_gemm_wanted())
+                               quant_in_gemm=quant_in_gemm_wanted())
     return MoEKernelConfig(block_tokens=64 if num_tokens <= 256 else 128, w8a8=True, num_ctas=ctas)
 
 
@@ -530,219 +521,6 @@ def quant_in_gemm_wanted() -> bool:
     return value == "1"
 
 
-def fused_cluster(num_inner: int, dim: int, max_cluster: int = 8) -> int:
-    """Cluster size of `_fused_up_down` for experts [2I, D] / [D, I]: the largest even C <= max_cluster
-    dividing the I / 64 up slices with D / C down rows a multiple of 128 (0: none fits)."""
-    n_slices = num_inner // ROWS
-    for c in range(max_cluster, 1, -1):
-        if c % 2 == 0 and n_slices % c == 0 and dim % (c * 2 * ROWS) == 0:
-            return c
-    return 0
-
-
-def _cluster_sync(interpret: object, barrier) -> None:
-    """All CTAs of the cluster meet here; global-memory writes before it are visible after it. GPU:
-    the hardware cluster barrier with release / acquire semantics (what Pallas's ClusterBarrier does
-    not give: one thread arrives, without a release of the others' writes). Interpreted: the
-    ClusterBarrier (the interpreter runs a cluster's CTAs concurrently and has no inline PTX)."""
-    if interpret:
-        plgpu.barrier_arrive(barrier)
-        plgpu.barrier_wait(barrier)
-        return
-
-    @plgpu.inline_mgpu()
-    def _sync(ctx):
-        from jax.experimental.mosaic.gpu import utils as mgpu_utils
-        mgpu_utils.inline_ptx("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;",
-                              has_side_effects=True)
-
-    _sync()
-
-
-def _fused_up_down(
-    meta: jax.Array,  # [chunks, 3, CH] int32 dense block table (block expert, -, [num_blocks, 0...])
-    x16: jax.Array,  # [Nt, D] f16 token rows (every block reads all of them)
-    up_w: jax.Array,  # [E, 2I, D] e4m3
-    up_scale: jax.Array,  # [E, 2I] f32
-    down_w: jax.Array,  # [E, D, I] e4m3
-    down_scale: jax.Array,  # [E, D] f32
-    *,
-    block_tokens: int,
-    n_blocks: int,  # static upper bound of the active blocks
-    cluster: int,
-    max_stages: int,
-    staging_buffers: int = 2,
-    interpret: object = None,
-) -> jax.Array:  # [n_blocks * H * Nt, D] bf16: row (b * H + h) * Nt + t = block b's output over inner part h
-    """The dense W8A16 regime's UP and DOWN in one launch: a cluster of C CTAs per (block b, inner
-    part h of H = I / (64 C)). CTA c computes the activation of inner slice h * C + c (64 columns:
-    GELU(h) * (g + 1), f16), the cluster swaps its C slices through global memory (one cluster
-    barrier), and CTA c multiplies its D / C output rows of the down weights by the part's C * 64
-    activations. One TMA ring carries both phases' weight tiles, so the down weights stream in
-    behind the up weights instead of after a second launch; the H partial outputs per block are
-    summed with the routing weights by the combine. Work units of blocks past the table's count
-    return at once (whole clusters)."""
-    E, two_i, D = up_w.shape
-    inner = two_i // 2
-    nt, C = block_tokens, cluster
-    H = inner // (ROWS * C)
-    if not C or inner % (ROWS * C) or D % (C * 2 * ROWS) or C % 2 or x16.dtype != jnp.float16:
-        raise MoEKernelError(f"fused MoE: cluster {C} does not split experts [{two_i}, {D}] (see fused_cluster)")
-    tk = 128  # e4m3 weights: one 128-byte swizzle row per step
-    ks_up = D // tk
-    rows_c = D // C  # down output rows per CTA
-    pairs = rows_c // (2 * ROWS)  # pairs of 64-row down tiles per CTA
-    kd = C * ROWS // tk  # down K steps per pair (the part's C * 64 activations)
-    total = ks_up + pairs * kd
-    a_bytes, b_bytes = 2 * ROWS * tk, nt * tk * 2
-    fixed = (staging_buffers * 2 * ROWS * tk * 2 + kd * nt * tk * 2 + 2 * nt * ROWS * 2 + meta.size * 4 + 4096)
-    stages = min(max_stages, total, (SMEM_LIMIT - fixed) // (a_bytes + b_bytes))
-    if stages < 2:
-        raise MoEKernelError(f"fused MoE: block_tokens={nt} leaves no room for a 2-stage ring in SMEM")
-    n_chunks, _, chunk = meta.shape
-    w_tr, x_tr, o_tr = (_tile_transforms(tk, up_w.dtype), _tile_transforms(tk, jnp.float16),
-                        _tile_transforms(ROWS, jnp.bfloat16))
-
-    def body(meta_gmem, x_ref, uw_ref, us_ref, dw_ref, ds_ref, y_ref, xchg_ref,
-             a_buf, b_buf, bar_up, bar_dn, a16, act, o_smem, meta_ref, meta_bar, cbar):
-        for ch in range(n_chunks):
-            plgpu.copy_gmem_to_smem(meta_gmem.at[ch], meta_ref.at[ch], meta_bar)
-        plgpu.barrier_wait(meta_bar)
-        bh = lax.axis_index("blk")
-        c = lax.axis_index("c")
-        blk, part = lax.div(bh, H), lax.rem(bh, H)
-
-        @pl.when(blk < meta_ref[0, 2, 0])
-        def _work():
-            e = meta_ref[0, 0, blk] if n_chunks == 1 else meta_ref[lax.div(blk, chunk), 0, lax.rem(blk, chunk)]
-            sl = part * C + c  # this CTA's up slice
-            down_row0, down_col0 = c * rows_c, part * (C * ROWS)
-
-            def fetch(s):
-                slot = lax.rem(s, stages)
-
-                @pl.when(s < ks_up)
-                def _up():
-                    for p in range(2):
-                        plgpu.copy_gmem_to_smem(uw_ref.at[e, pl.ds(p * inner + sl * ROWS, ROWS), pl.ds(s * tk, tk)],
-                                                a_buf.at[slot, p], bar_up.at[slot])
-                    plgpu.copy_gmem_to_smem(x_ref.at[:, pl.ds(s * tk, tk)], b_buf.at[slot], bar_up.at[slot])
-
-                @pl.when(s >= ks_up)
-                def _down():
-                    d = s - ks_up
-                    q, kk = lax.div(d, kd), lax.rem(d, kd)
-                    for p in range(2):
-                        plgpu.copy_gmem_to_smem(
-                            dw_ref.at[e, pl.ds(down_row0 + (2 * q + p) * ROWS, ROWS), pl.ds(down_col0 + kk * tk, tk)],
-                            a_buf.at[slot, p], bar_dn.at[slot])
-
-            @pl.loop(0, min(total, stages))
-            def _prologue(s):
-                fetch(s)
-
-            def step(s, accs, bar, b_tile):
-                slot = lax.rem(s, stages)
-                plgpu.barrier_wait(bar.at[slot])
-                stage = a16.at[lax.rem(s, staging_buffers)]
-                for p in range(2):
-                    stage.at[p][...] = a_buf.at[slot, p][...].astype(jnp.float16)
-                plgpu.commit_smem()
-                for p in range(2):
-                    plgpu.wgmma(accs[p], stage.at[p], b_tile)
-                plgpu.wgmma_wait(0 if staging_buffers == 1 else 2)
-
-                @pl.when((s >= 1) & (s - 1 + stages < total))
-                def _refill():
-                    fetch(s - 1 + stages)
-
-            def up_phase(acc_h, acc_g):
-                scales = [plgpu.load(us_ref.at[e, pl.ds(p * inner + sl * ROWS, ROWS)],
-                                     layout=plgpu.Layout.WGMMA.reduce(1), optimized=False) for p in range(2)]
-
-                @pl.loop(0, ks_up)
-                def _k(s):
-                    step(s, (acc_h, acc_g), bar_up, b_buf.at[lax.rem(s, stages)].T)
-
-                hv = acc_h[...] * lax.broadcast_in_dim(scales[0], (ROWS, nt), [0])
-                gv = acc_g[...] * lax.broadcast_in_dim(scales[1], (ROWS, nt), [0])
-                a = gelu_erf_poly(hv) * (gv + 1.0)
-                a = jnp.minimum(jnp.maximum(a, -F16_MAX), F16_MAX).astype(jnp.float16)
-                xchg_ref.at[bh, pl.ds(c * ROWS, ROWS)][...] = a
-
-            pl.run_scoped(up_phase, plgpu.ACC((ROWS, nt), jnp.float32), plgpu.ACC((ROWS, nt), jnp.float32))
-            _cluster_sync(interpret, cbar)
-            # The part's C * 64 activations as K-major token rows: every load issued before any store,
-            # so their round trips overlap.
-            vals = [plgpu.load(xchg_ref.at[bh, pl.ds(p * ROWS, ROWS)], layout=plgpu.Layout.WGMMA, optimized=False)
-                    for p in range(C)]
-            for p, v in enumerate(vals):
-                act.at[p // 2, :, pl.ds((p % 2) * ROWS, ROWS)].T[...] = v
-            plgpu.commit_smem()
-
-            for q in range(pairs):
-                def down_pair(acc0, acc1, q=q):
-                    row0 = down_row0 + 2 * q * ROWS
-                    scales = [plgpu.load(ds_ref.at[e, pl.ds(row0 + p * ROWS, ROWS)],
-                                         layout=plgpu.Layout.WGMMA.reduce(1), optimized=False) for p in range(2)]
-
-                    @pl.loop(0, kd)
-                    def _k(kk):
-                        step(ks_up + q * kd + kk, (acc0, acc1), bar_dn, act.at[kk].T)
-
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous pair's store read o_smem
-                    for p, acc in enumerate((acc0, acc1)):
-                        v = acc[...] * lax.broadcast_in_dim(scales[p], (ROWS, nt), [0])
-                        o_smem.at[p].T[...] = v.astype(jnp.bfloat16)
-                    plgpu.commit_smem()
-                    for p in range(2):
-                        plgpu.copy_smem_to_gmem(o_smem.at[p],
-                                                y_ref.at[pl.ds(bh * nt, nt), pl.ds(row0 + p * ROWS, ROWS)])
-
-                pl.run_scoped(down_pair, plgpu.ACC((ROWS, nt), jnp.float32), plgpu.ACC((ROWS, nt), jnp.float32))
-            plgpu.wait_smem_to_gmem(0)
-
-    kernel = plgpu.kernel(
-        body,
-        out_type=(jax.ShapeDtypeStruct((n_blocks * H * nt, D), jnp.bfloat16),
-                  jax.ShapeDtypeStruct((n_blocks * H, C * ROWS, nt), jnp.float16)),
-        scratch_types=[
-            plgpu.SMEM((stages, 2, ROWS, tk), up_w.dtype, transforms=w_tr),
-            plgpu.SMEM((stages, nt, tk), jnp.float16, transforms=x_tr),
-            plgpu.Barrier(num_arrivals=3, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-            plgpu.SMEM((staging_buffers, 2, ROWS, tk), jnp.float16, transforms=x_tr),
-            plgpu.SMEM((kd, nt, tk), jnp.float16, transforms=x_tr),
-            plgpu.SMEM((2, nt, ROWS), jnp.bfloat16, transforms=o_tr),
-            plgpu.SMEM(meta.shape, jnp.int32),
-            plgpu.Barrier(num_arrivals=n_chunks),
-            plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=1),
-        ],
-        grid=(n_blocks * H,),
-        grid_names=("blk",),
-        cluster=(C,),
-        cluster_names=("c",),
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret,
-    )
-    y, _ = kernel(meta, x16, up_w, up_scale, down_w, down_scale)
-    return y
-
-
-def split_dest(dest: jax.Array, parts: int, block_tokens: int, axis: int) -> jax.Array:
-    """Routing-table rows (block * Nt + t) -> the rows of `_fused_up_down`'s H partial outputs,
-    (block * H + h) * Nt + t, inserted after `axis` (choice j's part h at j * H + h)."""
-    if parts == 1:
-        return dest
-    blk, t = dest // block_tokens, dest % block_tokens
-    h = jnp.arange(parts, dtype=dest.dtype)
-    rows = (jnp.expand_dims(blk, axis + 1) * parts + h.reshape((-1,) + (1,) * (dest.ndim - axis - 1))) * block_tokens
-    rows = rows + jnp.expand_dims(t, axis + 1)
-    shape = list(dest.shape)
-    shape[axis] *= parts
-    return rows.reshape(shape)
-
-
 META_CHUNK = 256  # TMA box limit per dimension
 
 
@@ -802,9 +580,8 @@ def moe(
         x_rows, row_token = xb, grp.row_token  # gathered to [C, D] compact rows
         compact_act = grp.row_block if w8a8 else None
 
-    y, parts = _expert_gemms(x_rows, row_token, meta_up, meta_down, compact_act, experts, cfg, n_blocks, interpret)
-    return _combine(y, split_dest(dest, parts, nt, 1), jnp.repeat(routing.weights, parts, 1),
-                    jnp.repeat(valid, parts, 1), x.dtype)
+    y = _expert_gemms(x_rows, row_token, meta_up, meta_down, compact_act, experts, cfg, n_blocks, interpret)
+    return _combine(y, dest, routing.weights, valid, x.dtype)
 
 
 def _expert_gemms(
@@ -819,7 +596,7 @@ def _expert_gemms(
     interpret: object,
     x_f16: jax.Array | None = None,  # x_rows as the W8A16 f16 operand, already formed (dense regime)
     x_q: tuple[jax.Array, jax.Array] | None = None,  # x_rows quantised (`quantize_rows`), already formed
-) -> tuple[jax.Array, int]:  # [NB * H * Nt, D] bf16 expert outputs (block rows; H parts each), H
+) -> jax.Array:  # [NB * Nt, D] bf16 expert outputs (block rows)
     gemm = functools.partial(_grouped_gemm, block_tokens=cfg.block_tokens, num_out_rows=n_blocks * cfg.block_tokens,
                              num_ctas=cfg.num_ctas, max_stages=cfg.max_stages,
                              staging_buffers=cfg.staging_buffers, interpret=interpret)
@@ -846,44 +623,19 @@ def _expert_gemms(
             act = up_gemm(meta_up, experts.up_w, experts.up_scale, xq, xs, glu=True)  # [NB*Nt, I]
         if in_gemm and quant_in_gemm_fits(nt, two_i // 2, cfg.down_row_tiles, cfg.max_stages):
             return gemm(meta_down, experts.down_w, experts.down_scale, act, None, glu=False,
-                        row_tiles=cfg.down_row_tiles, quantize_b=True), 1
+                        row_tiles=cfg.down_row_tiles, quantize_b=True)
         aq, a_s = _quantize(act, compact_act, interpret)
         return gemm(meta_down, experts.down_w, experts.down_scale, aq, a_s, glu=False,
-                    row_tiles=cfg.down_row_tiles), 1
+                    row_tiles=cfg.down_row_tiles)
     b = x_rows if row_token is None else x_rows[row_token]
     f16 = experts.is_fp8 and cfg.f16_operands
     if f16 and x_f16 is not None and row_token is None and x_f16.shape == b.shape:
         b = x_f16
     elif f16:
         b = jnp.clip(b.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
-    # Interpreted, a cluster's CTAs run as concurrent host threads that block in XLA:CPU calls: with
-    # more CTAs than the host's XLA threads (two on CI) the cluster barrier never completes.
-    max_cluster = min(cfg.fused_cluster, INTERPRET_MAX_CLUSTER) if interpret else cfg.fused_cluster
-    cluster = fused_cluster(experts.up_w.shape[1] // 2, experts.up_w.shape[2], max_cluster)
-    if f16 and cfg.dense and row_token is None and cluster:
-        assert experts.up_scale is not None and experts.down_scale is not None
-        y = _fused_up_down(meta_up, b, experts.up_w, experts.up_scale, experts.down_w, experts.down_scale,
-                           block_tokens=cfg.block_tokens, n_blocks=n_blocks, cluster=cluster,
-                           max_stages=cfg.max_stages, staging_buffers=cfg.staging_buffers, interpret=interpret)
-        return y, experts.up_w.shape[1] // 2 // (ROWS * cluster)
     act = up_gemm(meta_up, experts.up_w, experts.up_scale, b, None, glu=True,
                   out_dtype=jnp.float16 if f16 else jnp.bfloat16)
-    return gemm(meta_down, experts.down_w, experts.down_scale, act, None, glu=False, row_tiles=cfg.down_row_tiles), 1
-
-
-def fused_max_cluster() -> int:
-    """`default_config`'s `fused_cluster`: the largest cluster the dense W8A16 regime's fused UP +
-    DOWN launch (`_fused_up_down`) may use, read at trace time: KESTREL_JAX_MOE_FUSED=2 / 4 / 8
-    turns it on with that cap (1: 8); 0, the default, keeps the two grouped GEMMs. Off because it
-    measured slower on the H100 (eighteenth session, T=1, kernel time per layer: 39.9 us in clusters
-    of 8 or 4, 25.6-26.7 in clusters of 2, against 25.4 for the two GEMMs; W1 621 tok/s with
-    clusters of 2 against 635 off): each CTA streams its up and down weights at the rate the two
-    GEMMs' CTAs reach (~18 GB/s per SM with the W8A16 upcast), so one launch saved buys nothing,
-    and clusters of 4 or more run at two thirds of that (not profiled)."""
-    value = os.environ.get("KESTREL_JAX_MOE_FUSED", "0")
-    if value not in ("0", "1", "2", "4", "8"):
-        raise ValueError(f"KESTREL_JAX_MOE_FUSED must be 0, 1 (on), 2, 4 or 8, got {value!r}")
-    return 8 if value == "1" else int(value)
+    return gemm(meta_down, experts.down_w, experts.down_scale, act, None, glu=False, row_tiles=cfg.down_row_tiles)
 
 
 def pdl_wanted() -> bool:
@@ -1008,9 +760,9 @@ def moe_layer_rows(
     else:
         r = route_dense(x_rows, router_w, own_buffer(router_b, router_b.dtype), n_valid, top_k=top_k,
                         interpret=interpret)
-    y, parts = _expert_gemms(x_rows, None, r.meta_up, r.meta_down, None, experts, cfg, min(E, T * top_k), interpret,
-                             x_f16=x_f16, x_q=x_q)
-    return ExpertRows(y, split_dest(r.dest, parts, nt, 0), jnp.repeat(r.weights, parts, 0), n_valid)
+    y = _expert_gemms(x_rows, None, r.meta_up, r.meta_down, None, experts, cfg, min(E, T * top_k), interpret,
+                      x_f16=x_f16, x_q=x_q)
+    return ExpertRows(y, r.dest, r.weights, n_valid)
 
 
 def tables_route_block_tokens(num_tokens: int, num_experts: int, top_k: int) -> int | None:

@@ -57,8 +57,6 @@ from kestrel_jax.pallas.moe_mgpu import (
     MoEKernelError,
     default_config,
     f16_rows_wanted,
-    fused_cluster,
-    fused_max_cluster,
     moe,
     moe_kernel_supported,
     moe_layer,
@@ -67,7 +65,6 @@ from kestrel_jax.pallas.moe_mgpu import (
     quant_in_gemm_fits,
     quant_in_gemm_wanted,
     quant_rows_wanted,
-    split_dest,
 )
 from kestrel_jax.pallas.moe_route_mgpu import route_dense
 from kestrel_jax.pallas.moe_route_triton import route_tables
@@ -347,7 +344,7 @@ def test_moe_ref_matches_oracle(rng, fp8):
 def test_kernel_fp8_modes_in_both_regimes(rng, T, w8a8, f16):
     """The non-default FP8 modes: W8A16 in the sorted regime, and W8A16 with bf16 instead of f16
     operands (dense and sorted W8A8, the defaults, are in test_kernel_matches_oracle; dense W8A16
-    with f16 operands in test_fused_up_down_matches_the_two_gemms_and_the_oracle)."""
+    with f16 operands in test_dense_w8a16_f16_operands_match_the_oracle)."""
     ex = make_experts(rng, fp8=True)
     x = jnp.asarray(rng.standard_normal((T, D_FP8)), jnp.bfloat16)
     routing = random_routing(rng, T, 2)
@@ -682,77 +679,19 @@ def test_pdl_switch_changes_no_result(rng, T, w8a8, monkeypatch):
     np.testing.assert_array_equal(run_kernel(x, routing, ex, cfg), off)
 
 
-def test_fused_up_down_matches_the_two_gemms_and_the_oracle(rng, monkeypatch):
-    """Dense W8A16 (FP8 experts; at T = 1 with KESTREL_JAX_W8A8_MIN_TOKENS=2): UP and DOWN in one
-    clustered launch. Clusters of 2 CTAs (the interpreter's limit) over I / 64 = 4 inner slices,
-    three tokens: two partial outputs per block, the ring refilled across the two phases, the
-    parts combined. Held to
-    the two-GEMM path's bound against the float64 oracle, and close to that path (the H partial
-    outputs are rounded to bf16 separately); unselected experts hold NaN weights that must not
-    leak. KESTREL_JAX_MOE_FUSED=0 restores the two launches."""
+def test_dense_w8a16_f16_operands_match_the_oracle(rng, monkeypatch):
+    """Dense W8A16 with f16 operands (FP8 experts; at T = 1 with KESTREL_JAX_W8A8_MIN_TOKENS=2):
+    three tokens, I / 64 = 4 inner slices; unselected experts hold NaN weights that must not leak."""
     T, inner = 3, 256
     monkeypatch.setattr(sys.modules[__name__], "I", inner)
-    monkeypatch.setenv("KESTREL_JAX_MOE_FUSED", "8")  # capped at 2 when interpreted
     k = 2
     experts = np.stack([rng.permutation(np.arange(2, E))[:k] for _ in range(T)])
     ex = make_experts(rng, True, poison=(0, 1))
     x = jnp.asarray(rng.standard_normal((T, D_FP8)), jnp.bfloat16)
     routing = random_routing(rng, T, k, experts)
     cfg = small_config(T, w8a8=False)
-    assert cfg.dense and cfg.fused_cluster == 8 and fused_cluster(inner, D_FP8) == 2
-    calls: list[int] = []
-    real = moe_mgpu._fused_up_down
-
-    def spy(*args, **kw):
-        calls.append(kw["cluster"])
-        return real(*args, **kw)
-
-    monkeypatch.setattr(moe_mgpu, "_fused_up_down", spy)
-    fused = run_kernel(x, routing, ex, cfg)
-    assert calls == [2]
-    ref = oracle(x, routing, ex)
-    assert rel_err(fused, ref) <= TOL_BF16
-    monkeypatch.setenv("KESTREL_JAX_MOE_FUSED", "0")
-    off = small_config(T, w8a8=False)
-    assert off.fused_cluster == 0 and dataclasses.replace(off, fused_cluster=8) == cfg
-    two = run_kernel(x, routing, ex, off)
-    assert calls == [2]  # the switch took the two-GEMM path
-    assert rel_err(fused, two) <= 2 ** -7
-
-
-def test_fused_up_down_lowers_for_h100(monkeypatch):
-    """The fused launch at production shapes (experts [2048, 2048] / [2048, 1024], W8A16 at one and
-    three tokens) in clusters of 8 and 2: one Mosaic GPU kernel instead of two; the switch validated."""
-    S = jax.ShapeDtypeStruct
-    Ep, Dp, Ip, k = 64, 2048, 1024, 8
-    ex = ExpertWeights(S((Ep, 2 * Ip, Dp), FP8), S((Ep, Dp, Ip), FP8),  # type: ignore[arg-type]
-                       S((Ep, 2 * Ip), jnp.float32), S((Ep, Dp), jnp.float32))  # type: ignore[arg-type]
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=H100)
-    for cluster, T in (("8", 1), ("2", 3), ("0", 1)):
-        monkeypatch.setenv("KESTREL_JAX_MOE_FUSED", cluster)
-
-        def f(x, routing, ex, T=T):
-            return moe(x, routing, ex, config=dataclasses.replace(default_config(T, num_ctas=132), w8a8=False))
-
-        routing = Routing(S((T, k), jnp.float32), S((T, k), jnp.int32), S((T, Ep), jnp.float32))  # type: ignore[arg-type]
-        with jax.sharding.use_abstract_mesh(mesh):
-            text = jax.jit(f).trace(S((T, Dp), jnp.bfloat16), routing, ex).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("stablehlo.custom_call @mosaic_gpu") == (2 if cluster == "0" else 1), cluster
-    monkeypatch.setenv("KESTREL_JAX_MOE_FUSED", "3")
-    with pytest.raises(ValueError, match="KESTREL_JAX_MOE_FUSED"):
-        fused_max_cluster()
-
-
-def test_split_dest_and_cluster_sizes():
-    dest = jnp.asarray([[0, 9, 17], [8, 1, 2]], jnp.int32)  # [k=2, P=3] rows block * 8 + t
-    out = np.asarray(split_dest(dest, 2, 8, 0))
-    # choice j's part h at row j * 2 + h: (block * 2 + h) * 8 + t
-    np.testing.assert_array_equal(out, [[0, 17, 33], [8, 25, 41], [16, 1, 2], [24, 9, 10]])
-    np.testing.assert_array_equal(np.asarray(split_dest(dest.T, 2, 8, 1)), out.T)
-    assert split_dest(dest, 1, 8, 0) is dest
-    # production experts [2048, 2048] / [2048, 1024]: clusters of 8, two parts per block
-    assert fused_cluster(1024, 2048) == 8 and fused_cluster(1024, 2048, 2) == 2
-    assert fused_cluster(128, 256) == 2 and fused_cluster(64, 256) == 0 and fused_cluster(1024, 128) == 0
+    assert cfg.dense and cfg.f16_operands
+    assert rel_err(run_kernel(x, routing, ex, cfg), oracle(x, routing, ex)) <= TOL_BF16
 
 
 def test_pdl_lowers_for_h100(monkeypatch):

@@ -46,7 +46,7 @@ def test_aggregate_runs_takes_medians_and_tolerates_a_kernel_missing_from_a_run(
 def test_ab_spec_names_a_switch_and_at_least_two_values():
     assert parse_ab(None) is None
     assert parse_ab("KESTREL_JAX_TAU_DOTS=0,1") == ("KESTREL_JAX_TAU_DOTS", ["0", "1"])
-    assert parse_ab("KESTREL_JAX_MOE_FUSED=0, 2,4") == ("KESTREL_JAX_MOE_FUSED", ["0", "2", "4"])
+    assert parse_ab("KESTREL_JAX_DECODE_SPLITS=0, 2,4") == ("KESTREL_JAX_DECODE_SPLITS", ["0", "2", "4"])
     for bad in ("KESTREL_JAX_TAU_DOTS=1", "TAU_DOTS=0,1", "KESTREL_JAX_TAU_DOTS"):
         with pytest.raises(SystemExit, match="--ab"):
             parse_ab(bad)
