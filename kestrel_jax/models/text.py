@@ -264,16 +264,15 @@ class MoE(nnx.Module):
                              logits=logits)
 
     def rows(self, x: jax.Array, num_valid: jax.Array | None, logits: jax.Array | None,
-             tokens: int, x_f16: jax.Array | None = None, route: DenseRoute | None = None,
-             x_q: tuple[jax.Array, jax.Array] | None = None) -> ExpertRows | None:
+             tokens: int, x_f16: jax.Array | None = None, route: DenseRoute | None = None) -> ExpertRows | None:
         """The layer's expert rows before the weighted sum (decode on a GPU; x may be padded past
-        `tokens` rows, `x_f16` its f16 copy for W8A16 experts, `x_q` its rows quantised for W8A8,
+        `tokens` rows, `x_f16` its f16 copy for W8A16 experts,
         `route` its routing tables when the QKV epilogue built them), or None where the kernel
         path does not produce them."""
         router_w = self.router.kernel[...]
         router_b = self.router.bias[...] if self.router.bias is not None else jnp.zeros(router_w.shape[1])
         return ops.moe_layer_rows(x, router_w, router_b, self.experts(), top_k=self.top_k, num_valid_tokens=num_valid,
-                                  logits=logits, tokens=tokens, x_f16=x_f16, route=route, x_q=x_q)
+                                  logits=logits, tokens=tokens, x_f16=x_f16, route=route)
 
 
 class Block(nnx.Module):
@@ -330,14 +329,13 @@ class TextModel(nnx.Module):
                 aux["block_inputs"] = x
             moe = isinstance(block.mlp, MoE)
             n16, n16_next = n16_next, None  # the MoE's f16 operand rows, when a LayerNorm kernel formed them
-            nq: tuple[jax.Array, jax.Array] | None = None  # its W8A8 rows, quantised by that kernel
             ln_kernel = aux is None and batch.cu_q_lens is None and t <= qkv_kernel_rows()
             if n_next is None and moe and ln_kernel:
                 assert isinstance(block.mlp, MoE)
                 ln_rows = ops.decode_moe_layer_norm(x, block.ln.scale[...], block.ln.bias[...], block.mlp.experts(),
                                                     eps=block.ln.eps, pad_rows=pad_rows)
                 if ln_rows is not None:
-                    n_next, n16, nq = ln_rows
+                    n_next, n16 = ln_rows
                     # x is materialised here anyway (the kernel reads it): the barrier keeps XLA from
                     # recomputing earlier layers' residual adds inside this layer's (H100: with the
                     # kernel and no barrier, each residual fusion took ~1.5 us longer).
@@ -347,14 +345,14 @@ class TextModel(nnx.Module):
             router = block.mlp.router if isinstance(block.mlp, MoE) else None
             # The expert rows path (below: MoE layers whose rows a LayerNorm kernel formed, padded)
             # takes routing tables built in the QKV epilogue's launch.
-            rows_path = isinstance(block.mlp, MoE) and (n16 is not None or nq is not None or n.shape[0] != t)
+            rows_path = isinstance(block.mlp, MoE) and (n16 is not None or n.shape[0] != t)
             top_k = block.mlp.top_k if isinstance(block.mlp, MoE) and rows_path else None
             a, ks[i], vs[i], routed = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux,
                                                  router=router, route_top_k=top_k)
             logits, route = (None, routed) if isinstance(routed, DenseRoute) else (routed, None)
             rows = None
             if isinstance(block.mlp, MoE) and rows_path:
-                rows = block.mlp.rows(n, batch.num_valid, logits, t, x_f16=n16, route=route, x_q=nq)
+                rows = block.mlp.rows(n, batch.num_valid, logits, t, x_f16=n16, route=route)
             nxt_block = self.blocks[i + 1] if i + 1 < len(self.blocks) else None
             if rows is not None and ln_kernel and nxt_block is not None and isinstance(nxt_block.mlp, MoE):
                 # opt-in: the residual and the next MoE layer's LayerNorm in one launch

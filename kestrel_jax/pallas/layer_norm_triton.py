@@ -33,7 +33,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from kestrel_jax.pallas.decode_residual import ExpertRows, combine_rows
-from kestrel_jax.pallas.moe import FP8_MAX
 
 F16_MAX = 65504.0
 NUM_WARPS = 4
@@ -55,8 +54,8 @@ def layer_norm_rows_problem(x: jax.Array, scale: jax.Array, bias: jax.Array, pad
     return None
 
 
-def _normalise(xf, m, scale_ref, bias_ref, n_ref, extra, eps: float) -> None:
-    """Row m of LN(xf) (f32 [D]) into n_ref, and the copies `extra` asks for (`_extra_refs`)."""
+def _normalise(xf, m, scale_ref, bias_ref, n_ref, f16_ref, eps: float) -> None:
+    """Row m of LN(xf) (f32 [D]) into n_ref, and its f16 copy into f16_ref unless None."""
     f32 = jnp.float32
     D = n_ref.shape[1]
     scale = scale_ref[...].astype(f32)
@@ -65,49 +64,29 @@ def _normalise(xf, m, scale_ref, bias_ref, n_ref, extra, eps: float) -> None:
     var = jnp.maximum(jnp.sum(xf * xf) / D - mean * mean, 0.0)
     n = ((xf - mean) * jax.lax.rsqrt(var + eps) * scale + shift).astype(n_ref.dtype)
     n_ref[m, :] = n
-    f16_ref, q_ref, s_ref = extra
     if f16_ref is not None:
         f16_ref[m, :] = jnp.minimum(jnp.maximum(n.astype(f32), -F16_MAX), F16_MAX).astype(jnp.float16)
-    if q_ref is not None and s_ref is not None:  # `quantize_rows`' arithmetic, as `quantize_triton`
-        v = n.astype(f32)
-        amax = jnp.max(jnp.abs(v))
-        qs = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-        inv = 1.0 / qs
-        q_ref[m, :] = jnp.clip(v * inv, -FP8_MAX, FP8_MAX).astype(q_ref.dtype)
-        s_ref[m] = qs
 
 
-def _zero_row(m, n_ref, extra) -> None:
-    """Padding row m: zeros (and, quantised, zero codes with `quantize_rows`' scale of a zero row, 1)."""
+def _zero_row(m, n_ref, f16_ref) -> None:
+    """Padding row m: zeros (in the f16 copy too unless None)."""
     D = n_ref.shape[1]
     n_ref[m, :] = jnp.zeros((D,), n_ref.dtype)
-    f16_ref, q_ref, s_ref = extra
     if f16_ref is not None:
         f16_ref[m, :] = jnp.zeros((D,), jnp.float16)
-    if q_ref is not None and s_ref is not None:
-        q_ref[m, :] = jnp.zeros((D,), q_ref.dtype)
-        s_ref[m] = jnp.float32(1.0)
 
 
-def _extra_refs(refs, f16: bool, quant: bool) -> tuple:
-    """(f16 copy, e4m3 rows, scales) output refs, None for those not asked for."""
-    rest = list(refs)
-    f16_ref = rest.pop(0) if f16 else None
-    q_ref, s_ref = (rest.pop(0), rest.pop(0)) if quant else (None, None)
-    return f16_ref, q_ref, s_ref
-
-
-def _kernel(x_ref, scale_ref, bias_ref, n_ref, *refs, rows: int, eps: float, f16: bool, quant: bool):
+def _kernel(x_ref, scale_ref, bias_ref, n_ref, *refs, rows: int, eps: float, f16: bool):
     m = pl.program_id(0)
-    extra = _extra_refs(refs, f16, quant)
+    f16_ref = refs[0] if f16 else None
 
     @pl.when(m < rows)
     def _row():
-        _normalise(x_ref[m, :].astype(jnp.float32), m, scale_ref, bias_ref, n_ref, extra, eps)
+        _normalise(x_ref[m, :].astype(jnp.float32), m, scale_ref, bias_ref, n_ref, f16_ref, eps)
 
     @pl.when(m >= rows)
     def _pad():
-        _zero_row(m, n_ref, extra)
+        _zero_row(m, n_ref, f16_ref)
 
 
 def _residual_kernel(x_ref, a_ref, y_ref, dest_ref, w_ref, nv_ref, scale_ref, bias_ref, xo_ref, n_ref, *refs,
@@ -115,7 +94,7 @@ def _residual_kernel(x_ref, a_ref, y_ref, dest_ref, w_ref, nv_ref, scale_ref, bi
     f32 = jnp.float32
     m = pl.program_id(0)  # read outside pl.when (the interpreter's rule)
     K = dest_ref.shape[0]
-    extra = _extra_refs(refs, bool(refs), False)
+    f16_ref = refs[0] if refs else None
 
     @pl.when(m < rows)
     def _row():
@@ -132,11 +111,11 @@ def _residual_kernel(x_ref, a_ref, y_ref, dest_ref, w_ref, nv_ref, scale_ref, bi
             mc = mc + jnp.where(ok, w * yv.astype(f32), 0.0)
         xn = (t1 + mc.astype(dt).astype(f32)).astype(dt)
         xo_ref[m, :] = xn
-        _normalise(xn.astype(f32), m, scale_ref, bias_ref, n_ref, extra, eps)
+        _normalise(xn.astype(f32), m, scale_ref, bias_ref, n_ref, f16_ref, eps)
 
     @pl.when(m >= rows)
     def _pad():
-        _zero_row(m, n_ref, extra)
+        _zero_row(m, n_ref, f16_ref)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "pad_rows", "f16_copy", "interpret", "num_warps"))
@@ -144,27 +123,6 @@ def layer_norm_rows_kernel(x: jax.Array, scale: jax.Array, bias: jax.Array, *, e
                            f16_copy: bool = False, interpret: bool = False,
                            num_warps: int = NUM_WARPS) -> tuple[jax.Array, jax.Array | None]:
     """-> (LN(x) padded with zero rows to [pad_rows, D] in x.dtype, its f16 copy or None)."""
-    n, n16, _ = _layer_norm_rows(x, scale, bias, eps=eps, pad_rows=pad_rows, f16_copy=f16_copy, quant=False,
-                                 interpret=interpret, num_warps=num_warps)
-    return n, n16
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "pad_rows", "interpret", "num_warps"))
-def layer_norm_quant_rows_kernel(x: jax.Array, scale: jax.Array, bias: jax.Array, *, eps: float, pad_rows: int,
-                                 interpret: bool = False, num_warps: int = NUM_WARPS
-                                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """-> (LN(x) padded as `layer_norm_rows_kernel`'s, (its rows quantised per row as
-    `moe.quantize_rows` quantises them: e4m3 [pad_rows, D], f32 scales [pad_rows]; padding rows
-    zero codes with scale 1)): the W8A8 up GEMM's operand formed in the same launch."""
-    n, _, q = _layer_norm_rows(x, scale, bias, eps=eps, pad_rows=pad_rows, f16_copy=False, quant=True,
-                               interpret=interpret, num_warps=num_warps)
-    assert q is not None
-    return n, q
-
-
-def _layer_norm_rows(x: jax.Array, scale: jax.Array, bias: jax.Array, *, eps: float, pad_rows: int, f16_copy: bool,
-                     quant: bool, interpret: bool, num_warps: int
-                     ) -> tuple[jax.Array, jax.Array | None, tuple[jax.Array, jax.Array] | None]:
     problem = layer_norm_rows_problem(x, scale, bias, pad_rows)
     if problem is not None:
         raise ValueError(f"layer_norm_rows_kernel: {problem}")
@@ -172,20 +130,15 @@ def _layer_norm_rows(x: jax.Array, scale: jax.Array, bias: jax.Array, *, eps: fl
     shapes = [jax.ShapeDtypeStruct((pad_rows, D), x.dtype)]
     if f16_copy:
         shapes.append(jax.ShapeDtypeStruct((pad_rows, D), jnp.float16))
-    if quant:
-        shapes += [jax.ShapeDtypeStruct((pad_rows, D), jnp.float8_e4m3fn),
-                   jax.ShapeDtypeStruct((pad_rows,), jnp.float32)]
     out = pl.pallas_call(
-        functools.partial(_kernel, rows=T, eps=eps, f16=f16_copy, quant=quant),
+        functools.partial(_kernel, rows=T, eps=eps, f16=f16_copy),
         out_shape=tuple(shapes),
         grid=(pad_rows,),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name="kestrel_layer_norm_rows",
     )(x, scale, bias)
-    n16 = out[1] if f16_copy else None
-    q = (out[-2], out[-1]) if quant else None
-    return out[0], n16, q
+    return out[0], (out[1] if f16_copy else None)
 
 
 def layer_norm_rows_ref(x: jax.Array, scale: jax.Array, bias: jax.Array, *, eps: float, pad_rows: int,

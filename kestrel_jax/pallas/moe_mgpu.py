@@ -595,7 +595,6 @@ def _expert_gemms(
     n_blocks: int,
     interpret: object,
     x_f16: jax.Array | None = None,  # x_rows as the W8A16 f16 operand, already formed (dense regime)
-    x_q: tuple[jax.Array, jax.Array] | None = None,  # x_rows quantised (`quantize_rows`), already formed
 ) -> jax.Array:  # [NB * Nt, D] bf16 expert outputs (block rows)
     gemm = functools.partial(_grouped_gemm, block_tokens=cfg.block_tokens, num_out_rows=n_blocks * cfg.block_tokens,
                              num_ctas=cfg.num_ctas, max_stages=cfg.max_stages,
@@ -608,12 +607,7 @@ def _expert_gemms(
     if experts.is_fp8 and cfg.w8a8:
         nt, (_, two_i, dim) = cfg.block_tokens, experts.up_w.shape
         in_gemm = cfg.quant_in_gemm and cfg.dense and row_token is None and compact_act is None
-        formed = (x_q is not None and cfg.dense and row_token is None and x_q[0].shape == x_rows.shape
-                  and x_q[0].dtype == jnp.float8_e4m3fn and x_q[1].shape == x_rows.shape[:1])
-        if formed:
-            assert x_q is not None
-            act = up_gemm(meta_up, experts.up_w, experts.up_scale, x_q[0], x_q[1], glu=True)
-        elif in_gemm and quant_in_gemm_fits(nt, dim, 2, cfg.max_stages):
+        if in_gemm and quant_in_gemm_fits(nt, dim, 2, cfg.max_stages):
             act = up_gemm(meta_up, experts.up_w, experts.up_scale, x_rows, None, glu=True, quantize_b=True,
                           shared_rows=True)
         else:
@@ -722,7 +716,6 @@ def moe_layer_rows(
     tokens: int | None = None,  # real rows of x (None: all)
     x_f16: jax.Array | None = None,  # x as the W8A16 f16 operand ([Nt, D], see `f16_rows_wanted`)
     route: DenseRoute | None = None,  # the tables routing's result, built by the caller from the same logits
-    x_q: tuple[jax.Array, jax.Array] | None = None,  # x quantised for W8A8 ([Nt, D] e4m3, [Nt]; `quant_rows_wanted`)
 ) -> ExpertRows | None:
     """The dense regime's expert rows before the weighted sum (`decode_residual.ExpertRows`: the
     down GEMM's output, each token's k rows and weights), or None where that regime with the
@@ -761,7 +754,7 @@ def moe_layer_rows(
         r = route_dense(x_rows, router_w, own_buffer(router_b, router_b.dtype), n_valid, top_k=top_k,
                         interpret=interpret)
     y = _expert_gemms(x_rows, None, r.meta_up, r.meta_down, None, experts, cfg, min(E, T * top_k), interpret,
-                      x_f16=x_f16, x_q=x_q)
+                      x_f16=x_f16)
     return ExpertRows(y, r.dest, r.weights, n_valid)
 
 
@@ -772,19 +765,6 @@ def tables_route_block_tokens(num_tokens: int, num_experts: int, top_k: int) -> 
     if cfg.dense and cfg.routing == "tables" and route_tables_supported(cfg.block_tokens, num_experts, top_k):
         return cfg.block_tokens
     return None
-
-
-def quant_rows_wanted(num_tokens: int, experts: ExpertWeights) -> bool:
-    """Whether a caller that normalises the rows itself should also hand them over quantised
-    (`x_q`: `quantize_rows`' e4m3 rows and scales) for `moe_layer_rows` at this token count
-    (default config): FP8 experts in the dense W8A8 regime, with KESTREL_JAX_LN_QUANT=1 (read at
-    trace time; opt-in until measured on a GPU: the up GEMM then reads them instead of quantising
-    its rows itself, ~1 us per layer at one token in session 19's comparison)."""
-    value = os.environ.get("KESTREL_JAX_LN_QUANT", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"KESTREL_JAX_LN_QUANT must be 0 or 1, got {value!r}")
-    cfg = default_config(num_tokens)
-    return bool(value == "1" and experts.is_fp8 and cfg.dense and cfg.w8a8)
 
 
 def f16_rows_wanted(num_tokens: int, experts: ExpertWeights) -> bool:

@@ -194,8 +194,7 @@ def route(x: jax.Array, router_w: jax.Array, router_b: jax.Array, top_k: int) ->
 
 def moe_layer_rows(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: ExpertWeights, *,
                    top_k: int, num_valid_tokens: jax.Array | int | None = None, logits: jax.Array | None = None,
-                   tokens: int | None = None, x_f16: jax.Array | None = None, route: Any = None,
-                   x_q: tuple[jax.Array, jax.Array] | None = None) -> ExpertRows | None:
+                   tokens: int | None = None, x_f16: jax.Array | None = None, route: Any = None) -> ExpertRows | None:
     """The MoE layer's expert rows before the weighted sum (`moe_mgpu.moe_layer_rows`; x may be
     padded to the block width with `tokens` real rows) on the kernel path; None otherwise."""
     if not _want_kernel():
@@ -207,18 +206,17 @@ def moe_layer_rows(x: jax.Array, router_w: jax.Array, router_b: jax.Array, exper
         return None
     return _jitted(kern.moe_layer_rows, ("top_k", "tokens"))(x, router_w, router_b, experts, top_k=top_k,
                                                             num_valid_tokens=num_valid_tokens, logits=logits,
-                                                            tokens=tokens, x_f16=x_f16, route=route, x_q=x_q)
+                                                            tokens=tokens, x_f16=x_f16, route=route)
 
 
 def decode_moe_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, experts: ExpertWeights, *, eps: float,
-                          pad_rows: int
-                          ) -> tuple[jax.Array, jax.Array | None, tuple[jax.Array, jax.Array] | None] | None:
+                          pad_rows: int) -> tuple[jax.Array, jax.Array | None] | None:
     """A decode MoE layer's LayerNorm in one launch (`layer_norm_triton`), padded to `pad_rows`
-    rows, with the f16 copy the expert GEMMs read where they run W8A16, or the quantised rows
-    their W8A8 up GEMM reads where `moe_mgpu.quant_rows_wanted` (opt-in): (rows, f16 rows or
-    None, (e4m3 rows, scales) or None); None off the kernel path, for shapes the kernel does not
-    take, or with KESTREL_JAX_LN_KERNEL=0 (read at trace time: XLA's statistics and
-    normalisation launches)."""
+    rows, with the f16 copy the expert GEMMs read where they run W8A16: (rows, f16 rows or None);
+    None off the kernel path, for shapes the kernel does not take, or with KESTREL_JAX_LN_KERNEL=0
+    (read at trace time: XLA's statistics and normalisation launches). (Session 21, H100: also
+    writing the rows quantised for the W8A8 up GEMM, which then skipped its own quantisation, was
+    no faster at batch 1: the kernel +0.33 us, the GEMMs -0.37 us per MoE layer; removed.)"""
     if not _want_kernel() or os.environ.get("KESTREL_JAX_LN_KERNEL", "1") == "0":
         return None
     from kestrel_jax.pallas import layer_norm_triton as kern
@@ -226,12 +224,8 @@ def decode_moe_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, exper
 
     if kern.layer_norm_rows_problem(x, scale, bias, pad_rows) is not None:
         return None
-    supported = moe_mgpu.moe_kernel_supported(x, experts, 1)
-    if supported and moe_mgpu.quant_rows_wanted(x.shape[0], experts):
-        n, q = kern.layer_norm_quant_rows_kernel(x, scale, bias, eps=eps, pad_rows=pad_rows)
-        return n, None, q
-    f16 = supported and moe_mgpu.f16_rows_wanted(x.shape[0], experts)
-    return (*kern.layer_norm_rows_kernel(x, scale, bias, eps=eps, pad_rows=pad_rows, f16_copy=f16), None)
+    f16 = moe_mgpu.moe_kernel_supported(x, experts, 1) and moe_mgpu.f16_rows_wanted(x.shape[0], experts)
+    return kern.layer_norm_rows_kernel(x, scale, bias, eps=eps, pad_rows=pad_rows, f16_copy=f16)
 
 
 def residual_layer_norm_wanted() -> bool:

@@ -11,8 +11,6 @@ the last layer without a next LayerNorm.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,7 +38,7 @@ def _partials(x, w, w2=None, **_):  # [2, N, Mp] f32 partials of y^T, K split in
 
 
 def _rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tokens=None, logits=None, tokens=None,
-          x_f16=None, route=None, x_q=None):
+          x_f16=None, route=None):
     t = x.shape[0] if tokens is None else tokens
     xs = x[:t].astype(jnp.float32)
     if route is None:
@@ -86,7 +84,7 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
             return real(*args, **kw, interpret=True)
         return call
 
-    for name, label in (("layer_norm_rows_kernel", "layernorm"), ("layer_norm_quant_rows_kernel", "layernorm+quant"),
+    for name, label in (("layer_norm_rows_kernel", "layernorm"),
                         ("residual_layer_norm_rows_kernel", "residual+layernorm")):
         monkeypatch.setattr(layer_norm_triton, name, interpreted(getattr(layer_norm_triton, name), label))
     ops._jitted.cache_clear()
@@ -258,61 +256,6 @@ def test_tau_dots_from_the_qkv_gemm_reach_the_epilogue(stand_ins: list[str], mon
         ops.tau_dots_wanted()
 
 
-def test_quantised_rows_from_the_layer_norm_reach_the_moe(stand_ins: list[str],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """KESTREL_JAX_LN_QUANT=1 (opt-in), at one decode row (the dense W8A8 regime): each MoE layer's
-    LayerNorm kernel (interpreted) also quantises its rows and the layer's expert rows receive them
-    beside the rows themselves, equal to `quantize_rows` of those rows (so formed from the right
-    layer's normalisation); off, nothing is quantised there."""
-    from kestrel_jax.pallas import qkv_epilogue
-    from kestrel_jax.pallas.moe import quantize_rows
-
-    monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
-    monkeypatch.delenv("KESTREL_JAX_W8A8_MIN_TOKENS", raising=False)
-    for name in ("decode_qkv_kernel", "decode_qkv_route_kernel"):
-        real = getattr(qkv_epilogue, name)
-        monkeypatch.setattr(qkv_epilogue, name, lambda *a, _real=real, **kw: _real(*a, **kw, interpret=True))
-    got: list[bool] = []
-
-    checked: list[bool] = []
-
-    def check(x, q, qs):  # on the host, with the values
-        want_q, want_s = jax.jit(quantize_rows)(x)
-        np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(want_q).view(np.uint8))
-        np.testing.assert_array_equal(np.asarray(qs), np.asarray(want_s))
-        checked.append(True)
-
-    def rows(x, *a, x_q=None, **kw):
-        got.append(x_q is not None)
-        if x_q is not None:
-            jax.debug.callback(check, x, *x_q)
-        return _rows(x, *a, **kw)
-
-    from kestrel_jax.pallas import moe_mgpu
-
-    monkeypatch.setattr(ops, "moe_layer_rows", rows)
-    # the tiny experts (inner 64) are below the real GEMMs' tiles and bf16 here (CI time: no second
-    # model); the stand-in above takes them, and the switch is read as for FP8 experts
-    monkeypatch.setattr(moe_mgpu, "moe_kernel_supported", lambda *a: True)
-    monkeypatch.setattr(moe_mgpu, "quant_rows_wanted",
-                        lambda t, ex: os.environ.get("KESTREL_JAX_LN_QUANT") == "1" and t == 1)
-    model, x, batch, cache = _bf16_decode_case(3)
-    moe_layers = sum(model.cfg.is_moe_layer(i) for i in range(model.cfg.n_layers))
-    for switch in ("1", "0"):
-        monkeypatch.setenv("KESTREL_JAX_LN_QUANT", switch)
-        got.clear()
-        stand_ins.clear()
-        with ops.use_backend("kernel"):
-            if switch == "1":
-                out = model(x, batch, cache)[0]
-                assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
-                assert checked == [True] * moe_layers
-            else:  # traced only: nothing to compare
-                jax.eval_shape(lambda: model(x, batch, cache))
-        assert got == [switch == "1"] * moe_layers, switch
-        assert stand_ins == ["layernorm+quant" if switch == "1" else "layernorm"] * moe_layers
-
-
 def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[str],
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """KESTREL_JAX_ROUTE_IN_QKV=1: each decode MoE layer's QKV epilogue launch (interpreted) also
@@ -333,7 +276,7 @@ def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[
                      for w, b in (((w1, b1),) if w2 is None else ((w1, b1), (w2, b2))))
 
     def rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tokens=None, logits=None,
-             tokens=None, x_f16=None, route=None, x_q=None):
+             tokens=None, x_f16=None, route=None):
         t = x.shape[0] if tokens is None else tokens
         got_route.append(route is not None)
         if route is None:

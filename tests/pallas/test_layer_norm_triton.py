@@ -51,27 +51,6 @@ def test_kernel_matches_the_jnp_path(T, D, dtype, pad):
     np.testing.assert_array_equal(as_f32(plain), as_f32(n))
 
 
-@pytest.mark.parametrize("T,pad", [(1, 8), (3, 8)])
-def test_quantised_rows_are_quantize_rows_of_the_normalised_rows(T, pad):
-    """`layer_norm_quant_rows_kernel`: the normalised rows as the plain kernel's, and beside them
-    those rows quantised exactly as the (compiled) `moe.quantize_rows` quantises them, padding rows
-    included (zero codes, scale 1)."""
-    from kestrel_jax.pallas.moe import quantize_rows
-
-    rng = fresh_rng()
-    x = jnp.asarray(rng.standard_normal((T, 256)) * 3.0 + 1.0, BF16)
-    scale = jnp.asarray(rng.uniform(0.5, 1.5, 256), BF16)
-    bias = jnp.asarray(rng.standard_normal(256) * 0.1, BF16)
-    n, (q, qs) = L.layer_norm_quant_rows_kernel(x, scale, bias, eps=1e-5, pad_rows=pad, interpret=True)
-    plain, _ = L.layer_norm_rows_kernel(x, scale, bias, eps=1e-5, pad_rows=pad, interpret=True)
-    np.testing.assert_array_equal(as_f32(n), as_f32(plain))
-    want_q, want_s = jax.jit(quantize_rows)(n)
-    assert q.dtype == jnp.float8_e4m3fn and q.shape == (pad, 256) and qs.shape == (pad,)
-    np.testing.assert_array_equal(np.asarray(q.view(jnp.uint8)), np.asarray(want_q.view(jnp.uint8)))
-    np.testing.assert_array_equal(np.asarray(qs), np.asarray(want_s))
-    assert (np.asarray(qs)[T:] == 1.0).all() and not np.asarray(q.astype(jnp.float32))[T:].any()
-
-
 def test_f16_copy_saturates():
     x = jnp.asarray(np.r_[np.zeros(127), 1.0][None], BF16)  # one large normalised value
     scale = jnp.full((128,), 9000.0, BF16)
@@ -111,19 +90,11 @@ def test_dispatch_forms_the_f16_copy_only_for_w8a16_experts(monkeypatch: pytest.
     with ops.use_backend("kernel"):
         monkeypatch.delenv("KESTREL_JAX_LN_KERNEL", raising=False)
         monkeypatch.delenv("KESTREL_JAX_W8A8_MIN_TOKENS", raising=False)
-        monkeypatch.delenv("KESTREL_JAX_LN_QUANT", raising=False)
-        assert shapes(_experts(True)) == [((8, 256), BF16), None, None]  # W8A8 (the default): no f16 operand
-        monkeypatch.setenv("KESTREL_JAX_LN_QUANT", "1")  # opt-in: the W8A8 rows quantised here
-        assert shapes(_experts(True)) == [((8, 256), BF16), None, (((8, 256), jnp.float8_e4m3fn),
-                                                                    ((8,), jnp.float32))]
-        assert shapes(_experts(False)) == [((8, 256), BF16), None, None]  # bf16 experts: nothing to quantise
+        assert shapes(_experts(True)) == [((8, 256), BF16), None]  # W8A8 (the default): no f16 operand
         monkeypatch.setenv("KESTREL_JAX_W8A8_MIN_TOKENS", "2")  # W8A16 at one row
-        assert shapes(_experts(True)) == [((8, 256), BF16), ((8, 256), jnp.float16), None]
-        assert shapes(_experts(True), rows=4) == [((8, 256), BF16), None, (((8, 256), jnp.float8_e4m3fn),
-                                                                             ((8,), jnp.float32))]
-        monkeypatch.delenv("KESTREL_JAX_LN_QUANT")
-        assert shapes(_experts(True), rows=4) == [((8, 256), BF16), None, None]  # W8A8 from 2 rows
-        assert shapes(_experts(False)) == [((8, 256), BF16), None, None]  # bf16 experts
+        assert shapes(_experts(True)) == [((8, 256), BF16), ((8, 256), jnp.float16)]
+        assert shapes(_experts(True), rows=4) == [((8, 256), BF16), None]  # W8A8 from 2 rows
+        assert shapes(_experts(False)) == [((8, 256), BF16), None]  # bf16 experts
         monkeypatch.setenv("KESTREL_JAX_LN_KERNEL", "0")  # the A/B switch: XLA's launches
         assert shapes(_experts(True)) is None
 
@@ -138,11 +109,6 @@ def test_lowers_at_decoder_shapes():
             text = jax.jit(f).trace(_SDS((T, 2048), BF16), _SDS((2048,), BF16), _SDS((2048,), BF16)).lower(
                 lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text
-    with jax.sharding.use_abstract_mesh(mesh):  # with the W8A8 rows quantised (e4m3 stores)
-        text = jax.jit(lambda x, s, b: L.layer_norm_quant_rows_kernel(x, s, b, eps=1e-5, pad_rows=8)).trace(
-            _SDS((1, 2048), BF16), _SDS((2048,), BF16), _SDS((2048,), BF16)).lower(
-            lowering_platforms=("cuda",)).as_text()
-    assert "__gpu$xla.gpu.triton" in text
 
 
 def _residual_case(rng, T: int, D: int, K: int, R: int, dtype):

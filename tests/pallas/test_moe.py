@@ -64,7 +64,6 @@ from kestrel_jax.pallas.moe_mgpu import (
     pdl_wanted,
     quant_in_gemm_fits,
     quant_in_gemm_wanted,
-    quant_rows_wanted,
 )
 from kestrel_jax.pallas.moe_route_mgpu import route_dense
 from kestrel_jax.pallas.moe_route_triton import route_tables
@@ -578,36 +577,6 @@ def test_expert_rows_read_the_callers_f16_rows(rng, monkeypatch):
     inside = rows_of(None)
     np.testing.assert_array_equal(rows_of(x16), inside)
     assert not np.array_equal(rows_of(-x16), inside)
-
-
-def test_expert_rows_read_the_callers_quantised_rows(rng, monkeypatch):
-    """FP8 experts in the dense W8A8 regime: rows handed in already quantised (`x_q`, as the decode
-    LayerNorm kernel forms them with KESTREL_JAX_LN_QUANT=1) give the up GEMM the same operand as
-    its own in-GEMM quantisation, so the same expert rows; other rows give others (they are read)."""
-    T, k, n_experts = 1, 4, 16
-    monkeypatch.delenv("KESTREL_JAX_W8A8_MIN_TOKENS", raising=False)
-    monkeypatch.delenv("KESTREL_JAX_LN_QUANT", raising=False)
-    ex = make_experts(rng, True, n_experts=n_experts)
-    x, rw, rb = exact_router_inputs(rng, T, dim(True), n_experts)
-    cfg = small_config(T)
-    assert cfg.dense and cfg.w8a8
-    assert not quant_rows_wanted(T, ex)  # opt-in
-    monkeypatch.setenv("KESTREL_JAX_LN_QUANT", "1")
-    assert quant_rows_wanted(T, ex) and not quant_rows_wanted(T, make_experts(rng, False, n_experts=n_experts))
-    xp = jnp.pad(x, ((0, cfg.block_tokens - T), (0, 0)))
-    xq = jax.jit(quantize_rows)(xp)
-
-    def rows_of(q):
-        r = moe_layer_rows(xp, rw, rb, ex, top_k=k, config=cfg, interpret=INTERPRET, tokens=T, x_q=q)
-        assert r is not None
-        return np.asarray(combine_rows(r, T, x.dtype).astype(jnp.float32))
-
-    inside = rows_of(None)
-    np.testing.assert_array_equal(rows_of(xq), inside)
-    assert not np.array_equal(rows_of((xq[0], xq[1] * 2)), inside)
-    monkeypatch.setenv("KESTREL_JAX_LN_QUANT", "2")
-    with pytest.raises(ValueError, match="KESTREL_JAX_LN_QUANT"):
-        quant_rows_wanted(T, ex)
 
 
 def test_supported_and_validation():
