@@ -7,14 +7,17 @@ row padding, the size decoder's [N, 2, bins] reshape)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from kestrel_jax.models.config import tiny_config
 from kestrel_jax.models.layers import Linear
-from kestrel_jax.models.moondream import random_model
+from kestrel_jax.models.region import RegionModel
 from kestrel_jax.pallas import gemv_mgpu, ops
 
 
@@ -34,7 +37,10 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
 
     monkeypatch.setattr(gemv_mgpu, "gemv_partials", partials)
     monkeypatch.setattr(gemv_mgpu, "gemv_supported", lambda x, w: x.shape[0] <= 64)
+    # the kernel entry points' traces are cached per function by jax.jit (another test may have
+    # traced `gemv` at these shapes with its own stand-in): every cache goes
     ops._jitted.cache_clear()
+    jax.clear_caches()
     return seen
 
 
@@ -45,14 +51,25 @@ def _close(a: jax.Array, b: jax.Array) -> None:
     np.testing.assert_allclose(a32, b32, rtol=2e-2, atol=2e-2 * float(np.abs(b32).max()))
 
 
-@pytest.mark.parametrize("rows", [1, 5])
-def test_md3_region_heads_on_the_kernel_path(launches: list[tuple[int, ...]], rows: int) -> None:
-    model = random_model(tiny_config("md3"), seed=3)
-    region = model.region
+def _region(family: Literal["md2", "md3"]) -> RegionModel:  # the region heads alone (a whole model takes seconds)
+    return RegionModel(tiny_config(family).region, dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
+
+
+@pytest.fixture(scope="module")
+def md3_region() -> RegionModel:
+    region = _region("md3")
     rng = np.random.default_rng()
     for lin in (region.coord_decoder, region.size_decoder, region.coord_encoder, region.size_encoder):
         assert isinstance(lin, Linear) and lin.bias is not None  # zeros at random init: make them matter
-        lin.bias.value = jnp.asarray(rng.standard_normal(lin.bias.shape), jnp.bfloat16)
+        lin.bias[...] = jnp.asarray(rng.standard_normal(lin.bias.shape), jnp.bfloat16)
+    return region
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_md3_region_heads_on_the_kernel_path(launches: list[tuple[int, ...]], md3_region: RegionModel,
+                                             rows: int) -> None:
+    region = md3_region
+    rng = np.random.default_rng()
     h = jnp.asarray(rng.standard_normal((rows, region.cfg.dim)), jnp.bfloat16)
     v = jnp.asarray(rng.uniform(size=(rows, 2)), jnp.float32)
     with ops.use_backend("kernel"):
@@ -70,9 +87,10 @@ def test_md3_region_heads_on_the_kernel_path(launches: list[tuple[int, ...]], ro
     assert coord.dtype == jnp.float32 and size.shape == (rows, 2, region.cfg.size_out_dim // 2)
 
 
-def test_region_heads_keep_the_jnp_path_past_the_threshold_and_for_mlps(launches: list[tuple[int, ...]]) -> None:
-    md3 = random_model(tiny_config("md3"), seed=3).region
-    md2 = random_model(tiny_config("md2"), seed=3).region
+def test_region_heads_keep_the_jnp_path_past_the_threshold_and_for_mlps(launches: list[tuple[int, ...]],
+                                                                        md3_region: RegionModel) -> None:
+    md3 = md3_region
+    md2 = _region("md2")
     h9 = jnp.ones((9, md3.cfg.dim), jnp.bfloat16)
     with ops.use_backend("kernel"):
         coord, _ = md3.decode_heads(h9, kernel_rows=8)
