@@ -4,6 +4,9 @@ a filled KV context) with the switch on and off, compared. Prints the largest di
 final hidden states relative to their largest magnitude, per batch size.
 
   PYTHONPATH=. python3 tools/check_decode_fusion.py --switch KESTREL_JAX_LN_KERNEL KESTREL_JAX_GEMV_ROWS
+  PYTHONPATH=. python3 tools/check_decode_fusion.py --switch KESTREL_JAX_GEMV_QKV_ROWS=64,1 --batches 64
+
+A switch is on = 1 against off = 0 unless given as NAME=ON,OFF.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from tools.probe_step_kernels import synthetic_model  # noqa: E402
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--switch", nargs="+", default=["KESTREL_JAX_TAU_DOTS"],
-                    help="one or more switches, each compared on against off (the others at their defaults)")
+                    help="one or more switches (NAME, or NAME=ON,OFF for other values than 1 and 0), each "
+                         "compared on against off (the others at their defaults)")
     ap.add_argument("--model", default="md3", choices=["md2", "md3"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--context", type=int, default=740)
@@ -54,9 +58,10 @@ def main() -> int:
         return h
 
     res = {"device": jax.devices()[0].device_kind, "model": a.model, "switches": {}}
-    for switch in a.switch:
+    for spec in a.switch:
+        switch, (on_val, off_val) = switch_values(spec)
         rel_diff: dict[int, dict] = {}
-        res["switches"][switch] = rel_diff
+        res["switches"][spec] = rel_diff
         before = os.environ.get(switch)
         for b in a.batches:
             x = jnp.asarray(rng.standard_normal((b, t.dim)), jnp.bfloat16)
@@ -64,7 +69,7 @@ def main() -> int:
             table = jnp.arange(b * maxp, dtype=jnp.int32).reshape(b, maxp)
             slots = table[:, a.context // page] * page + a.context % page
             outs = {}
-            for val in ("1", "0"):
+            for val in (on_val, off_val):
                 os.environ[switch] = val
                 # The switch is read at trace time, also inside the kernels' jitted entry points, whose
                 # traces jax.jit caches per function (a new jit of the same function reuses them):
@@ -73,11 +78,11 @@ def main() -> int:
                 jax.clear_caches()
                 f = jax.jit(lambda *args: fwd(*args))
                 outs[val] = np.asarray(f(state, x, cache, positions, slots, positions + 1, table).astype(jnp.float32))
-            on, off = outs["1"], outs["0"]
+            on, off = outs[on_val], outs[off_val]
             rel = float(np.abs(on - off).max() / max(np.abs(off).max(), 1e-30))
             rel_diff[b] = {"max_rel": rel, "finite": bool(np.isfinite(on).all()),
                            "max_abs_off": float(np.abs(off).max())}
-            print(json.dumps({"switch": switch, "batch": b, **rel_diff[b]}), flush=True)
+            print(json.dumps({"switch": spec, "batch": b, **rel_diff[b]}), flush=True)
         if before is None:
             os.environ.pop(switch, None)
         else:
@@ -85,6 +90,15 @@ def main() -> int:
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
     return 0
+
+
+def switch_values(spec: str) -> tuple[str, tuple[str, str]]:
+    """"NAME" -> (NAME, ("1", "0")); "NAME=ON,OFF" -> (NAME, (ON, OFF))."""
+    name, eq, values = spec.partition("=")
+    vals = tuple(v.strip() for v in values.split(",")) if eq else ("1", "0")
+    if not name.startswith("KESTREL_JAX_") or len(vals) != 2 or not all(vals) or vals[0] == vals[1]:
+        raise SystemExit(f"--switch wants KESTREL_JAX_NAME or KESTREL_JAX_NAME=ON,OFF, got {spec!r}")
+    return name, (vals[0], vals[1])
 
 
 if __name__ == "__main__":

@@ -312,7 +312,7 @@ def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: ja
     within the probe's spread); W2 at 64 clients A/B/A/B 6,432 / 6,682 / 6,467 / 6,437 tok/s.
     KESTREL_JAX_TAU_FACTORS=0 (read at trace time) keeps the XLA path there. `tau_dots`
     (`small_linear_pair`'s third item): the kernel forms tau from the dots the QKV GEMM formed, where it
-    takes them (else from `tau`)."""
+    takes them (else from `tau`), at any row count."""
     out = _decode_qkv(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
                       rotary_dim=rotary_dim, theta=theta, route=None, tau_dots=tau_dots)
     return None if out is None else out[:3]
@@ -378,7 +378,8 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
                                             top_k=route[2], block_tokens=route[3], factors=factors, tau_dots=dots)
 
     rows = positions.shape[0]  # u may carry padding rows past them (`gemv_rows`): the kernel reads the first
-    if tau_dots is not None and rows <= kern.MAX_TAU_ROWS and kern.decode_qkv_problem(
+    # With the dots a program reads 2 x (columns / 64) floats per head, not its whole row: any rows.
+    if tau_dots is not None and kern.decode_qkv_problem(
             u, k_pages, None, n_heads=n_heads, rotary_dim=rotary_dim, tau_dots=tau_dots) is None:
         return call(u, None, dots=tau_dots)
     if tau is not None and rows > kern.MAX_TAU_ROWS:

@@ -215,9 +215,9 @@ def test_gemv_lowers_at_decoder_shapes():
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(g.gemv_rows).trace(*rows_pair).lower(lowering_platforms=("cuda",)).as_text()
         assert "kestrel_gemv_rows" in text
-    # with MD3's tau dots (32 heads over the 6,144-wide QKV row), at 1 and 8 rows
+    # with MD3's tau dots (32 heads over the 6,144-wide QKV row), at 1, 8 and 64 rows
     tw = (_SDS((32, 6144), BF16), _SDS((32, 6144), BF16))
-    for M in (1, 8):
+    for M in (1, 8, 64):
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(lambda x, w1, b1, w2, b2, wq, wv: g.gemv_rows(x, w1, b1, w2, b2, tau_w=(wq, wv))).trace(
                 _SDS((M, 2048), BF16), *pair[1:], *tw).lower(lowering_platforms=("cuda",)).as_text()

@@ -89,10 +89,12 @@ def _tau_dots(u: jax.Array, tw: qe.TauWeights, block: int) -> qe.TauDots:
     return qe.TauDots(jnp.stack(shares), tw.alpha)
 
 
-@pytest.mark.parametrize("M,pool_dtype,block", [(1, FP8, 64), (5, BF16, 32)])
+@pytest.mark.parametrize("M,pool_dtype,block", [(1, FP8, 64), (5, BF16, 32), (20, FP8, 32)])
 def test_dots_mode_matches_the_reference(M, pool_dtype, block):
     """Tau dots formed by the QKV GEMM (`TauDots`: per-block shares, here 3 and 6 blocks, summed by
-    the kernel) instead of the tau weights: within the bounds above; the factor exclusions named."""
+    the kernel) instead of the tau weights, also past `MAX_TAU_ROWS` rows (a program reads 2 x
+    blocks floats per head, not the whole row): within the bounds above; the factor exclusions
+    named."""
     rng = fresh_rng()
     H, dh, rot = 4, 16, 8
     u, positions, slots, (kp, vp), (ks, vs), tw = _case(rng, M, H, H, dh, rot, pool_dtype, True)
@@ -237,6 +239,17 @@ def test_lowers_at_md2_and_md3_decode_shapes():
             text = jax.jit(f).trace(_SDS((M, 6144), BF16), _SDS((M,), i32), _SDS((M,), i32), pool, pool,
                                     _SDS((), f32), _SDS((), f32), tw).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text and "output_operand_alias" in text
+    # with the QKV GEMM's tau dots (96 column blocks) at 64 rows, the decode GEMM's largest row tile
+    pool = _SDS((4824, 32, 64, 64), FP8)
+
+    def g(u, pos, slots, kp, vp, ks, vs, dots, alpha):
+        return qe.decode_qkv_kernel(u, pos, slots, kp, vp, ks, vs, None, n_heads=32, rotary_dim=32, theta=1500000.0,
+                                    tau_dots=qe.TauDots(dots, alpha))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(g).trace(_SDS((64, 6144), BF16), _SDS((64,), i32), _SDS((64,), i32), pool, pool,
+                                _SDS((), f32), _SDS((), f32), _SDS((96, 64, 64), f32),
+                                _SDS((32,), BF16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
 
 
 def test_tau_gelu_is_the_polynomial_on_the_kernel_path_unless_switched_off(monkeypatch: pytest.MonkeyPatch):
