@@ -26,6 +26,9 @@ def diff(a: dict[str, Any], b: dict[str, Any], top: int) -> list[str]:
         ta, tb = float(sa["total_us"]), float(sb["total_us"])
         lines.append(f"{kind}: {ta:.1f} -> {tb:.1f} us ({tb - ta:+.1f}, {100 * (tb - ta) / ta:+.1f}%), "
                      f"launches {sa['launches']} -> {sb['launches']} ({sb['launches'] - sa['launches']:+d})")
+        if "wall_us" in sa and "wall_us" in sb:
+            wa, wb = float(sa["wall_us"]), float(sb["wall_us"])
+            lines.append(f"{kind} wall: {wa:.1f} -> {wb:.1f} us ({wb - wa:+.1f}, {100 * (wb - wa) / wa:+.1f}%)")
         fa, fb = family_times(sa), family_times(sb)
         rows = []
         for fam in set(fa) | set(fb):

@@ -11,6 +11,10 @@ mixed steps of ~1,500 tokens, decode at batch 64); this says what inside them co
 
 With --ab, one process compiles the step once per value of a switch and measures the variants in
 turn (A B A B ...): one model build and one machine for the comparison, drift shared alike.
+Beside the CUPTI sum each step gets a host-timed wall clock per blocking call (--wall-rounds, in
+turn as well): a change can move the wall time by more than the kernel sum (the twenty-first
+session's region heads: the sum -1 us, W1's time per token -30 us), and the wall time is what W1
+sees. It includes the probe's undonated KV-pool copy and the dispatch, alike for every variant.
 """
 
 from __future__ import annotations
@@ -149,6 +153,21 @@ def interleaved(fns: list[Any], args: tuple[Any, ...], iters: int,
     return runs, how
 
 
+def wall_times(fns: list[Any], args: tuple[Any, ...], rounds: int) -> list[float]:
+    """Host-timed wall clock of one blocking call of each variant (us, median of `rounds`, taken in
+    turn as `interleaved`): what the CUPTI sum cannot show (launch gaps, work that overlaps). A
+    call includes its dispatch and the probe's undonated KV-pool copy, alike for every variant."""
+    for fn in fns:  # warm: the first call of a compiled step allocates
+        jax.block_until_ready(fn(*args))
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[i].append((time.perf_counter() - t0) * 1e6)
+    return [float(np.median(t)) for t in times]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="md3", choices=["md2", "md3"])
@@ -163,6 +182,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1, help="decode iterations per decode launch")
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--wall-rounds", type=int, default=20,
+                    help="host-timed blocking calls per variant for the wall clock (0: none)")
     ap.add_argument("--top", type=int, default=40, help="kernel families printed per step")
     ap.add_argument("--kernels", type=int, default=40, help="kernels printed per step, with their HLO shapes")
     ap.add_argument("--out-dir", default=None, help="step_kernels.json and each step's optimized HLO (gzip)")
@@ -225,12 +246,13 @@ def main() -> int:
                 ops._jitted.cache_clear()
             compiled_v.append(jax.jit(getattr(step_fn, "__wrapped__", step_fn)).lower(*args).compile())
         runs_v, how = interleaved(compiled_v, args, a.iters)
-        for value, compiled, runs in zip(values, compiled_v, runs_v, strict=True):
+        walls = wall_times(compiled_v, args, a.wall_rounds) if a.wall_rounds else [None] * len(values)
+        for value, compiled, runs, wall in zip(values, compiled_v, runs_v, walls, strict=True):
             if ab is None:
-                report(kind, compiled, aggregate_runs(runs), how, res, a, out_dir)
+                report(kind, compiled, aggregate_runs(runs), how, res, a, out_dir, wall_us=wall)
             else:
                 report(kind, compiled, aggregate_runs(runs), how, variants[str(value)], a, out_dir,
-                       label=f"[{ab[0]}={value}] ")
+                       label=f"[{ab[0]}={value}] ", wall_us=wall)
     if ab:
         first = variants[ab[1][0]]
         for value in ab[1][1:]:
@@ -248,9 +270,9 @@ def main() -> int:
 
 
 def report(kind: str, compiled: Any, kernels: list[dict[str, Any]], how: str, res: dict[str, Any], a: Any,
-           out_dir: Path | None, label: str = "") -> None:
+           out_dir: Path | None, label: str = "", wall_us: float | None = None) -> None:
     """One step's kernels into `res["steps"][kind]` (with the HLO beside them in `out_dir`), printed
-    by family and by kernel; `label` names the --ab variant."""
+    by family and by kernel; `label` names the --ab variant; `wall_us`: `wall_times`' figure."""
     if out_dir is not None:
         tag = label.strip(" []").replace("=", "_")
         with gzip.open(out_dir / f"step_{kind}{'_' + tag if tag else ''}.hlo.txt.gz", "wt") as f:
@@ -267,8 +289,11 @@ def report(kind: str, compiled: Any, kernels: list[dict[str, Any]], how: str, re
                                   sorted(fam.items(), key=lambda kv: -kv[1][1])]
     step: dict[str, Any] = {"timing": how, "total_us": round(total, 1),
                             "launches": sum(r["launches"] for r in kernels), "families": fams, "kernels": kernels}
+    if wall_us is not None:
+        step["wall_us"] = round(wall_us, 1)
     res["steps"][kind] = step
-    print(f"{label}{kind}: {total:.1f} us in {step['launches']} launches ({how})", flush=True)
+    wall = "" if wall_us is None else f"; wall {wall_us:.1f} us per blocking call (host-timed median)"
+    print(f"{label}{kind}: {total:.1f} us in {step['launches']} launches ({how}){wall}", flush=True)
     for f_ in fams[:a.top]:
         print(f"   {f_['us']:9.1f} us  x{f_['launches']:<4d} {f_['family'][:100]}", flush=True)
     print(f"  {kind}: kernels by time (us per launch, launches, the HLO's output shape and op)", flush=True)

@@ -21,3 +21,11 @@ def test_changed_families_are_listed_largest_first():
     assert lines[2].startswith("decode: 3187.3 -> 3140.0 us (-47.3, -1.5%), launches 124 -> 84 (-40)")
     changed = [ln.split()[-1] for ln in lines[3:]]
     assert changed == ["loop_transpose_fusion", "wrapped_transpose", "loop_add_fusion"]  # unchanged: not listed
+
+
+def test_wall_clock_is_compared_where_both_probes_have_it():
+    a = _probe([("k", 100.0, 1)], {})
+    b = _probe([("k", 90.0, 1)], {})
+    assert not any("wall" in ln for ln in diff(a, b, top=5))  # older probes: no wall clock
+    a["steps"]["decode"]["wall_us"], b["steps"]["decode"]["wall_us"] = 1500.0, 1470.0
+    assert "decode wall: 1500.0 -> 1470.0 us (-30.0, -2.0%)" in diff(a, b, top=5)

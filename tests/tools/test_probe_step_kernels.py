@@ -3,9 +3,10 @@ its run aggregation, and its in-process A/B (--ab): the switch spec and the inte
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from tools.probe_step_kernels import aggregate_runs, family, hlo_index, interleaved, parse_ab
+from tools.probe_step_kernels import aggregate_runs, family, hlo_index, interleaved, parse_ab, wall_times
 
 # one line per instruction, as XLA prints them
 HLO = """
@@ -64,3 +65,17 @@ def test_variants_are_measured_in_turn():
     assert calls == ["a", "b", "a", "b", "a", "b"] and how == "fake"
     assert [len(r) for r in runs] == [3, 3]
     assert [r[0][0] for r in runs[0]] == ["k_a"] * 3 and [ms for r in runs[1] for _, ms in r] == [0.002, 0.004, 0.006]
+
+
+def test_wall_clock_is_taken_in_turn_after_a_warm_call():
+    calls: list[str] = []
+
+    def variant(name):
+        def f(x):
+            calls.append(name)
+            return x
+        return f
+
+    walls = wall_times([variant("a"), variant("b")], (np.zeros(2),), 3)
+    assert calls == ["a", "b"] + ["a", "b"] * 3  # one warm call each, then in turn
+    assert len(walls) == 2 and all(w >= 0.0 for w in walls)
