@@ -58,6 +58,19 @@ def region_kernel_rows() -> int:
     return _kernel_rows("REGION", REGION_KERNEL_ROWS)
 
 
+def dense_proj_kernel() -> bool:
+    """Whether dense layers (MD2's every layer, MD3's first four) also run their decode output
+    projection through the decode GEMM kernel (at most `proj_kernel_rows()` rows), as MoE layers
+    do; their QKV stays in XLA, merged with fc1. KESTREL_JAX_DENSE_PROJ_GEMV=1 (read at trace time),
+    opt-in until measured: at one row XLA's product is a two-row split-K GEMM after a pad launch
+    (MD3's dense layers, H100, twenty-first session: 5.0 + 1.2 us against the kernel's 4.6 in MoE
+    layers, where the split-KV merge fuses with its pad)."""
+    value = os.environ.get("KESTREL_JAX_DENSE_PROJ_GEMV", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"KESTREL_JAX_DENSE_PROJ_GEMV must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 class KVCache(NamedTuple):
     """Per-layer paged pools (layout: `kestrel_jax.pallas.paged_attention`) and their scales."""
 
@@ -184,7 +197,7 @@ class Attention(nnx.Module):
         if batch.cu_q_lens is None:
             o = ops.decode_attention(q, k_pages, v_pages, batch.kv_lens, batch.page_table,
                                      k_scale, v_scale, sm_scale=scale)
-            return self._project(o.reshape(t, h * hd), decode), k_pages, v_pages, routed
+            return self._project(o.reshape(t, h * hd), decode or dense_proj_kernel()), k_pages, v_pages, routed
         else:
             assert batch.prefix_lens is not None
             nd = 0 if batch.decode is None else batch.decode.rows

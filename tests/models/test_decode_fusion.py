@@ -19,7 +19,7 @@ import pytest
 from kestrel_jax.models.config import tiny_config
 from kestrel_jax.models.layers import gelu_erf
 from kestrel_jax.models.moondream import random_model
-from kestrel_jax.models.text import AttentionBatch, KVCache
+from kestrel_jax.models.text import AttentionBatch, KVCache, dense_proj_kernel
 from kestrel_jax.pallas import decode_residual as dr
 from kestrel_jax.pallas import gemv_mgpu, layer_norm_triton, ops
 from kestrel_jax.pallas import paged_attention as pa
@@ -315,3 +315,44 @@ def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[
     monkeypatch.setenv("KESTREL_JAX_ROUTE_IN_QKV", "2")
     with ops.use_backend("kernel"), pytest.raises(ValueError, match="KESTREL_JAX_ROUTE_IN_QKV"):
         ops.route_in_qkv_wanted()
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_dense_layers_project_through_the_decode_gemm_when_switched_on(stand_ins: list[str],
+                                                                       monkeypatch: pytest.MonkeyPatch, t: int) -> None:
+    """KESTREL_JAX_DENSE_PROJ_GEMV=1: MD2's dense layers run their decode output projection through
+    the decode GEMM kernel (a stand-in of the same contract here) and the hidden states match the
+    reference path; off (the default), they never reach it."""
+    model = random_model(tiny_config("md2"), dtype=jnp.float32, std=0.05).text
+    cfg = model.cfg
+    rng = np.random.default_rng(t)
+    pool = init_kv_pool(cfg.n_layers, PAGES, PAGE, cfg.n_kv_heads, cfg.head_dim, jnp.float32)
+    cache = KVCache(tuple(jnp.asarray(rng.standard_normal(k.shape), jnp.float32) for k, _ in pool),
+                    tuple(jnp.asarray(rng.standard_normal(v.shape), jnp.float32) for _, v in pool),
+                    jnp.ones(cfg.n_layers), jnp.ones(cfg.n_layers))
+    x = jnp.asarray(rng.standard_normal((t, cfg.dim)), jnp.float32)
+    positions = jnp.asarray(rng.integers(10, 150, t), jnp.int32)
+    table = jnp.asarray(np.stack([rng.permutation(PAGES)[:MAXP] for _ in range(t)]), jnp.int32)
+    slots = table[jnp.arange(t), positions // PAGE] * PAGE + positions % PAGE
+    batch = AttentionBatch(positions, slots, positions + 1, table)
+    shapes: list[tuple[int, ...]] = []
+
+    def partials(x, w, *a, **kw):
+        shapes.append(w.shape)
+        return _partials(x, w)
+
+    monkeypatch.setattr(gemv_mgpu, "gemv_partials", partials)
+    with ops.use_backend("reference"):
+        want, _, _ = model(x, batch, cache)
+    for switch, expect in (("0", []), ("1", [(cfg.dim, cfg.dim)])):
+        monkeypatch.setenv("KESTREL_JAX_DENSE_PROJ_GEMV", switch)
+        shapes.clear()
+        ops._jitted.cache_clear()
+        jax.clear_caches()
+        with ops.use_backend("kernel"):
+            got, _, _ = model(x, batch, cache)
+        assert shapes == expect, switch  # traced once: the layers share one jitted call
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
+    monkeypatch.setenv("KESTREL_JAX_DENSE_PROJ_GEMV", "2")
+    with pytest.raises(ValueError, match="KESTREL_JAX_DENSE_PROJ_GEMV"):
+        dense_proj_kernel()
