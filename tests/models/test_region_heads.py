@@ -100,3 +100,16 @@ def test_region_heads_keep_the_jnp_path_past_the_threshold_and_for_mlps(launches
     assert launches == []
     with ops.use_backend("reference"):
         np.testing.assert_array_equal(np.asarray(coord), np.asarray(md3.decode_coordinate(h9)))
+
+
+def test_the_gpu_check_tool_compares_both_paths(launches: list[tuple[int, ...]], md3_region: RegionModel) -> None:
+    """tools/check_region_heads.py's comparison, here with the kernel's stand-in: every head within
+    bf16 rounding of XLA's, and the decoders' product came from the paired launch."""
+    from tools.check_region_heads import compare
+
+    with ops.use_backend("kernel"):
+        res = compare(md3_region, 2)
+    assert (2, md3_region.cfg.dim, md3_region.cfg.coord_out_dim + md3_region.cfg.size_out_dim) in launches
+    for name in ("coord", "size", "enc_coord", "enc_size"):
+        assert res[name]["finite"] and res[name]["max_rel"] <= 2e-2, (name, res[name])
+    assert 0.0 <= res["coord"]["argmax_agree"] <= 1.0
