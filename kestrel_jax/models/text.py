@@ -33,7 +33,7 @@ QKV_KERNEL_ROWS = 1
 PROJ_KERNEL_ROWS = 8
 # The region heads' small products (encoders [256 | 512, 2048], decoders [2048, 1024 + 2048]), run
 # for every row of every step: at one row XLA rewrites each into a multiply + reduce (H100, session
-# 21: ~34 us of a batch-1 MD3 decode step for all four). KESTREL_JAX_GEMV_REGION_ROWS overrides.
+# 21: ~28 us of a batch-1 MD3 decode step for all four). KESTREL_JAX_GEMV_REGION_ROWS overrides.
 REGION_KERNEL_ROWS = 8
 
 

@@ -44,7 +44,9 @@ from kestrel_jax.pallas.moe import gelu_erf_poly
 from kestrel_jax.pallas.moe_route_mgpu import DenseRoute
 from kestrel_jax.pallas.paged_attention import FP8_MAX, check_pool, is_fp8, write_kv_ref
 
-MAX_TAU_ROWS = 8  # decode rows up to which the model runs the kernel when tau is on
+# Decode rows up to which the model has the kernel form tau from the tau weights (each program a
+# GELU over its whole row); past them XLA forms the factors. With the QKV GEMM's tau dots: any rows.
+MAX_TAU_ROWS = 8
 # Warps per program. H100, sixth session (tools/bench_qkv_epilogue.py, 24 cold layers, us per
 # layer at 1 / 8 rows): with tau 4 warps 8.25 / 8.75, 8 warps 6.29 / 7.02, 16 warps 4.60 / 6.12
 # (the jnp path: 7.77 / 11.05); without tau 4 warps 1.77 / 1.91, 16 warps 1.87 / 2.25 (jnp 2.74 /
