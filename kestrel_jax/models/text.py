@@ -22,6 +22,7 @@ from kestrel_jax.pallas.decode_residual import ExpertRows, combine_rows
 from kestrel_jax.pallas.moe import ExpertWeights
 from kestrel_jax.pallas.moe_route_mgpu import DenseRoute
 from kestrel_jax.pallas.qkv_epilogue import TauDots, TauWeights, qkv_heads_ref
+from kestrel_jax.switches import flag
 
 # Decode rows up to which the attention projections of MoE layers use the decode GEMM kernel
 # (`kestrel_jax.pallas.gemv_mgpu`) instead of XLA's GEMM. H100, fifth session, 24 cold weights:
@@ -65,10 +66,7 @@ def dense_proj_kernel() -> bool:
     opt-in until measured: at one row XLA's product is a two-row split-K GEMM after a pad launch
     (MD3's dense layers, H100, twenty-first session: 5.0 + 1.2 us against the kernel's 4.6 in MoE
     layers, where the split-KV merge fuses with its pad)."""
-    value = os.environ.get("KESTREL_JAX_DENSE_PROJ_GEMV", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"KESTREL_JAX_DENSE_PROJ_GEMV must be 0 or 1, got {value!r}")
-    return value == "1"
+    return flag("KESTREL_JAX_DENSE_PROJ_GEMV", False)
 
 
 class KVCache(NamedTuple):
@@ -279,9 +277,8 @@ class MoE(nnx.Module):
     def rows(self, x: jax.Array, num_valid: jax.Array | None, logits: jax.Array | None,
              tokens: int, x_f16: jax.Array | None = None, route: DenseRoute | None = None) -> ExpertRows | None:
         """The layer's expert rows before the weighted sum (decode on a GPU; x may be padded past
-        `tokens` rows, `x_f16` its f16 copy for W8A16 experts,
-        `route` its routing tables when the QKV epilogue built them), or None where the kernel
-        path does not produce them."""
+        `tokens` rows, `x_f16` its f16 copy for W8A16 experts, `route` its routing tables when the
+        QKV epilogue built them), or None where the kernel path does not produce them."""
         router_w = self.router.kernel[...]
         router_b = self.router.bias[...] if self.router.bias is not None else jnp.zeros(router_w.shape[1])
         return ops.moe_layer_rows(x, router_w, router_b, self.experts(), top_k=self.top_k, num_valid_tokens=num_valid,

@@ -87,6 +87,7 @@ from kestrel_jax.pallas.moe_route_mgpu import DenseRoute, route_dense, route_den
 from kestrel_jax.pallas.moe_route_triton import route_tables, route_tables_supported
 from kestrel_jax.pallas.paged_attention_mgpu import own_buffer
 from kestrel_jax.pallas.quantize_triton import quantize_rows_kernel, quantize_rows_problem
+from kestrel_jax.switches import flag
 
 FP8 = jnp.float8_e4m3fn
 F16_MAX = 65504.0
@@ -515,10 +516,7 @@ def quant_in_gemm_wanted() -> bool:
     """`default_config`'s `quant_in_gemm`, read at trace time: KESTREL_JAX_MOE_GEMM_QUANT=0 has the
     dense W8A8 regime quantise its token rows and activation in launches of their own
     (`quantize_triton`) for A/B runs."""
-    value = os.environ.get("KESTREL_JAX_MOE_GEMM_QUANT", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"KESTREL_JAX_MOE_GEMM_QUANT must be 0 or 1, got {value!r}")
-    return value == "1"
+    return flag("KESTREL_JAX_MOE_GEMM_QUANT", True)
 
 
 META_CHUNK = 256  # TMA box limit per dimension

@@ -22,6 +22,7 @@ from kestrel_jax.pallas import moe as moe_ref_mod
 from kestrel_jax.pallas import paged_attention as attn_ref_mod
 from kestrel_jax.pallas.decode_residual import ExpertRows
 from kestrel_jax.pallas.moe import ExpertWeights, Routing
+from kestrel_jax.switches import flag
 
 Backend = Literal["auto", "reference", "kernel"]
 _state = threading.local()
@@ -157,10 +158,7 @@ def tau_dots_wanted() -> bool:
     """Whether `small_linear_pair` forms MD3's tau dots in its launch where it can:
     KESTREL_JAX_TAU_DOTS, default 1; 0 has the QKV epilogue form them from the whole row itself
     (an A/B switch, read at trace time)."""
-    value = os.environ.get("KESTREL_JAX_TAU_DOTS", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"KESTREL_JAX_TAU_DOTS must be 0 or 1, got {value!r}")
-    return value == "1"
+    return flag("KESTREL_JAX_TAU_DOTS", True)
 
 
 def gemv_rows_wanted() -> bool:
@@ -237,10 +235,7 @@ def residual_layer_norm_wanted() -> bool:
     fused that sum into the residual): step 1,688.9 -> 1,715.3 us, W1 686.9 / 682.9 vs 672.3 /
     686.8 tok/s. Finished unsplit projection rows (`gemv_mgpu.gemv_rows`) instead cost 7.5 us
     against 4.6 (32 CTAs for 2,048 columns)."""
-    value = os.environ.get("KESTREL_JAX_RESIDUAL_LN", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"KESTREL_JAX_RESIDUAL_LN must be 0 or 1, got {value!r}")
-    return value == "1"
+    return flag("KESTREL_JAX_RESIDUAL_LN", False)
 
 
 def decode_residual_layer_norm(x: jax.Array, a: jax.Array, moe: Any, scale: jax.Array, bias: jax.Array,
@@ -324,10 +319,7 @@ def route_in_qkv_wanted() -> bool:
     the batch-1 decode step 1,766.8 -> 1,700.0 us (the 3.1 us routing launch gone from 20 layers;
     the epilogue 0.3 us longer), W1 657.96 / 657.96 -> 684.28 / 683.37 tok/s (A/B/A/B), hidden
     states bit-identical. KESTREL_JAX_ROUTE_IN_QKV=0 (read at trace time) restores the launch."""
-    value = os.environ.get("KESTREL_JAX_ROUTE_IN_QKV", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"KESTREL_JAX_ROUTE_IN_QKV must be 0 or 1, got {value!r}")
-    return value == "1"
+    return flag("KESTREL_JAX_ROUTE_IN_QKV", True)
 
 
 def decode_qkv_routed(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

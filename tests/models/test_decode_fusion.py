@@ -92,6 +92,20 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return calls
 
 
+def _f32_decode_case(cfg, t: int, rng: np.random.Generator) -> tuple:
+    """(x, batch, cache): t decode rows of float32 inputs over a filled random cache (random K/V in
+    every page), each row its own scrambled page table."""
+    pool = init_kv_pool(cfg.n_layers, PAGES, PAGE, cfg.n_kv_heads, cfg.head_dim, jnp.float32)
+    cache = KVCache(tuple(jnp.asarray(rng.standard_normal(k.shape), jnp.float32) for k, _ in pool),
+                    tuple(jnp.asarray(rng.standard_normal(v.shape), jnp.float32) for _, v in pool),
+                    jnp.ones(cfg.n_layers), jnp.ones(cfg.n_layers))
+    x = jnp.asarray(rng.standard_normal((t, cfg.dim)), jnp.float32)
+    positions = jnp.asarray(rng.integers(10, 150, t), jnp.int32)
+    table = jnp.asarray(np.stack([rng.permutation(PAGES)[:MAXP] for _ in range(t)]), jnp.int32)
+    slots = table[jnp.arange(t), positions // PAGE] * PAGE + positions % PAGE
+    return x, AttentionBatch(positions, slots, positions + 1, table), cache
+
+
 def test_fused_decode_matches_the_reference_path(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """One decode row, float32 weights, each layer its own LayerNorm; with the opt-in residual +
     LayerNorm launch a MoE layer followed by another ends in `ops.decode_residual_layer_norm`."""
@@ -103,16 +117,7 @@ def test_fused_decode_matches_the_reference_path(stand_ins: list[str], monkeypat
     for block in model.blocks:  # each layer its own LayerNorm: a handoff to the wrong layer shows
         block.ln.scale.set_value(jnp.asarray(rng.uniform(0.5, 1.5, cfg.dim), jnp.float32))
         block.ln.bias.set_value(jnp.asarray(rng.standard_normal(cfg.dim) * 0.1, jnp.float32))
-    pool = init_kv_pool(cfg.n_layers, PAGES, PAGE, cfg.n_kv_heads, cfg.head_dim, jnp.float32)
-    # a filled context: random cached K/V in every page
-    cache = KVCache(tuple(jnp.asarray(rng.standard_normal(k.shape), jnp.float32) for k, _ in pool),
-                    tuple(jnp.asarray(rng.standard_normal(v.shape), jnp.float32) for _, v in pool),
-                    jnp.ones(cfg.n_layers), jnp.ones(cfg.n_layers))
-    x = jnp.asarray(rng.standard_normal((t, cfg.dim)), jnp.float32)
-    positions = jnp.asarray(rng.integers(10, 150, t), jnp.int32)
-    table = jnp.asarray(np.stack([rng.permutation(PAGES)[:MAXP] for _ in range(t)]), jnp.int32)
-    slots = table[jnp.arange(t), positions // PAGE] * PAGE + positions % PAGE
-    batch = AttentionBatch(positions, slots, positions + 1, table)
+    x, batch, cache = _f32_decode_case(cfg, t, rng)
     with ops.use_backend("reference"):
         want, _, _ = model(x, batch, cache)
     with ops.use_backend("kernel"):
@@ -327,16 +332,7 @@ def test_dense_layers_project_through_the_decode_gemm_when_switched_on(stand_ins
     t = 1
     model = TextModel(tiny_config("md2").text, dtype=jnp.float32, rngs=nnx.Rngs(t))
     cfg = model.cfg
-    rng = np.random.default_rng(t)
-    pool = init_kv_pool(cfg.n_layers, PAGES, PAGE, cfg.n_kv_heads, cfg.head_dim, jnp.float32)
-    cache = KVCache(tuple(jnp.asarray(rng.standard_normal(k.shape), jnp.float32) for k, _ in pool),
-                    tuple(jnp.asarray(rng.standard_normal(v.shape), jnp.float32) for _, v in pool),
-                    jnp.ones(cfg.n_layers), jnp.ones(cfg.n_layers))
-    x = jnp.asarray(rng.standard_normal((t, cfg.dim)), jnp.float32)
-    positions = jnp.asarray(rng.integers(10, 150, t), jnp.int32)
-    table = jnp.asarray(np.stack([rng.permutation(PAGES)[:MAXP] for _ in range(t)]), jnp.int32)
-    slots = table[jnp.arange(t), positions // PAGE] * PAGE + positions % PAGE
-    batch = AttentionBatch(positions, slots, positions + 1, table)
+    x, batch, cache = _f32_decode_case(cfg, t, np.random.default_rng(t))
     shapes: list[tuple[int, ...]] = []
 
     def partials(x, w, *a, **kw):
