@@ -26,11 +26,15 @@ from kestrel_jax.switches import flag
 
 # Decode rows up to which the attention projections of MoE layers use the decode GEMM kernel
 # (`kestrel_jax.pallas.gemv_mgpu`) instead of XLA's GEMM. H100, fifth session, 24 cold weights:
-# proj [2048, 2048] 6.0 vs 15.8 us at 1 row, 6.2 vs 10.2 at 8; QKV [2048, 6144] 11.4 vs 12.1 us at
-# 1 row but 11.8 vs 10.6 at 8 (both including the kernel's split-sum, which fuses into the
-# consumer inside the model). KESTREL_JAX_GEMV_QKV_ROWS / KESTREL_JAX_GEMV_PROJ_ROWS (read at
-# trace time, at most the kernel's 64) override them for A/B runs.
-QKV_KERNEL_ROWS = 1
+# proj [2048, 2048] 6.0 vs 15.8 us at 1 row, 6.2 vs 10.2 at 8. The QKV product (with the router's,
+# `gemv_rows`: finished rows that the QKV epilogue and the routing tables read as they are, the
+# LayerNorm kernel ahead of it) at every decode size since the twenty-second session (H100, MD3
+# decode step at batch 8 / 32 / 64: CUPTI -4.6 / -3.1 / -1.7%, wall -4.7 / -3.9 / -3.9%; W2 C=64
+# 6,653.9 -> 6,744.4 output tok/s), though alone it is slower than XLA's at 8 rows (11.8 vs 10.6
+# us, fifth session): what it saves is XLA's split-K sums, converts and concatenations around it.
+# KESTREL_JAX_GEMV_QKV_ROWS / KESTREL_JAX_GEMV_PROJ_ROWS (read at trace time, at most the kernel's
+# 64) override them for A/B runs.
+QKV_KERNEL_ROWS = 64
 PROJ_KERNEL_ROWS = 8
 # The region heads' small products (encoders [256 | 512, 2048], decoders [2048, 1024 + 2048]), run
 # for every row of every step: at one row XLA rewrites each into a multiply + reduce (H100, session
@@ -62,11 +66,11 @@ def region_kernel_rows() -> int:
 def dense_proj_kernel() -> bool:
     """Whether dense layers (MD2's every layer, MD3's first four) also run their decode output
     projection through the decode GEMM kernel (at most `proj_kernel_rows()` rows), as MoE layers
-    do; their QKV stays in XLA, merged with fc1. KESTREL_JAX_DENSE_PROJ_GEMV=1 (read at trace time),
-    opt-in until measured: at one row XLA's product is a two-row split-K GEMM after a pad launch
-    (MD3's dense layers, H100, twenty-first session: 5.0 + 1.2 us against the kernel's 4.6 in MoE
-    layers, where the split-KV merge fuses with its pad)."""
-    return flag("KESTREL_JAX_DENSE_PROJ_GEMV", False)
+    do; their QKV stays in XLA, merged with fc1. KESTREL_JAX_DENSE_PROJ_GEMV (read at trace time),
+    default 1: at one row XLA's product is a two-row split-K GEMM after a pad launch (MD3 batch-1
+    step, H100, twenty-second session: 1,664.5 -> 1,660.6 us CUPTI, wall 3,082.6 -> 3,075.3, the
+    hidden states bit-identical); 0 keeps XLA's."""
+    return flag("KESTREL_JAX_DENSE_PROJ_GEMV", True)
 
 
 class KVCache(NamedTuple):

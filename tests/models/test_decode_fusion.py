@@ -323,11 +323,11 @@ def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[
         ops.route_in_qkv_wanted()
 
 
-def test_dense_layers_project_through_the_decode_gemm_when_switched_on(stand_ins: list[str],
+def test_dense_layers_project_through_the_decode_gemm_unless_switched_off(stand_ins: list[str],
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """KESTREL_JAX_DENSE_PROJ_GEMV=1: MD2's dense layers run their decode output projection (one
-    row: XLA's two-row GEMM otherwise) through the decode GEMM kernel (a stand-in of the same
-    contract here) and the hidden states match the reference path; off (the default), they never
+    """KESTREL_JAX_DENSE_PROJ_GEMV=1 (the default): MD2's dense layers run their decode output
+    projection (one row: XLA's two-row GEMM otherwise) through the decode GEMM kernel (a stand-in
+    of the same contract here) and the hidden states match the reference path; off, they never
     reach it."""
     t = 1
     model = TextModel(tiny_config("md2").text, dtype=jnp.float32, rngs=nnx.Rngs(t))
@@ -354,3 +354,5 @@ def test_dense_layers_project_through_the_decode_gemm_when_switched_on(stand_ins
     monkeypatch.setenv("KESTREL_JAX_DENSE_PROJ_GEMV", "2")
     with pytest.raises(ValueError, match="KESTREL_JAX_DENSE_PROJ_GEMV"):
         dense_proj_kernel()
+    monkeypatch.delenv("KESTREL_JAX_DENSE_PROJ_GEMV")
+    assert dense_proj_kernel()
