@@ -76,15 +76,44 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
 
 
 def decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
-                     page_table: jax.Array, k_scale: jax.Array, v_scale: jax.Array, *, sm_scale: float) -> jax.Array:
+                     page_table: jax.Array, k_scale: jax.Array, v_scale: jax.Array, *, sm_scale: float,
+                     prefetch: tuple[jax.Array, ...] = (),
+                     prefetch_experts: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """Paged decode attention. On the kernel path the CTAs also ask `prefetch` (weights the step
+    reads next) and `prefetch_experts` ((up weights, `meta_up`): the selected experts' up
+    weights) into L2 (`l2_prefetch`); the reference ignores both (they change no value)."""
     if _want_kernel():
         from kestrel_jax.pallas import paged_attention_mgpu as kern
 
         if kern.decode_attention_kernel_supported(q, k_pages, page_table):
-            return _jitted(kern.decode_attention_kernel, ("sm_scale",))(q, k_pages, v_pages, kv_lens, page_table,
-                                                                        k_scale, v_scale, sm_scale=sm_scale)
+            blocks = min(64, q.shape[0] * 8)
+            mask = l2_prefetch_mask()
+            return _jitted(kern.decode_attention_kernel, ("sm_scale", "prefetch_max_blocks", "prefetch_late",
+                                                          "prefetch_expert_part"))(
+                q, k_pages, v_pages, kv_lens, page_table, k_scale, v_scale, sm_scale=sm_scale,
+                prefetch=prefetch, prefetch_experts=prefetch_experts, prefetch_max_blocks=blocks,
+                prefetch_late=bool(mask & 4), prefetch_expert_part=2 if mask & 8 else 1)
     return attn_ref_mod.decode_attention_ref(q, k_pages, v_pages, kv_lens, page_table, k_scale, v_scale,
                                              sm_scale=sm_scale)
+
+
+# Batches up to this many rows have decode attention prefetch the step's next weights into L2.
+PREFETCH_MAX_ROWS = 8
+
+
+def l2_prefetch_mask() -> int:
+    """What decode attention asks into L2 for the GEMMs after it (`l2_prefetch`), read at trace
+    time from KESTREL_JAX_L2_PREFETCH, a bit mask: 1 the output projection's weight, 2 the
+    selected experts' up weights (MoE layers whose routing tables the QKV epilogue built); 4 asks
+    once each CTA's own loads are consumed instead of at its start, 8 only the first half of each
+    expert's rows; 0 asks nothing. Default 14, the experts' first halves, late (H100, batch-1 MD3
+    step, twenty-second session: CUPTI 1,664.0 -> 1,621.7 us, the MoE GEMMs -59 us, attention
+    +12; W1 706.7 -> 719.9 tok/s). The projection's weight did not pay (its GEMM -0.15 us per
+    layer, attention +1.3 us)."""
+    value = os.environ.get("KESTREL_JAX_L2_PREFETCH", "14")
+    if not value.isdigit() or int(value) > 15:
+        raise ValueError(f"KESTREL_JAX_L2_PREFETCH must be a bit mask in 0..15, got {value!r}")
+    return int(value)
 
 
 def prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cu_q_lens: jax.Array,

@@ -47,6 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kestrel_jax.pallas import l2_prefetch
 from kestrel_jax.pallas.paged_attention import FP8_MAX, KVLayoutError, check_pool, is_fp8
 
 LOG2E = math.log2(math.e)
@@ -229,9 +230,20 @@ def decode_attention_kernel(
     sm_scale: float,
     num_splits: int | None = None,
     depth: int | None = None,
+    prefetch: tuple[jax.Array, ...] = (),
+    prefetch_experts: tuple[jax.Array, jax.Array] | None = None,
+    prefetch_max_blocks: int = 8,
+    prefetch_late: bool = False,
+    prefetch_expert_part: int = 1,
     interpret: bool = False,
     detect_races: bool = False,
 ) -> jax.Array:  # [B, H, D] in q.dtype; inactive rows are zero
+    """`prefetch`: weights to ask into L2 while the CTAs run (`l2_prefetch.issue`: arrays read
+    next by the step, e.g. the output projection); `prefetch_experts`: (up weights [E, R, K], the
+    dense regime's `meta_up`) for the selected experts' up weights (`l2_prefetch.issue_experts`,
+    at most `prefetch_max_blocks` blocks; of each expert the first 1 / `prefetch_expert_part` of its
+    rows). Asked at the start of each CTA (after its own first loads), or with `prefetch_late` once
+    its loads are all consumed. Neither changes the result."""
     check_pool(k_pages, v_pages)
     if not decode_attention_kernel_supported(q, k_pages, page_table):
         raise KVLayoutError(f"decode kernel does not support q {q.shape} {q.dtype}, pool {k_pages.shape} "
@@ -263,7 +275,15 @@ def decode_attention_kernel(
         out_type = (jax.ShapeDtypeStruct((B, H, splits, D), jnp.float32),
                     jax.ShapeDtypeStruct((B, H, splits), jnp.float32))
 
+    pf_views = l2_prefetch.views(prefetch)
+    pf_experts = None
+    if prefetch_experts is not None:
+        ev = l2_prefetch.expert_view(prefetch_experts[0])
+        pf_experts = None if ev is None else (ev, prefetch_experts[1])
+    n_pf = len(pf_views) + (0 if pf_experts is None else 2)
+
     def body(q_ref, k_ref, v_ref, lens_ref, pt_ref, ks_ref, vs_ref, *rest):
+        pf_refs, rest = rest[:n_pf], rest[n_pf:]
         if splits == 1:
             (o_ref,), lse_ref = rest[:1], None
         else:
@@ -298,6 +318,17 @@ def decode_attention_kernel(
         plgpu.barrier_wait(pt_bar)
         for i in range(depth):
             pl.when(i < count)(functools.partial(issue, jnp.int32(i), jnp.int32(i)))
+
+        def ask_l2():
+            cta = (b * Hkv + h) * splits + s
+            n_ctas = B * Hkv * splits
+            l2_prefetch.issue(pf_refs[:len(pf_views)], cta, n_ctas)
+            if pf_experts is not None:
+                l2_prefetch.issue_experts(pf_refs[-2], pf_refs[-1], cta, n_ctas, prefetch_max_blocks,
+                                          prefetch_expert_part)
+
+        if n_pf and not prefetch_late:  # after this CTA's own first loads: on the critical path
+            ask_l2()
 
         row_ids = plgpu.broadcasted_iota(jnp.int32, (_TILE,), 0, layout=_ROW)
         init = tuple(
@@ -336,6 +367,8 @@ def decode_attention_kernel(
         full = jnp.minimum(count, jnp.maximum(n // _TILE - first, 0))
         final = lax.fori_loop(0, full, functools.partial(step, masked=False), init)
         final = lax.fori_loop(full, count, functools.partial(step, masked=True), final)
+        if n_pf and prefetch_late:
+            ask_l2()
         for j in range(g):
             m, den, acc = final[j]
             m_all = jnp.max(m, axis=0)
@@ -366,7 +399,8 @@ def decode_attention_kernel(
         interpret=_interpret_params(interpret, detect_races),
     )
     outs = kern(q, k_pages, v_pages, own_buffer(kv_lens, jnp.int32), page_table,
-                own_buffer(k_scale, jnp.float32), own_buffer(v_scale, jnp.float32))
+                own_buffer(k_scale, jnp.float32), own_buffer(v_scale, jnp.float32), *pf_views,
+                *(() if pf_experts is None else pf_experts))
     if splits == 1:
         return outs[0]
     return merge_splits(outs[0], outs[1], q.dtype)

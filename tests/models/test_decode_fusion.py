@@ -20,7 +20,7 @@ from flax import nnx
 from kestrel_jax.models.config import tiny_config
 from kestrel_jax.models.layers import gelu_erf
 from kestrel_jax.models.moondream import random_model
-from kestrel_jax.models.text import AttentionBatch, KVCache, TextModel, dense_proj_kernel
+from kestrel_jax.models.text import AttentionBatch, KVCache, MoE, TextModel, dense_proj_kernel
 from kestrel_jax.pallas import decode_residual as dr
 from kestrel_jax.pallas import gemv_mgpu, layer_norm_triton, ops
 from kestrel_jax.pallas import paged_attention as pa
@@ -28,6 +28,7 @@ from kestrel_jax.pallas.moe import ExpertWeights, _expert_matrix, route_ref
 from kestrel_jax.pallas.paged_attention import init_kv_pool
 
 PAGES, PAGE, MAXP = 8, 64, 4
+_prefetched: list[str] = []  # what the decode attention stand-in was handed to prefetch into L2
 
 
 def _partials(x, w, w2=None, **_):  # [2, N, Mp] f32 partials of y^T, K split in two
@@ -76,8 +77,16 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(gemv_mgpu, "gemv_rows", _gemv_rows)
     monkeypatch.setattr(gemv_mgpu, "gemv_supported", lambda x, w: x.shape[0] <= 64)
     monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_KERNEL", "0")
-    monkeypatch.setattr(ops, "decode_attention", lambda q, kp, vp, lens, table, ks, vs, *, sm_scale:
-                        pa.decode_attention_ref(q, kp, vp, lens, table, ks, vs, sm_scale=sm_scale))
+    _prefetched.clear()
+
+    def attention(q, kp, vp, lens, table, ks, vs, *, sm_scale, prefetch=(), prefetch_experts=None):
+        # the L2 prefetch targets it was handed, recorded by shape (the reference ignores them)
+        _prefetched.extend(f"weight {tuple(w.shape)}" for w in prefetch)
+        if prefetch_experts is not None:
+            _prefetched.append(f"experts {tuple(prefetch_experts[0].shape)} {tuple(prefetch_experts[1].shape)}")
+        return pa.decode_attention_ref(q, kp, vp, lens, table, ks, vs, sm_scale=sm_scale)
+
+    monkeypatch.setattr(ops, "decode_attention", attention)
     monkeypatch.setattr(ops, "moe_layer_rows", _rows)
     def interpreted(real, label):  # the kernel interpreted, its call recorded
         def call(*args, **kw):
@@ -318,6 +327,25 @@ def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[
         assert got_route == [switch == "1"] * moe_layers, switch
     assert np.isfinite(out["1"]).all()
     np.testing.assert_array_equal(out["1"], out["0"])
+    # KESTREL_JAX_L2_PREFETCH: decode attention is handed the output projection's weight (bit 1,
+    # every layer) and, where the epilogue built the routing tables, the up experts with them (bit 2;
+    # the default, 14, asks for the experts only)
+    proj = f"weight {(cfg.dim, cfg.dim)}"
+    up = next(b.mlp.fc1[...] for b in model.blocks if isinstance(b.mlp, MoE))
+    experts = f"experts {tuple(up.shape)} (1, 3, {up.shape[0]})"
+    assert _prefetched == [experts] * moe_layers  # the last run above, at the default
+    for mask, want in (("0", []), ("1", [proj] * cfg.n_layers), ("2", [experts] * moe_layers),
+                       ("3", [proj] * cfg.n_layers + [experts] * moe_layers)):
+        monkeypatch.setenv("KESTREL_JAX_L2_PREFETCH", mask)
+        ops._jitted.cache_clear()
+        _prefetched.clear()
+        with ops.use_backend("kernel"):
+            got = np.asarray(model(x, batch, cache)[0].astype(jnp.float32))
+        assert sorted(_prefetched) == sorted(want), mask
+        np.testing.assert_array_equal(got, out["1"])
+    monkeypatch.setenv("KESTREL_JAX_L2_PREFETCH", "16")
+    with pytest.raises(ValueError, match="KESTREL_JAX_L2_PREFETCH"):
+        ops.l2_prefetch_mask()
     monkeypatch.setenv("KESTREL_JAX_ROUTE_IN_QKV", "2")
     with ops.use_backend("kernel"), pytest.raises(ValueError, match="KESTREL_JAX_ROUTE_IN_QKV"):
         ops.route_in_qkv_wanted()
