@@ -24,7 +24,10 @@ pay (the MoE GEMMs -60 to -75 us per token), but the prefetch traffic slows the 
 kernels it overlaps (attention +0.5 to +1.6 us per layer, the split-KV merge +0.3); asking only
 the first half of each expert's rows, once the CTA's own loads are consumed, kept the most (step
 -42 us, W1 +1.9%). The output projection's weight did not pay (its GEMM, at 4.5 us for 8 MB, is
-not bound by the stream; attention +1.3 us per layer).
+not bound by the stream; attention +1.3 us per layer). Nor did prefetches from the streaming
+GEMMs themselves (call 6, patch in the benchmarks folder): the MoE up GEMM asking for the down
+weights moved nothing, the down GEMM asking for the next layer's QKV weights made that GEMM
+1.8 us faster per layer and itself 2.6 us slower.
 """
 
 from __future__ import annotations
@@ -77,33 +80,43 @@ def issue(view_refs: Sequence[object], cta: jax.Array, n_ctas: int) -> None:
 
 def expert_view(up: jax.Array) -> jax.Array | None:
     """An [E, R, K] expert weight as [E, R * K / 256, 256] (None where that is not possible)."""
-    if up.ndim != 3 or (up.shape[1] * up.shape[2]) % (COLS * MAX_BOX_ROWS) != 0:
+    if up.ndim != 3 or (up.shape[1] * up.shape[2]) % (COLS * 8) != 0:
         return None
     return up.reshape(up.shape[0], up.shape[1] * up.shape[2] // COLS, COLS)
+
+
+def expert_box_rows(view_rows: int) -> int:
+    """Rows per box of one expert's [R, 256] view: the largest power of two <= 256 dividing R."""
+    rb = MAX_BOX_ROWS
+    while view_rows % rb:
+        rb //= 2
+    return rb
 
 
 def expert_unit(u: jax.Array, nb: jax.Array, per_expert: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Box u of the selected experts' weights: (block, box within the expert, whether u is one of
     the nb * per_expert boxes); blocks fastest, so every expert's first boxes come first."""
-    nb1 = jnp.maximum(nb, 1)
-    return lax.rem(u, nb1), jnp.minimum(u // nb1, per_expert - 1), u < nb * per_expert
+    nb1 = jnp.maximum(nb, 1)  # lax.div / rem: all operands >= 0 (jnp's floor division may not lower)
+    return lax.rem(u, nb1), jnp.minimum(lax.div(u, nb1), per_expert - 1), u < nb * per_expert
 
 
-def expert_units_per_cta(view_rows: int, n_ctas: int, max_blocks: int) -> int:
-    return -(-max_blocks * (view_rows // MAX_BOX_ROWS) // n_ctas)
+def expert_units_per_cta(boxes_per_expert: int, n_ctas: int, max_blocks: int) -> int:
+    return -(-max_blocks * boxes_per_expert // n_ctas)
 
 
 def issue_experts(view_ref: object, meta_ref: object, cta: jax.Array, n_ctas: int, max_blocks: int,
                   part: int = 1) -> None:
     """In a kernel body: this CTA's boxes of the selected experts' weights (box u goes to CTA u mod
     n). `meta_ref` is the dense regime's [1, 3, 64] block table (row 0: block -> expert; [0, 2, 0]:
-    the block count), at most `max_blocks` blocks; boxes of 256 view rows (`expert_unit`), of each
-    expert the first 1 / `part` of its rows (the ones the MoE kernel reads first)."""
-    rows = view_ref.shape[1] // part  # type: ignore[attr-defined]
+    the block count), at most `max_blocks` blocks; boxes of `expert_box_rows` view rows
+    (`expert_unit`), of each expert the first 1 / `part` of its boxes (the rows the MoE kernel
+    reads first)."""
+    rows = view_ref.shape[1]  # type: ignore[attr-defined]
+    rb = expert_box_rows(rows)
+    boxes = max(1, rows // rb // part)
     nb = jnp.minimum(meta_ref[0, 2, 0], max_blocks)  # type: ignore[index]
-    for i in range(expert_units_per_cta(rows, n_ctas, max_blocks)):
-        blk, sl, valid = expert_unit(cta + i * n_ctas, nb, rows // MAX_BOX_ROWS)
+    for i in range(expert_units_per_cta(boxes, n_ctas, max_blocks)):
+        blk, sl, valid = expert_unit(cta + i * n_ctas, nb, boxes)
         expert = jnp.clip(meta_ref[0, 0, blk], 0, view_ref.shape[0] - 1)  # type: ignore[index,attr-defined]
-        start = pl.multiple_of(sl * MAX_BOX_ROWS, MAX_BOX_ROWS)
-        plgpu.async_prefetch(view_ref.at[expert, pl.ds(start, MAX_BOX_ROWS)],  # type: ignore[attr-defined]
-                             predicate=valid)
+        start = pl.multiple_of(sl * rb, rb)
+        plgpu.async_prefetch(view_ref.at[expert, pl.ds(start, rb)], predicate=valid)  # type: ignore[attr-defined]

@@ -25,7 +25,7 @@ def test_whole_array_boxes_cover_each_row_once(rows: int, n_ctas: int) -> None:
 @pytest.mark.parametrize("nb", [0, 1, 3, 8])
 def test_expert_boxes_cover_each_selected_expert_once_first_rows_first(nb: int) -> None:
     per_expert, n_ctas, max_blocks = 64, 128, 8
-    per_cta = lp.expert_units_per_cta(per_expert * lp.MAX_BOX_ROWS, n_ctas, max_blocks)
+    per_cta = lp.expert_units_per_cta(per_expert, n_ctas, max_blocks)
     u = jnp.arange(n_ctas * per_cta, dtype=jnp.int32)
     blk, sl, valid = (np.asarray(a) for a in lp.expert_unit(u, jnp.int32(nb), per_expert))
     pairs = [(int(b), int(s)) for b, s, v in zip(blk, sl, valid, strict=True) if v]
@@ -42,4 +42,6 @@ def test_views_are_free_reshapes_and_skip_what_cannot_be_viewed() -> None:
     up = jnp.zeros((4, 512, 128), jnp.float8_e4m3fn)
     ev = lp.expert_view(up)
     assert ev is not None and ev.shape == (4, 256, 256)
-    assert lp.expert_view(jnp.zeros((4, 8, 128), jnp.float8_e4m3fn)) is None
+    assert lp.expert_view(jnp.zeros((4, 3, 100), jnp.float8_e4m3fn)) is None
+    # boxes of at most 256 rows that divide an expert's view rows (MD3: 16,384 up, 8,192 down)
+    assert [lp.expert_box_rows(r) for r in (16384, 8192, 128, 24, 8)] == [256, 256, 128, 8, 8]
