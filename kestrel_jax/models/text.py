@@ -203,7 +203,8 @@ class Attention(nnx.Module):
             prefetch, prefetch_experts = self._prefetch(t, routed, experts_up)
             o = ops.decode_attention(q, k_pages, v_pages, batch.kv_lens, batch.page_table,
                                      k_scale, v_scale, sm_scale=scale, prefetch=prefetch,
-                                     prefetch_experts=prefetch_experts)
+                                     prefetch_experts=prefetch_experts,
+                                     prefetch_max_blocks=t * (route_top_k or 1))
             return self._project(o.reshape(t, h * hd), decode or dense_proj_kernel()), k_pages, v_pages, routed
         else:
             assert batch.prefix_lens is not None

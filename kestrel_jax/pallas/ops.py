@@ -78,27 +78,29 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
 def decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
                      page_table: jax.Array, k_scale: jax.Array, v_scale: jax.Array, *, sm_scale: float,
                      prefetch: tuple[jax.Array, ...] = (),
-                     prefetch_experts: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+                     prefetch_experts: tuple[jax.Array, jax.Array] | None = None,
+                     prefetch_max_blocks: int = 8) -> jax.Array:
     """Paged decode attention. On the kernel path the CTAs also ask `prefetch` (weights the step
     reads next) and `prefetch_experts` ((up weights, `meta_up`): the selected experts' up
-    weights) into L2 (`l2_prefetch`); the reference ignores both (they change no value)."""
+    weights, at most `prefetch_max_blocks` blocks) into L2 (`l2_prefetch`); the reference ignores
+    them (they change no value)."""
     if _want_kernel():
         from kestrel_jax.pallas import paged_attention_mgpu as kern
 
         if kern.decode_attention_kernel_supported(q, k_pages, page_table):
-            blocks = min(64, q.shape[0] * 8)
             mask = l2_prefetch_mask()
             return _jitted(kern.decode_attention_kernel, ("sm_scale", "prefetch_max_blocks", "prefetch_late",
                                                           "prefetch_expert_part"))(
                 q, k_pages, v_pages, kv_lens, page_table, k_scale, v_scale, sm_scale=sm_scale,
-                prefetch=prefetch, prefetch_experts=prefetch_experts, prefetch_max_blocks=blocks,
+                prefetch=prefetch, prefetch_experts=prefetch_experts, prefetch_max_blocks=prefetch_max_blocks,
                 prefetch_late=bool(mask & 4), prefetch_expert_part=2 if mask & 8 else 1)
     return attn_ref_mod.decode_attention_ref(q, k_pages, v_pages, kv_lens, page_table, k_scale, v_scale,
                                              sm_scale=sm_scale)
 
 
-# Batches up to this many rows have decode attention prefetch the step's next weights into L2.
-PREFETCH_MAX_ROWS = 8
+# Batches up to this many rows have decode attention prefetch the step's next weights into L2:
+# measured at one row only (at 8 rows the selected experts' up weights could be 4-8x L2).
+PREFETCH_MAX_ROWS = 1
 
 
 def l2_prefetch_mask() -> int:

@@ -327,7 +327,7 @@ def decode_attention_kernel(
                 l2_prefetch.issue_experts(pf_refs[-2], pf_refs[-1], cta, n_ctas, prefetch_max_blocks,
                                           prefetch_expert_part)
 
-        if n_pf and not prefetch_late:  # after this CTA's own first loads: on the critical path
+        if n_pf and not prefetch_late:  # behind this CTA's own first loads (its critical path)
             ask_l2()
 
         row_ids = plgpu.broadcasted_iota(jnp.int32, (_TILE,), 0, layout=_ROW)

@@ -79,11 +79,13 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_KERNEL", "0")
     _prefetched.clear()
 
-    def attention(q, kp, vp, lens, table, ks, vs, *, sm_scale, prefetch=(), prefetch_experts=None):
+    def attention(q, kp, vp, lens, table, ks, vs, *, sm_scale, prefetch=(), prefetch_experts=None,
+                  prefetch_max_blocks=8):
         # the L2 prefetch targets it was handed, recorded by shape (the reference ignores them)
         _prefetched.extend(f"weight {tuple(w.shape)}" for w in prefetch)
         if prefetch_experts is not None:
-            _prefetched.append(f"experts {tuple(prefetch_experts[0].shape)} {tuple(prefetch_experts[1].shape)}")
+            _prefetched.append(f"experts {tuple(prefetch_experts[0].shape)} {tuple(prefetch_experts[1].shape)} "
+                               f"{prefetch_max_blocks}")
         return pa.decode_attention_ref(q, kp, vp, lens, table, ks, vs, sm_scale=sm_scale)
 
     monkeypatch.setattr(ops, "decode_attention", attention)
@@ -332,7 +334,8 @@ def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[
     # the default, 14, asks for the experts only)
     proj = f"weight {(cfg.dim, cfg.dim)}"
     up = next(b.mlp.fc1[...] for b in model.blocks if isinstance(b.mlp, MoE))
-    experts = f"experts {tuple(up.shape)} (1, 3, {up.shape[0]})"
+    top_k = next(b.mlp.top_k for b in model.blocks if isinstance(b.mlp, MoE))
+    experts = f"experts {tuple(up.shape)} (1, 3, {up.shape[0]}) {top_k}"  # at most top_k blocks at one row
     assert _prefetched == [experts] * moe_layers  # the last run above, at the default
     for mask, want in (("0", []), ("1", [proj] * cfg.n_layers), ("2", [experts] * moe_layers),
                        ("3", [proj] * cfg.n_layers + [experts] * moe_layers)):
