@@ -158,7 +158,7 @@ class Attention(nnx.Module):
         router: Linear | None = None,
         *,
         route_top_k: int | None = None,
-        experts_up: jax.Array | None = None,
+        experts: ExpertWeights | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | DenseRoute | None]:
         """-> (output, k_pages, v_pages, router logits, routing tables or None). With `router` (the
         MoE layer's, which reads the same normalised input), decode on a GPU computes its logits in
@@ -166,8 +166,8 @@ class Attention(nnx.Module):
         `route_top_k` as well, the QKV epilogue's launch may turn them into the MoE's routing
         tables (`ops.decode_qkv_routed`, a `DenseRoute` returned instead of the logits). x may
         arrive padded past the batch's rows (the decode LayerNorm kernel's normalised rows).
-        `experts_up` (an MoE layer's up weights): what decode attention may ask into L2 for the
-        selected experts (`ops.l2_prefetch_mask`)."""
+        `experts` (an MoE layer's): what decode attention may ask into L2 for the selected experts
+        (`ops.l2_prefetch_mask`)."""
         cfg = self.cfg
         t = batch.positions.shape[0]
         hd, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -200,7 +200,7 @@ class Attention(nnx.Module):
             k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, batch.slots, k_scale, v_scale)
         scale = hd**-0.5
         if batch.cu_q_lens is None:
-            prefetch, prefetch_experts = self._prefetch(t, routed, experts_up)
+            prefetch, prefetch_experts = self._prefetch(t, routed, experts)
             o = ops.decode_attention(q, k_pages, v_pages, batch.kv_lens, batch.page_table,
                                      k_scale, v_scale, sm_scale=scale, prefetch=prefetch,
                                      prefetch_experts=prefetch_experts,
@@ -218,16 +218,19 @@ class Attention(nnx.Module):
                 o = jnp.concatenate([od, o])
             return self._project(o.reshape(t, h * hd), decode), k_pages, v_pages, logits
 
-    def _prefetch(self, t: int, routed: jax.Array | DenseRoute | None, experts_up: jax.Array | None,
-                  ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, jax.Array] | None]:
+    def _prefetch(self, t: int, routed: jax.Array | DenseRoute | None, experts: ExpertWeights | None,
+                  ) -> tuple[tuple[jax.Array, ...], tuple[tuple[jax.Array, jax.Array], ...]]:
         """What decode attention asks into L2 for the GEMMs after it (`ops.l2_prefetch_mask`): the
-        output projection's weight, the selected experts' up weights (with the routing tables)."""
+        output projection's weight, the selected experts' up (and down) weights with the routing
+        tables' block tables."""
         mask = ops.l2_prefetch_mask() if t <= ops.PREFETCH_MAX_ROWS else 0
         prefetch = (self.proj.kernel[...],) if mask & 1 else ()
-        experts = None
-        if mask & 2 and experts_up is not None and isinstance(routed, DenseRoute):
-            experts = (experts_up, routed.meta_up)
-        return prefetch, experts
+        targets: tuple[tuple[jax.Array, jax.Array], ...] = ()
+        if mask & 2 and experts is not None and isinstance(routed, DenseRoute):
+            targets = ((experts.up_w, routed.meta_up),)
+            if mask & 16:
+                targets += ((experts.down_w, routed.meta_down),)
+        return prefetch, targets
 
     @staticmethod
     def _linear(layer: Linear, x: jax.Array, kernel_rows: int, rows: int | None = None) -> jax.Array | None:
@@ -380,7 +383,7 @@ class TextModel(nnx.Module):
             top_k = block.mlp.top_k if isinstance(block.mlp, MoE) and rows_path else None
             a, ks[i], vs[i], routed = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux,
                                                  router=router, route_top_k=top_k,
-                                                 experts_up=block.mlp.fc1[...] if isinstance(block.mlp, MoE) else None)
+                                                 experts=block.mlp.experts() if isinstance(block.mlp, MoE) else None)
             logits, route = (None, routed) if isinstance(routed, DenseRoute) else (routed, None)
             rows = None
             if isinstance(block.mlp, MoE) and rows_path:

@@ -78,11 +78,11 @@ def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
 def decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
                      page_table: jax.Array, k_scale: jax.Array, v_scale: jax.Array, *, sm_scale: float,
                      prefetch: tuple[jax.Array, ...] = (),
-                     prefetch_experts: tuple[jax.Array, jax.Array] | None = None,
+                     prefetch_experts: tuple[tuple[jax.Array, jax.Array], ...] = (),
                      prefetch_max_blocks: int = 8) -> jax.Array:
     """Paged decode attention. On the kernel path the CTAs also ask `prefetch` (weights the step
-    reads next) and `prefetch_experts` ((up weights, `meta_up`): the selected experts' up
-    weights, at most `prefetch_max_blocks` blocks) into L2 (`l2_prefetch`); the reference ignores
+    reads next) and `prefetch_experts` (pairs (expert weights, their block table): the selected
+    experts' weights, at most `prefetch_max_blocks` blocks) into L2 (`l2_prefetch`); the reference ignores
     them (they change no value)."""
     if _want_kernel():
         from kestrel_jax.pallas import paged_attention_mgpu as kern
@@ -108,13 +108,14 @@ def l2_prefetch_mask() -> int:
     time from KESTREL_JAX_L2_PREFETCH, a bit mask: 1 the output projection's weight, 2 the
     selected experts' up weights (MoE layers whose routing tables the QKV epilogue built); 4 asks
     once each CTA's own loads are consumed instead of at its start, 8 only the first half of each
-    expert's rows; 0 asks nothing. Default 14, the experts' first halves, late (H100, batch-1 MD3
+    expert's rows, 16 the selected experts' down weights as well (opt-in, not measured yet); 0
+    asks nothing. Default 14, the experts' first halves, late (H100, batch-1 MD3
     step, twenty-second session: CUPTI 1,664.0 -> 1,621.7 us, the MoE GEMMs -59 us, attention
     +12; W1 706.7 -> 719.9 tok/s). The projection's weight did not pay (its GEMM -0.15 us per
     layer, attention +1.3 us)."""
     value = os.environ.get("KESTREL_JAX_L2_PREFETCH", "14")
-    if not value.isdigit() or int(value) > 15:
-        raise ValueError(f"KESTREL_JAX_L2_PREFETCH must be a bit mask in 0..15, got {value!r}")
+    if not value.isdigit() or int(value) > 31:
+        raise ValueError(f"KESTREL_JAX_L2_PREFETCH must be a bit mask in 0..31, got {value!r}")
     return int(value)
 
 

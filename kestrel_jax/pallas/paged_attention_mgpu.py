@@ -231,7 +231,7 @@ def decode_attention_kernel(
     num_splits: int | None = None,
     depth: int | None = None,
     prefetch: tuple[jax.Array, ...] = (),
-    prefetch_experts: tuple[jax.Array, jax.Array] | None = None,
+    prefetch_experts: tuple[tuple[jax.Array, jax.Array], ...] = (),
     prefetch_max_blocks: int = 8,
     prefetch_late: bool = False,
     prefetch_expert_part: int = 1,
@@ -239,11 +239,12 @@ def decode_attention_kernel(
     detect_races: bool = False,
 ) -> jax.Array:  # [B, H, D] in q.dtype; inactive rows are zero
     """`prefetch`: weights to ask into L2 while the CTAs run (`l2_prefetch.issue`: arrays read
-    next by the step, e.g. the output projection); `prefetch_experts`: (up weights [E, R, K], the
-    dense regime's `meta_up`) for the selected experts' up weights (`l2_prefetch.issue_experts`,
-    at most `prefetch_max_blocks` blocks; of each expert the first 1 / `prefetch_expert_part` of its
-    rows). Asked at the start of each CTA (after its own first loads), or with `prefetch_late` once
-    its loads are all consumed. Neither changes the result."""
+    next by the step, e.g. the output projection); `prefetch_experts`: pairs (expert weights
+    [E, R, K], the dense regime's block table for them: `meta_up` / `meta_down`) for the selected
+    experts' weights (`l2_prefetch.issue_experts`, at most `prefetch_max_blocks` blocks; of each
+    expert the first 1 / `prefetch_expert_part` of its rows). Asked at the start of each CTA
+    (after its own first loads), or with `prefetch_late` once its loads are all consumed. None of
+    it changes the result."""
     check_pool(k_pages, v_pages)
     if not decode_attention_kernel_supported(q, k_pages, page_table):
         raise KVLayoutError(f"decode kernel does not support q {q.shape} {q.dtype}, pool {k_pages.shape} "
@@ -276,11 +277,9 @@ def decode_attention_kernel(
                     jax.ShapeDtypeStruct((B, H, splits), jnp.float32))
 
     pf_views = l2_prefetch.views(prefetch)
-    pf_experts = None
-    if prefetch_experts is not None:
-        ev = l2_prefetch.expert_view(prefetch_experts[0])
-        pf_experts = None if ev is None else (ev, prefetch_experts[1])
-    n_pf = len(pf_views) + (0 if pf_experts is None else 2)
+    pf_experts = [(ev, meta) for ev, meta in ((l2_prefetch.expert_view(w), meta) for w, meta in prefetch_experts)
+                  if ev is not None]
+    n_pf = len(pf_views) + 2 * len(pf_experts)
 
     def body(q_ref, k_ref, v_ref, lens_ref, pt_ref, ks_ref, vs_ref, *rest):
         pf_refs, rest = rest[:n_pf], rest[n_pf:]
@@ -323,9 +322,9 @@ def decode_attention_kernel(
             cta = (b * Hkv + h) * splits + s
             n_ctas = B * Hkv * splits
             l2_prefetch.issue(pf_refs[:len(pf_views)], cta, n_ctas)
-            if pf_experts is not None:
-                l2_prefetch.issue_experts(pf_refs[-2], pf_refs[-1], cta, n_ctas, prefetch_max_blocks,
-                                          prefetch_expert_part)
+            for i in range(len(pf_experts)):
+                w_ref, meta_ref = pf_refs[len(pf_views) + 2 * i:len(pf_views) + 2 * i + 2]
+                l2_prefetch.issue_experts(w_ref, meta_ref, cta, n_ctas, prefetch_max_blocks, prefetch_expert_part)
 
         if n_pf and not prefetch_late:  # behind this CTA's own first loads (its critical path)
             ask_l2()
@@ -400,7 +399,7 @@ def decode_attention_kernel(
     )
     outs = kern(q, k_pages, v_pages, own_buffer(kv_lens, jnp.int32), page_table,
                 own_buffer(k_scale, jnp.float32), own_buffer(v_scale, jnp.float32), *pf_views,
-                *(() if pf_experts is None else pf_experts))
+                *(a for pair in pf_experts for a in pair))
     if splits == 1:
         return outs[0]
     return merge_splits(outs[0], outs[1], q.dtype)

@@ -79,13 +79,12 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_KERNEL", "0")
     _prefetched.clear()
 
-    def attention(q, kp, vp, lens, table, ks, vs, *, sm_scale, prefetch=(), prefetch_experts=None,
+    def attention(q, kp, vp, lens, table, ks, vs, *, sm_scale, prefetch=(), prefetch_experts=(),
                   prefetch_max_blocks=8):
         # the L2 prefetch targets it was handed, recorded by shape (the reference ignores them)
         _prefetched.extend(f"weight {tuple(w.shape)}" for w in prefetch)
-        if prefetch_experts is not None:
-            _prefetched.append(f"experts {tuple(prefetch_experts[0].shape)} {tuple(prefetch_experts[1].shape)} "
-                               f"{prefetch_max_blocks}")
+        _prefetched.extend(f"experts {tuple(w.shape)} {tuple(meta.shape)} {prefetch_max_blocks}"
+                           for w, meta in prefetch_experts)
         return pa.decode_attention_ref(q, kp, vp, lens, table, ks, vs, sm_scale=sm_scale)
 
     monkeypatch.setattr(ops, "decode_attention", attention)
@@ -331,14 +330,16 @@ def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[
     np.testing.assert_array_equal(out["1"], out["0"])
     # KESTREL_JAX_L2_PREFETCH: decode attention is handed the output projection's weight (bit 1,
     # every layer) and, where the epilogue built the routing tables, the up experts with them (bit 2;
-    # the default, 14, asks for the experts only)
+    # the default, 14, asks for the up experts only), with 16 the down experts too
     proj = f"weight {(cfg.dim, cfg.dim)}"
-    up = next(b.mlp.fc1[...] for b in model.blocks if isinstance(b.mlp, MoE))
-    top_k = next(b.mlp.top_k for b in model.blocks if isinstance(b.mlp, MoE))
-    experts = f"experts {tuple(up.shape)} (1, 3, {up.shape[0]}) {top_k}"  # at most top_k blocks at one row
-    assert _prefetched == [experts] * moe_layers  # the last run above, at the default
-    for mask, want in (("0", []), ("1", [proj] * cfg.n_layers), ("2", [experts] * moe_layers),
-                       ("3", [proj] * cfg.n_layers + [experts] * moe_layers)):
+    moe = next(b.mlp for b in model.blocks if isinstance(b.mlp, MoE))
+    e = moe.fc1[...].shape[0]  # at most top_k blocks at one row
+    up = f"experts {tuple(moe.fc1[...].shape)} (1, 3, {e}) {moe.top_k}"
+    down = f"experts {tuple(moe.fc2[...].shape)} (1, 3, {e}) {moe.top_k}"
+    assert _prefetched == [up] * moe_layers  # the last run above, at the default
+    for mask, want in (("0", []), ("1", [proj] * cfg.n_layers), ("2", [up] * moe_layers),
+                       ("3", [proj] * cfg.n_layers + [up] * moe_layers), ("30", [up, down] * moe_layers),
+                       ("16", [])):
         monkeypatch.setenv("KESTREL_JAX_L2_PREFETCH", mask)
         ops._jitted.cache_clear()
         _prefetched.clear()
@@ -346,7 +347,7 @@ def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[
             got = np.asarray(model(x, batch, cache)[0].astype(jnp.float32))
         assert sorted(_prefetched) == sorted(want), mask
         np.testing.assert_array_equal(got, out["1"])
-    monkeypatch.setenv("KESTREL_JAX_L2_PREFETCH", "16")
+    monkeypatch.setenv("KESTREL_JAX_L2_PREFETCH", "32")
     with pytest.raises(ValueError, match="KESTREL_JAX_L2_PREFETCH"):
         ops.l2_prefetch_mask()
     monkeypatch.setenv("KESTREL_JAX_ROUTE_IN_QKV", "2")

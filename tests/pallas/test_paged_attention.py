@@ -192,9 +192,9 @@ def test_decode_kernel_interpreted(dtype, page, splits, group):
 
 
 def test_decode_kernel_prefetch_targets_change_nothing():
-    """L2 prefetch targets (a whole weight, a non-viewable one that is skipped, routed expert
-    weights with their block table) shift none of the kernel's own refs: the output is the same
-    bit for bit as without them."""
+    """L2 prefetch targets (a whole weight and a non-viewable one that is skipped; two routed
+    expert weights with their block table and a non-viewable one) shift none of the kernel's own
+    refs: the output is the same bit for bit as without them."""
     rng = fresh_rng()
     kv_lens = np.array([5, 64, 65, 200], np.int32)
     B = len(kv_lens)
@@ -204,13 +204,15 @@ def test_decode_kernel_prefetch_targets_change_nothing():
     w = jnp.asarray(rng.standard_normal((256, 64)), BF16)
     odd = jnp.zeros((3, 100), BF16)
     up = jnp.asarray(rng.standard_normal((4, 512, 128)), jnp.float32).astype(FP8)
+    down = jnp.asarray(rng.standard_normal((4, 128, 256)), jnp.float32).astype(FP8)
     meta = jnp.zeros((1, 3, 64), jnp.int32).at[0, 0, :2].set(jnp.array([3, 1])).at[0, 2, 0].set(2)
     f = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, num_splits=2, interpret=True)
     plain = jax.jit(f)(q, k_pages, v_pages, lens, table, ks, vs)
     assert np.isfinite(as_f32(plain)).all()
     for late, part in ((False, 1), (True, 2)):
         pf = jax.jit(functools.partial(f, prefetch_max_blocks=2, prefetch_late=late, prefetch_expert_part=part))(
-            q, k_pages, v_pages, lens, table, ks, vs, prefetch=(w, odd), prefetch_experts=(up, meta))
+            q, k_pages, v_pages, lens, table, ks, vs, prefetch=(w, odd),
+            prefetch_experts=((up, meta), (down, meta), (odd[None], meta)))
         np.testing.assert_array_equal(as_f32(pf), as_f32(plain))
 
 
@@ -327,15 +329,16 @@ def test_kernels_lower_at_production_shapes(dtype):
         table = _SDS((B, -(-kv // S)), jnp.int32)
         dec = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, num_splits=splits)
         _lower_for_h100(dec, _SDS((B, 32, 64), BF16), pool, pool, _SDS((B,), jnp.int32), table, _F32, _F32)
-    if fp8:  # batch 1 with L2 prefetch targets: MD3's output projection and up experts (top 8)
+    if fp8:  # batch 1 with L2 prefetch targets: MD3's output projection, up and down experts (top 8)
         table = _SDS((1, 12), jnp.int32)
 
-        def dec_pf(q, kp, vp, lens, pt, ks, vs, w, up, meta):
+        def dec_pf(q, kp, vp, lens, pt, ks, vs, w, up, down, meta):
             return pm.decode_attention_kernel(q, kp, vp, lens, pt, ks, vs, sm_scale=SM_SCALE, prefetch=(w,),
-                                              prefetch_experts=(up, meta), prefetch_max_blocks=8,
+                                              prefetch_experts=((up, meta), (down, meta)), prefetch_max_blocks=8,
                                               prefetch_late=True, prefetch_expert_part=2)
         text = _lower_for_h100(dec_pf, _SDS((1, 32, 64), BF16), pool, pool, _SDS((1,), jnp.int32), table, _F32,
-                               _F32, _SDS((2048, 2048), BF16), _SDS((64, 2048, 2048), FP8), _SDS((1, 3, 64), jnp.int32))
+                               _F32, _SDS((2048, 2048), BF16), _SDS((64, 2048, 2048), FP8), _SDS((64, 2048, 1024), FP8),
+                               _SDS((1, 3, 64), jnp.int32))
         for rank in (2, 3):  # the weight's [rows, 256] boxes, the experts' [expert, rows, 256] boxes
             assert f"cp.async.bulk.prefetch.tensor.{rank}d.L2" in text
     text = _lower_for_h100(pm.write_kv_kernel, pool, pool, _SDS((1024, 32, 64), BF16), _SDS((1024, 32, 64), BF16),
