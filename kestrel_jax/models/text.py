@@ -200,12 +200,20 @@ class Attention(nnx.Module):
             k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, batch.slots, k_scale, v_scale)
         scale = hd**-0.5
         if batch.cu_q_lens is None:
-            prefetch, prefetch_experts = self._prefetch(t, routed, experts)
-            o = ops.decode_attention(q, k_pages, v_pages, batch.kv_lens, batch.page_table,
-                                     k_scale, v_scale, sm_scale=scale, prefetch=prefetch,
-                                     prefetch_experts=prefetch_experts,
-                                     prefetch_max_blocks=t * (route_top_k or 1))
-            return self._project(o.reshape(t, h * hd), decode or dense_proj_kernel()), k_pages, v_pages, routed
+            pf, pf_experts = self._prefetch(t, routed, experts)
+            blocks = t * (route_top_k or 1)
+            gemm = decode or dense_proj_kernel()
+            if gemm:  # the split-KV merge inside the projection's launch (opt-in)
+                y = ops.decode_attention_projected(
+                    q, k_pages, v_pages, batch.kv_lens, batch.page_table, k_scale, v_scale, self.proj.kernel[...],
+                    self.proj.bias[...] if self.proj.bias is not None else None, sm_scale=scale,
+                    max_rows=proj_kernel_rows(), prefetch=pf, prefetch_experts=pf_experts, prefetch_max_blocks=blocks)
+                if y is not None:
+                    return y, k_pages, v_pages, routed
+            o = ops.decode_attention(q, k_pages, v_pages, batch.kv_lens, batch.page_table, k_scale, v_scale,
+                                     sm_scale=scale, prefetch=pf, prefetch_experts=pf_experts,
+                                     prefetch_max_blocks=blocks)
+            return self._project(o.reshape(t, h * hd), gemm), k_pages, v_pages, routed
         else:
             assert batch.prefix_lens is not None
             nd = 0 if batch.decode is None else batch.decode.rows

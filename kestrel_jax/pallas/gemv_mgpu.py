@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kestrel_jax.pallas.moe import gelu_erf_poly
@@ -71,18 +72,25 @@ def default_splits(K: int, N: int, num_sms: int = _NUM_SMS) -> int:
     return s
 
 
-def _stream(acc_ref, w_buf, x_buf, bars, fetch, steps: int, n_stages: int) -> None:
-    """The K loop both kernels run: fill the `n_stages`-slot TMA ring (`fetch(step, slot)`), then
-    per step wait for its slot, y^T block [64, Mp] += (w tile [BK, 64])^T @ (x tile [Mp, BK])^T,
-    and refill the slot of the previous step once its MMA is done."""
+def _fill(fetch, n_stages: int) -> None:
     for i in range(n_stages):
         fetch(jnp.int32(i), jnp.int32(i))
+
+
+def _stream(acc_ref, w_buf, x_buf, bars, fetch, steps: int, n_stages: int, resident: bool = False) -> None:
+    """The K loop both kernels run: fill the `n_stages`-slot TMA ring (`fetch(step, slot)`), then
+    per step wait for its slot, y^T block [64, Mp] += (w tile [BK, 64])^T @ (x tile [Mp, BK])^T,
+    and refill the slot of the previous step once its MMA is done. With `resident`, x_buf holds
+    every step's x tile (formed in the kernel) and the ring, filled by the caller, carries weights
+    only."""
+    if not resident:
+        _fill(fetch, n_stages)
 
     @pl.loop(0, steps)
     def _step(i):
         slot = lax.rem(i, n_stages)
         plgpu.barrier_wait(bars.at[slot])
-        plgpu.wgmma(acc_ref, w_buf.at[slot].T, x_buf.at[slot].T)
+        plgpu.wgmma(acc_ref, w_buf.at[slot].T, (x_buf.at[i] if resident else x_buf.at[slot]).T)
         plgpu.wgmma_wait(1)  # step i-1's MMA is done: its slot may be refilled
 
         @pl.when((i >= 1) & (i - 1 + n_stages < steps))
@@ -92,25 +100,75 @@ def _stream(acc_ref, w_buf, x_buf, bars, fetch, steps: int, n_stages: int) -> No
     plgpu.wgmma_wait(0)
 
 
+# Register layout of an [8, 64] bf16 x tile formed in the kernel (`merge`): 4 warps x 2 rows,
+# 32 lanes x 2 channels, which stores into the swizzled wgmma operand tile.
+_XROWS = plgpu.Layout.TILED(mgpu_fa.Tiling(((8, 64), (2, 64), (2,))), warp_dims=(-5,), lane_dims=(-2,),
+                            vector_dim=-1)
+
+
+def merge_supported(o: jax.Array | jax.ShapeDtypeStruct, lse: jax.Array | jax.ShapeDtypeStruct, w: jax.Array) -> bool:
+    """Split-KV attention partials the merged-input GEMM takes: o [8, H, S, 64] f32, lse [8, H, S]
+    f32, w [H * 64, N] bf16 (one head per K step)."""
+    return (o.ndim == 4 and o.shape[0] == 8 and o.shape[3] == BLOCK_K and lse.shape == o.shape[:3]
+            and o.dtype == jnp.float32 and lse.dtype == jnp.float32 and w.ndim == 2
+            and w.shape[0] == o.shape[1] * BLOCK_K and w.shape[1] % BLOCK_N == 0
+            and jnp.dtype(w.dtype) == jnp.dtype(jnp.bfloat16))
+
+
+def _merged_tile(o_ref, lse_ref, head, rows: int, n_splits: int) -> jax.Array:
+    """Rows [0, 8) of head `head`'s attention output, merged from its split partials as
+    `paged_attention_mgpu.merge_splits` does (rows >= `rows` zero), as bf16 in `_XROWS`."""
+    lses = [plgpu.load(lse_ref.at[:, head, s], layout=_XROWS.reduce(1), optimized=False)
+            for s in range(n_splits)]
+    top = functools.reduce(jnp.maximum, lses)
+    safe = jnp.where(top > -jnp.inf, top, 0.0)
+    ws = [jnp.where(x > -jnp.inf, jnp.exp2(x - safe), 0.0) for x in lses]  # empty split: weight 0
+    den = functools.reduce(jnp.add, ws)
+
+    def rows_of(v):
+        return lax.broadcast_in_dim(v, (8, BLOCK_K), (0,))
+
+    acc = functools.reduce(jnp.add, [
+        rows_of(ws[s]) * plgpu.load(o_ref.at[:, head, s, :], layout=_XROWS, optimized=False)
+        for s in range(n_splits)])
+    row = plgpu.broadcasted_iota(jnp.int32, (8, BLOCK_K), 0, layout=_XROWS)
+    return jnp.where(row < rows, acc / rows_of(jnp.where(den > 0, den, 1.0)), 0.0).astype(jnp.bfloat16)
+
+
 def gemv_partials(
-    x: jax.Array,  # [M, K] bf16, M <= 64
+    x: jax.Array | None,  # [M, K] bf16, M <= 64 (None with `merge`)
     w: jax.Array,  # [K, N] bf16
     w2: jax.Array | None = None,  # [K, N2] bf16: a second product of the same x, same launch
     *,
     splits: int | None = None,
     stages: int = 4,
+    merge: tuple[jax.Array, jax.Array, int] | None = None,
     interpret: bool = False,
     detect_races: bool = False,
 ) -> jax.Array:  # [splits, N (+ N2), Mp] f32 partials of y^T (columns >= M are zero)
-    for ww in (w,) if w2 is None else (w, w2):
-        if not gemv_supported(x, ww):
-            raise ValueError(f"gemv kernel does not support x {x.shape} {x.dtype}, w {ww.shape} {ww.dtype}")
-    M, K = x.shape
+    """`merge` = (o, lse, M): x is split-KV attention's output, formed here (`merge_supported`:
+    each CTA merges the heads of its K range from the [8, H, S, 64] partials and their [8, H, S]
+    log2-sum-exp2, rows >= M zero, into SMEM tiles that stay resident) instead of read from HBM:
+    the merge and the pad to 8 rows need no launch of their own."""
+    if merge is not None:
+        o, lse, M = merge
+        if x is not None or w2 is not None or not merge_supported(o, lse, w) or not 1 <= M <= 8:
+            raise ValueError(f"merged-input gemv does not support o {o.shape} {o.dtype}, lse {lse.shape}, "
+                             f"w {w.shape} {w.dtype}, rows {M}")
+        K, mp, n_splits = w.shape[0], 8, o.shape[2]
+        x_dtype = jnp.dtype(jnp.bfloat16)
+    else:
+        assert x is not None
+        for ww in (w,) if w2 is None else (w, w2):
+            if not gemv_supported(x, ww):
+                raise ValueError(f"gemv kernel does not support x {x.shape} {x.dtype}, w {ww.shape} {ww.dtype}")
+        M, K = x.shape
+        mp = -(-M // 8) * 8
+        if mp != M:
+            x = jnp.pad(x, ((0, mp - M), (0, 0)))
+        x_dtype = x.dtype
     N1 = w.shape[1]
     N = N1 + (0 if w2 is None else w2.shape[1])
-    mp = -(-M // 8) * 8
-    if mp != M:
-        x = jnp.pad(x, ((0, mp - M), (0, 0)))
     s_count = splits or default_splits(K, N)
     steps_total = K // BLOCK_K
     if s_count < 1 or steps_total % s_count:
@@ -118,7 +176,11 @@ def gemv_partials(
     steps = steps_total // s_count
     n_stages = max(1, min(stages, steps))
 
-    def body(x_ref, w_ref, *rest):
+    def body(*refs):
+        if merge is not None:
+            part_ref, lse_ref, w_ref, *rest = refs
+        else:
+            x_ref, w_ref, *rest = refs
         w2_ref = rest[0] if w2 is not None else None
         o_ref, w_buf, x_buf, o_smem, bars = rest[1:] if w2 is not None else rest
         nb = lax.axis_index("n")
@@ -136,10 +198,18 @@ def gemv_partials(
                     w_ref.at[rows, pl.ds(jnp.minimum(n0, N1 - BLOCK_N), BLOCK_N)], w_buf.at[slot], bars.at[slot]))
                 pl.when(n0 >= N1)(lambda: plgpu.copy_gmem_to_smem(
                     w2_ref.at[rows, pl.ds(jnp.maximum(n0 - N1, 0), BLOCK_N)], w_buf.at[slot], bars.at[slot]))
-            plgpu.copy_gmem_to_smem(x_ref.at[:, rows], x_buf.at[slot], bars.at[slot])
+            if merge is None:
+                plgpu.copy_gmem_to_smem(x_ref.at[:, rows], x_buf.at[slot], bars.at[slot])
 
         def scope(acc_ref):
-            _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages)
+            if merge is not None:  # the weight ring fills while the heads of this K range merge
+                _fill(fetch, n_stages)
+                for i in range(steps):
+                    x_buf.at[i][...] = _merged_tile(part_ref, lse_ref, lax.div(k0, BLOCK_K) + i, M, n_splits)
+                plgpu.commit_smem()
+                _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages, resident=True)
+            else:
+                _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages)
             o_smem[...] = acc_ref[...]
 
         pl.run_scoped(scope, plgpu.ACC((BLOCK_N, mp), jnp.float32))
@@ -155,12 +225,15 @@ def gemv_partials(
         kernel_name="kestrel_gemv",
         scratch_types=[
             plgpu.SMEM((n_stages, BLOCK_K, BLOCK_N), w.dtype, transforms=_TRANSFORMS),
-            plgpu.SMEM((n_stages, mp, BLOCK_K), x.dtype, transforms=_TRANSFORMS),
+            # x tiles: the ring's, or with `merge` every step's (resident)
+            plgpu.SMEM((steps if merge is not None else n_stages, mp, BLOCK_K), x_dtype, transforms=_TRANSFORMS),
             plgpu.SMEM((BLOCK_N, mp), jnp.float32),
-            plgpu.Barrier(num_arrivals=2, num_barriers=n_stages),
+            plgpu.Barrier(num_arrivals=1 if merge is not None else 2, num_barriers=n_stages),
         ],
         interpret=_interpret_params(interpret, detect_races),
     )
+    if merge is not None:
+        return kern(merge[0], merge[1], w)
     return kern(x, w) if w2 is None else kern(x, w, w2)
 
 
@@ -361,6 +434,14 @@ def gemv_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, 
     y = _summed(gemv_partials(x, w1, w2, splits=splits, interpret=interpret), rows or x.shape[0])
     n1 = w1.shape[1]
     return _finish(y[:, :n1], b1, x.dtype), _finish(y[:, n1:], b2, x.dtype)
+
+
+def gemv_merged(o: jax.Array, lse: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, rows: int,
+                interpret: bool = False) -> jax.Array:
+    """merge_splits(o, lse)[:rows] (split-KV attention partials, `merge_supported`) @ w (+ bias) in
+    bf16, the merge done inside the GEMM's launch (`gemv_partials`' merge)."""
+    return _finish(_summed(gemv_partials(None, w, merge=(o, lse, rows), interpret=interpret), rows), bias,
+                   jnp.dtype(jnp.bfloat16))
 
 
 def gemv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, splits: int | None = None,

@@ -82,20 +82,70 @@ def decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_le
                      prefetch_max_blocks: int = 8) -> jax.Array:
     """Paged decode attention. On the kernel path the CTAs also ask `prefetch` (weights the step
     reads next) and `prefetch_experts` (pairs (expert weights, their block table): the selected
-    experts' weights, at most `prefetch_max_blocks` blocks) into L2 (`l2_prefetch`); the reference ignores
-    them (they change no value)."""
+    experts' weights, at most `prefetch_max_blocks` blocks) into L2 (`l2_prefetch`); the reference
+    ignores them (they change no value)."""
     if _want_kernel():
         from kestrel_jax.pallas import paged_attention_mgpu as kern
 
         if kern.decode_attention_kernel_supported(q, k_pages, page_table):
-            mask = l2_prefetch_mask()
-            return _jitted(kern.decode_attention_kernel, ("sm_scale", "prefetch_max_blocks", "prefetch_late",
-                                                          "prefetch_expert_part"))(
-                q, k_pages, v_pages, kv_lens, page_table, k_scale, v_scale, sm_scale=sm_scale,
-                prefetch=prefetch, prefetch_experts=prefetch_experts, prefetch_max_blocks=prefetch_max_blocks,
-                prefetch_late=bool(mask & 4), prefetch_expert_part=2 if mask & 8 else 1)
+            out = _attention_kernel(q, k_pages, v_pages, kv_lens, page_table, k_scale, v_scale, sm_scale,
+                                    prefetch, prefetch_experts, prefetch_max_blocks)
+            assert not isinstance(out, tuple)
+            return out
     return attn_ref_mod.decode_attention_ref(q, k_pages, v_pages, kv_lens, page_table, k_scale, v_scale,
                                              sm_scale=sm_scale)
+
+
+def _attention_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
+                      page_table: jax.Array, k_scale: jax.Array, v_scale: jax.Array, sm_scale: float,
+                      prefetch: tuple[jax.Array, ...], prefetch_experts: tuple[tuple[jax.Array, jax.Array], ...],
+                      prefetch_max_blocks: int, partial_rows: int = 0) -> jax.Array | tuple[jax.Array, jax.Array]:
+    from kestrel_jax.pallas import paged_attention_mgpu as kern
+
+    mask = l2_prefetch_mask()
+    return _jitted(kern.decode_attention_kernel, ("sm_scale", "prefetch_max_blocks", "prefetch_late",
+                                                  "prefetch_expert_part", "partial_rows"))(
+        q, k_pages, v_pages, kv_lens, page_table, k_scale, v_scale, sm_scale=sm_scale,
+        prefetch=prefetch, prefetch_experts=prefetch_experts, prefetch_max_blocks=prefetch_max_blocks,
+        prefetch_late=bool(mask & 4), prefetch_expert_part=2 if mask & 8 else 1, partial_rows=partial_rows)
+
+
+def merged_projection_wanted() -> bool:
+    """Whether `decode_attention_projected` merges split-KV attention's partials inside the output
+    projection's GEMM launch (`gemv_mgpu.gemv_merged`) instead of in an XLA fusion of their own
+    (the merge and the pad to the GEMM's 8 rows: ~1.3 us per layer at batch 1 on an H100, twenty-
+    second session). KESTREL_JAX_MERGED_PROJ=1 (read at trace time), opt-in until measured."""
+    return flag("KESTREL_JAX_MERGED_PROJ", False)
+
+
+def decode_attention_projected(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
+                               page_table: jax.Array, k_scale: jax.Array, v_scale: jax.Array, w: jax.Array,
+                               b: jax.Array | None, *, sm_scale: float, max_rows: int,
+                               prefetch: tuple[jax.Array, ...] = (),
+                               prefetch_experts: tuple[tuple[jax.Array, jax.Array], ...] = (),
+                               prefetch_max_blocks: int = 8) -> jax.Array | None:
+    """Decode attention and its output projection ([B, H, D] queries -> [B, N] bf16), with the
+    split-KV merge inside the projection GEMM's launch: on the kernel path with
+    `merged_projection_wanted()`, B <= min(8, max_rows), attention split (`planned_splits` > 1)
+    and shapes `gemv_mgpu.merge_supported` takes; None otherwise (the caller runs
+    `decode_attention` and its projection). Prefetch arguments as `decode_attention`'s."""
+    rows, heads, head_dim = q.shape
+    if not (_want_kernel() and merged_projection_wanted()) or rows > min(max_rows, 8):
+        return None
+    from kestrel_jax.pallas import gemv_mgpu
+    from kestrel_jax.pallas import paged_attention_mgpu as kern
+
+    if not kern.decode_attention_kernel_supported(q, k_pages, page_table):
+        return None
+    splits = kern.planned_splits(rows, k_pages.shape[1], page_table.shape[1], k_pages.shape[2])
+    w16 = w.astype(jnp.bfloat16)
+    if splits == 1 or not gemv_mgpu.merge_supported(jax.ShapeDtypeStruct((8, heads, splits, head_dim), jnp.float32),
+                                                    jax.ShapeDtypeStruct((8, heads, splits), jnp.float32), w16):
+        return None
+    out = _attention_kernel(q, k_pages, v_pages, kv_lens, page_table, k_scale, v_scale, sm_scale, prefetch,
+                            prefetch_experts, prefetch_max_blocks, partial_rows=8)
+    assert isinstance(out, tuple)
+    return _jitted(gemv_mgpu.gemv_merged, ("rows",))(out[0], out[1], w16, b, rows=rows)
 
 
 # Batches up to this many rows have decode attention prefetch the step's next weights into L2:

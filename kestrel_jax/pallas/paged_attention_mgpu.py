@@ -210,11 +210,13 @@ def own_buffer(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jnp.where(jnp.isnan(x), jnp.zeros((), dtype), x)
 
 
+_PT_ALIGN = 4  # page-table row entries: the kernel TMA-copies a row into SMEM (16-byte stride)
+
+
 def _pad_page_table(page_table: jax.Array) -> jax.Array:
-    # The kernel TMA-copies a table row into SMEM: its row stride must be a multiple of 16 B.
     maxp = page_table.shape[1]
-    if maxp % 4:
-        page_table = jnp.pad(page_table, ((0, 0), (0, 4 - maxp % 4)))
+    if maxp % _PT_ALIGN:
+        page_table = jnp.pad(page_table, ((0, 0), (0, _PT_ALIGN - maxp % _PT_ALIGN)))
     return own_buffer(page_table, jnp.int32)
 
 
@@ -235,16 +237,20 @@ def decode_attention_kernel(
     prefetch_max_blocks: int = 8,
     prefetch_late: bool = False,
     prefetch_expert_part: int = 1,
+    partial_rows: int = 0,
     interpret: bool = False,
     detect_races: bool = False,
-) -> jax.Array:  # [B, H, D] in q.dtype; inactive rows are zero
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, H, D] in q.dtype; inactive rows are zero
     """`prefetch`: weights to ask into L2 while the CTAs run (`l2_prefetch.issue`: arrays read
     next by the step, e.g. the output projection); `prefetch_experts`: pairs (expert weights
     [E, R, K], the dense regime's block table for them: `meta_up` / `meta_down`) for the selected
     experts' weights (`l2_prefetch.issue_experts`, at most `prefetch_max_blocks` blocks; of each
     expert the first 1 / `prefetch_expert_part` of its rows). Asked at the start of each CTA
     (after its own first loads), or with `prefetch_late` once its loads are all consumed. None of
-    it changes the result."""
+    it changes the result. With `partial_rows` >= B and more than one split (`planned_splits`), the
+    split partials are returned unmerged, (o [partial_rows, H, splits, D] f32, lse [partial_rows, H,
+    splits] f32; rows >= B unwritten), for a consumer that merges them itself
+    (`gemv_mgpu.gemv_merged`)."""
     check_pool(k_pages, v_pages)
     if not decode_attention_kernel_supported(q, k_pages, page_table):
         raise KVLayoutError(f"decode kernel does not support q {q.shape} {q.dtype}, pool {k_pages.shape} "
@@ -259,10 +265,10 @@ def decode_attention_kernel(
     page_table = _pad_page_table(page_table)
     maxp = page_table.shape[1]
     max_tiles = -(-maxp * S // _TILE)
-    splits = num_splits or default_num_splits(B, Hkv, max_tiles)
-    splits = max(1, min(splits, max_tiles))
+    splits = planned_splits(B, Hkv, maxp, S, num_splits)
     per_split = -(-max_tiles // splits)
-    splits = -(-max_tiles // per_split)  # no split left empty by construction at full length
+    unmerged = splits > 1 and partial_rows >= B
+    out_rows = partial_rows if unmerged else B
     if depth is None:  # few CTAs must each keep more bytes in flight
         depth = 8 if B * Hkv * splits < 2 * _NUM_SMS else 4
     depth = min(depth, per_split)  # short contexts need fewer slots (more CTAs fit in SMEM)
@@ -273,8 +279,8 @@ def decode_attention_kernel(
     if splits == 1:
         out_type: tuple[jax.ShapeDtypeStruct, ...] = (jax.ShapeDtypeStruct((B, H, D), q.dtype),)
     else:
-        out_type = (jax.ShapeDtypeStruct((B, H, splits, D), jnp.float32),
-                    jax.ShapeDtypeStruct((B, H, splits), jnp.float32))
+        out_type = (jax.ShapeDtypeStruct((out_rows, H, splits, D), jnp.float32),
+                    jax.ShapeDtypeStruct((out_rows, H, splits), jnp.float32))
 
     pf_views = l2_prefetch.views(prefetch)
     pf_experts = [(ev, meta) for ev, meta in ((l2_prefetch.expert_view(w), meta) for w, meta in prefetch_experts)
@@ -402,7 +408,18 @@ def decode_attention_kernel(
                 *(a for pair in pf_experts for a in pair))
     if splits == 1:
         return outs[0]
+    if unmerged:
+        return outs[0], outs[1]
     return merge_splits(outs[0], outs[1], q.dtype)
+
+
+def planned_splits(batch: int, n_kv_heads: int, max_pages: int, page_size: int, num_splits: int | None = None) -> int:
+    """The split count `decode_attention_kernel` runs with (page tables padded as it pads them)."""
+    max_pages = -(-max_pages // _PT_ALIGN) * _PT_ALIGN
+    max_tiles = -(-max_pages * page_size // _TILE)
+    splits = max(1, min(num_splits or default_num_splits(batch, n_kv_heads, max_tiles), max_tiles))
+    per_split = -(-max_tiles // splits)
+    return -(-max_tiles // per_split)  # no split left empty by construction at full length
 
 
 def merge_splits(o: jax.Array, lse: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:

@@ -88,6 +88,16 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return pa.decode_attention_ref(q, kp, vp, lens, table, ks, vs, sm_scale=sm_scale)
 
     monkeypatch.setattr(ops, "decode_attention", attention)
+
+    def projected(q, kp, vp, lens, table, ks, vs, w, b, *, sm_scale, max_rows, **pf):
+        # attention + its projection in one call where the merged-projection switch is on
+        if not ops.merged_projection_wanted() or q.shape[0] > max_rows:
+            return None
+        calls.append("attention+projection")
+        o = attention(q, kp, vp, lens, table, ks, vs, sm_scale=sm_scale, **pf).reshape(q.shape[0], -1)
+        return o @ w + (0 if b is None else b)
+
+    monkeypatch.setattr(ops, "decode_attention_projected", projected)
     monkeypatch.setattr(ops, "moe_layer_rows", _rows)
     def interpreted(real, label):  # the kernel interpreted, its call recorded
         def call(*args, **kw):
@@ -353,6 +363,26 @@ def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[
     monkeypatch.setenv("KESTREL_JAX_ROUTE_IN_QKV", "2")
     with ops.use_backend("kernel"), pytest.raises(ValueError, match="KESTREL_JAX_ROUTE_IN_QKV"):
         ops.route_in_qkv_wanted()
+
+
+def test_merged_projection_switch(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """KESTREL_JAX_MERGED_PROJ=1: every layer's decode attention and output projection come from
+    `ops.decode_attention_projected` (a stand-in of the same contract here), MoE and dense layers
+    alike (the dense projection is on the decode GEMM by default), and the hidden states match the
+    reference path; off (the default), it is never reached."""
+    model = random_model(tiny_config("md3"), dtype=jnp.float32, std=0.05).text
+    cfg = model.cfg
+    x, batch, cache = _f32_decode_case(cfg, 1, np.random.default_rng(5))
+    with ops.use_backend("reference"):
+        want, _, _ = model(x, batch, cache)
+    for switch, expect in (("0", 0), ("1", cfg.n_layers)):
+        monkeypatch.setenv("KESTREL_JAX_MERGED_PROJ", switch)
+        stand_ins.clear()
+        ops._jitted.cache_clear()
+        with ops.use_backend("kernel"):
+            got, _, _ = model(x, batch, cache)
+        assert stand_ins.count("attention+projection") == expect, switch
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
 
 
 def test_dense_layers_project_through_the_decode_gemm_unless_switched_off(stand_ins: list[str],

@@ -146,6 +146,34 @@ def test_gemv_partials_sum_to_the_product_and_pad_rows_are_zero():
     np.testing.assert_allclose(parts.sum(0).T[:5], exact, rtol=0, atol=1e-3 * np.abs(exact).max())
 
 
+@pytest.mark.parametrize("M,H,S", [(1, 4, 4), (3, 2, 3)])
+def test_gemv_merged_is_the_merge_then_the_product(M: int, H: int, S: int):
+    """`gemv_merged` (split-KV attention partials merged inside the GEMM's launch) gives the
+    product of `merge_splits`' bf16 output bit for bit (interpreted), with an empty split (-inf
+    log2-sum-exp2), an inactive row (every split empty: zeros) and NaN past the real rows."""
+    from kestrel_jax.pallas.paged_attention_mgpu import merge_splits
+
+    rng = fresh_rng()
+    o = jnp.asarray(rng.standard_normal((8, H, S, 64)), jnp.float32).at[M:].set(jnp.nan)
+    lse = jnp.asarray(rng.standard_normal((8, H, S)) * 4, jnp.float32).at[M:].set(jnp.nan)
+    lse = lse.at[0, H - 1, S - 1].set(-jnp.inf)
+    if M > 1:
+        lse = lse.at[1].set(-jnp.inf)
+    w = jnp.asarray(rng.standard_normal((H * 64, 128)) / 16, BF16)
+    b = jnp.asarray(rng.standard_normal(128), BF16)
+    got = jax.jit(functools.partial(g.gemv_merged, rows=M, interpret=True))(o, lse, w, b)
+    x = merge_splits(o[:M], lse[:M], BF16).reshape(M, H * 64)
+    want = jax.jit(functools.partial(g.gemv, interpret=True))(x, w, b)
+    assert got.shape == (M, 128) and got.dtype == BF16 and np.isfinite(np.asarray(got, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    if M > 1:
+        np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(b, np.float32))
+    parts = g.gemv_partials(None, w, merge=(o, lse, M), interpret=True)
+    assert not np.asarray(parts[..., M:]).any()  # padding rows' products are zero, not NaN
+    with pytest.raises(ValueError, match="merged-input gemv"):
+        g.gemv_partials(None, w, merge=(o[:, :, :, :32], lse, M))
+
+
 def test_gemv_refuses_what_it_cannot_do():
     z = jnp.zeros
     x, w = z((4, 256), BF16), z((256, 128), BF16)
@@ -215,6 +243,13 @@ def test_gemv_lowers_at_decoder_shapes():
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(g.gemv_rows).trace(*rows_pair).lower(lowering_platforms=("cuda",)).as_text()
         assert "kestrel_gemv_rows" in text
+    # the output projection with split-KV attention's merge inside (MD3: 32 heads, 4 splits at 1 row)
+    for M in (1, 8):
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(functools.partial(g.gemv_merged, rows=M)).trace(
+                _SDS((8, 32, 4, 64), jnp.float32), _SDS((8, 32, 4), jnp.float32), _SDS((2048, 2048), BF16),
+                _SDS((2048,), BF16)).lower(lowering_platforms=("cuda",)).as_text()
+        assert "kestrel_gemv" in text
     # with MD3's tau dots (32 heads over the 6,144-wide QKV row), at 1, 8 and 64 rows
     tw = (_SDS((32, 6144), BF16), _SDS((32, 6144), BF16))
     for M in (1, 8, 64):

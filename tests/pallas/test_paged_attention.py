@@ -216,6 +216,27 @@ def test_decode_kernel_prefetch_targets_change_nothing():
         np.testing.assert_array_equal(as_f32(pf), as_f32(plain))
 
 
+def test_decode_kernel_hands_out_unmerged_partials_padded_to_the_gemm_rows():
+    """With `partial_rows` the split partials come back unmerged, padded to that many rows, with
+    `planned_splits` splits: merged as the kernel merges them they are its output bit for bit. With
+    one split there is nothing to merge and the output is the usual one."""
+    rng = fresh_rng()
+    kv_lens = np.array([5, 130, 0], np.int32)
+    B = len(kv_lens)
+    k_pages, v_pages, table, ks, vs = _make_pool(rng, B * 4 + 3, 2, 64, FP8, kv_lens, 4, B)
+    q = jnp.asarray(rng.standard_normal((B, 2, 64)), BF16)
+    lens = jnp.asarray(kv_lens)
+    f = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, num_splits=2, interpret=True)
+    merged = jax.jit(f)(q, k_pages, v_pages, lens, table, ks, vs)
+    o, lse = jax.jit(functools.partial(f, partial_rows=8))(q, k_pages, v_pages, lens, table, ks, vs)
+    splits = pm.planned_splits(B, 2, table.shape[1], 64, 2)
+    assert o.shape == (8, 2, splits, 64) and lse.shape == (8, 2, splits) and splits == 2
+    np.testing.assert_array_equal(as_f32(pm.merge_splits(o[:B], lse[:B], BF16)), as_f32(merged))
+    one = jax.jit(functools.partial(f, num_splits=1, partial_rows=8))(q, k_pages, v_pages, lens, table, ks, vs)
+    assert not isinstance(one, tuple) and one.shape == q.shape
+    assert pm.planned_splits(1, 32, 12, 64) == 4  # MD3 at batch 1, ~740 cached tokens
+
+
 def test_default_num_splits_fills_the_sms_once(monkeypatch):
     """At most one CTA per SM (132 on the H100), never more splits than tiles, none once the
     batch's heads fill the SMs; KESTREL_JAX_DECODE_SPLITS keeps the older rule and fixed counts."""
@@ -329,13 +350,14 @@ def test_kernels_lower_at_production_shapes(dtype):
         table = _SDS((B, -(-kv // S)), jnp.int32)
         dec = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, num_splits=splits)
         _lower_for_h100(dec, _SDS((B, 32, 64), BF16), pool, pool, _SDS((B,), jnp.int32), table, _F32, _F32)
-    if fp8:  # batch 1 with L2 prefetch targets: MD3's output projection, up and down experts (top 8)
+    if fp8:  # batch 1 with L2 prefetch targets (MD3's output projection, up and down experts, top 8),
+        # the partials unmerged for the projection GEMM
         table = _SDS((1, 12), jnp.int32)
 
         def dec_pf(q, kp, vp, lens, pt, ks, vs, w, up, down, meta):
             return pm.decode_attention_kernel(q, kp, vp, lens, pt, ks, vs, sm_scale=SM_SCALE, prefetch=(w,),
                                               prefetch_experts=((up, meta), (down, meta)), prefetch_max_blocks=8,
-                                              prefetch_late=True, prefetch_expert_part=2)
+                                              prefetch_late=True, prefetch_expert_part=2, partial_rows=8)
         text = _lower_for_h100(dec_pf, _SDS((1, 32, 64), BF16), pool, pool, _SDS((1,), jnp.int32), table, _F32,
                                _F32, _SDS((2048, 2048), BF16), _SDS((64, 2048, 2048), FP8), _SDS((64, 2048, 1024), FP8),
                                _SDS((1, 3, 64), jnp.int32))
