@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kestrel_jax.models.config import RegionConfig
-from kestrel_jax.models.layers import MLP, LayerNorm, Linear
+from kestrel_jax.models.layers import MLP, LayerNorm, Linear, gelu_tanh
 from kestrel_jax.pallas import ops
 
 
@@ -60,24 +60,34 @@ class RegionModel(nnx.Module):
         return jnp.concatenate([jnp.cos(f), jnp.sin(f)], axis=-1)
 
     @staticmethod
-    def _linear(layer: Linear, x: jax.Array, kernel_rows: int) -> jax.Array:
+    def _linear(layer: Linear, x: jax.Array, kernel_rows: int, gate: ops.Gate | None = None) -> jax.Array:
         """`layer(x)`, through the decode GEMM kernel when x has at most `kernel_rows` rows and the
         kernel path is on (`ops.small_linear`): at one row XLA rewrites these small products into
         a multiply + reduce that writes the whole [K, N] product (MD3's 2,048-square size decoder:
-        12.9 us per decode step on an H100)."""
+        12.9 us per decode step on an H100). `gate` (`ops.region_gate_wanted`): where its element is
+        0 the kernel skips the product (the result is the bias: no row of the step reads it)."""
         if kernel_rows:
             bias = layer.bias[...] if layer.bias is not None else None
-            y = ops.small_linear(x, layer.kernel[...], bias, max_rows=kernel_rows)
+            y = ops.small_linear(x, layer.kernel[...], bias, max_rows=kernel_rows, gate=gate)
             if y is not None:
                 return y
         return layer(x)
 
-    def encode_coordinate(self, v: jax.Array, dtype: jnp.dtype,
-                          kernel_rows: int = 0) -> jax.Array:  # [N, 1] -> [N, D]
-        return self._linear(self.coord_encoder, self._fourier(v, self.coord_features[...]).astype(dtype), kernel_rows)
+    def _mlp(self, mlp: MLP, x: jax.Array, kernel_rows: int, gate: ops.Gate | None) -> jax.Array:
+        """An MD2 decoder MLP: with a gate, both products on the decode GEMM kernel (gated)."""
+        if gate is None:
+            return mlp(x)
+        return self._linear(mlp.fc2, gelu_tanh(self._linear(mlp.fc1, x, kernel_rows, gate)), kernel_rows, gate)
 
-    def encode_size(self, s: jax.Array, dtype: jnp.dtype, kernel_rows: int = 0) -> jax.Array:  # [N, 2] -> [N, D]
-        return self._linear(self.size_encoder, self._fourier(s, self.size_features[...]).astype(dtype), kernel_rows)
+    def encode_coordinate(self, v: jax.Array, dtype: jnp.dtype, kernel_rows: int = 0,
+                          gate: ops.Gate | None = None) -> jax.Array:  # [N, 1] -> [N, D]
+        return self._linear(self.coord_encoder, self._fourier(v, self.coord_features[...]).astype(dtype), kernel_rows,
+                            gate)
+
+    def encode_size(self, s: jax.Array, dtype: jnp.dtype, kernel_rows: int = 0,
+                    gate: ops.Gate | None = None) -> jax.Array:  # [N, 2] -> [N, D]
+        return self._linear(self.size_encoder, self._fourier(s, self.size_features[...]).astype(dtype), kernel_rows,
+                            gate)
 
     def _in(self, h: jax.Array) -> jax.Array:
         return self.ln(h) if self.ln is not None else h
@@ -89,16 +99,23 @@ class RegionModel(nnx.Module):
         out = self.size_decoder(self._in(h)).astype(jnp.float32)
         return out.reshape(h.shape[0], 2, -1)
 
-    def decode_heads(self, h: jax.Array, kernel_rows: int = 0) -> tuple[jax.Array, jax.Array]:
+    def decode_heads(self, h: jax.Array, kernel_rows: int = 0,
+                     gate: ops.Gate | None = None) -> tuple[jax.Array, jax.Array]:
         """(`decode_coordinate(h)`, `decode_size(h)`). With single-Linear decoders (MD3) and at
         most `kernel_rows` rows on the kernel path, both products come from one decode GEMM launch
-        (`ops.small_linear_pair`)."""
+        (`ops.small_linear_pair`); MD2's MLPs take it with a `gate` (`_linear`'s: where its element
+        is 0 the outputs are those of zero products, which no row of the step reads)."""
         if kernel_rows and isinstance(self.coord_decoder, Linear) and isinstance(self.size_decoder, Linear):
             c, sz = self.coord_decoder, self.size_decoder
             pair = ops.small_linear_pair(
                 self._in(h), c.kernel[...], c.bias[...] if c.bias is not None else None,
-                sz.kernel[...], sz.bias[...] if sz.bias is not None else None, max_rows=kernel_rows)
+                sz.kernel[...], sz.bias[...] if sz.bias is not None else None, max_rows=kernel_rows, gate=gate)
             if pair is not None:
                 coord, size, _ = pair
                 return coord.astype(jnp.float32), size.astype(jnp.float32).reshape(h.shape[0], 2, -1)
+        if kernel_rows and isinstance(self.coord_decoder, MLP) and isinstance(self.size_decoder, MLP):
+            x = self._in(h)
+            coord = self._mlp(self.coord_decoder, x, kernel_rows, gate).astype(jnp.float32)
+            size = self._mlp(self.size_decoder, x, kernel_rows, gate).astype(jnp.float32)
+            return coord, size.reshape(h.shape[0], 2, -1)
         return self.decode_coordinate(h), self.decode_size(h)

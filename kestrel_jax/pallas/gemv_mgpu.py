@@ -143,13 +143,16 @@ def gemv_partials(
     splits: int | None = None,
     stages: int = 4,
     merge: tuple[jax.Array, jax.Array, int] | None = None,
+    gate: tuple[jax.Array, int, int] | None = None,
     interpret: bool = False,
     detect_races: bool = False,
 ) -> jax.Array:  # [splits, N (+ N2), Mp] f32 partials of y^T (columns >= M are zero)
     """`merge` = (o, lse, M): x is split-KV attention's output, formed here (`merge_supported`:
     each CTA merges the heads of its K range from the [8, H, S, 64] partials and their [8, H, S]
     log2-sum-exp2, rows >= M zero, into SMEM tiles that stay resident) instead of read from HBM:
-    the merge and the pad to 8 rows need no launch of their own."""
+    the merge and the pad to 8 rows need no launch of their own. `gate` = (a 2-D int32 array, row,
+    column): where that element is 0 the CTAs stream nothing and the partials are zero (a product
+    the step does not need this time, decided on the device without a host round trip)."""
     if merge is not None:
         o, lse, M = merge
         if x is not None or w2 is not None or not merge_supported(o, lse, w) or not 1 <= M <= 8:
@@ -181,8 +184,9 @@ def gemv_partials(
             part_ref, lse_ref, w_ref, *rest = refs
         else:
             x_ref, w_ref, *rest = refs
-        w2_ref = rest[0] if w2 is not None else None
-        o_ref, w_buf, x_buf, o_smem, bars = rest[1:] if w2 is not None else rest
+        w2_ref = rest.pop(0) if w2 is not None else None
+        gate_ref = rest.pop(0) if gate is not None else None
+        o_ref, w_buf, x_buf, o_smem, bars = rest
         nb = lax.axis_index("n")
         s = lax.axis_index("s")
         k0 = s * (steps * BLOCK_K)
@@ -208,8 +212,12 @@ def gemv_partials(
                     x_buf.at[i][...] = _merged_tile(part_ref, lse_ref, lax.div(k0, BLOCK_K) + i, M, n_splits)
                 plgpu.commit_smem()
                 _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages, resident=True)
-            else:
+            elif gate_ref is None:
                 _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages)
+            else:  # gated off: the accumulator stays zero
+                assert gate is not None
+                pl.when(gate_ref[gate[1], gate[2]] != 0)(
+                    lambda: _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages))
             o_smem[...] = acc_ref[...]
 
         pl.run_scoped(scope, plgpu.ACC((BLOCK_N, mp), jnp.float32))
@@ -234,7 +242,7 @@ def gemv_partials(
     )
     if merge is not None:
         return kern(merge[0], merge[1], w)
-    return kern(x, w) if w2 is None else kern(x, w, w2)
+    return kern(x, w, *([] if w2 is None else [w2]), *([] if gate is None else [gate[0]]))
 
 
 # `gemv_rows`: weight-tile ring depth (9 KB per slot at 8 rows: 64 x 64 bf16 weights + the x tile).
@@ -425,13 +433,19 @@ def _finish(y: jax.Array, bias: jax.Array | None, dtype: jnp.dtype) -> jax.Array
     return y if bias is None else y + bias.astype(dtype)  # bf16 add, as the jnp path rounds it
 
 
+def _gate(gate: jax.Array | None, gate_at: tuple[int, int] | None) -> tuple[jax.Array, int, int] | None:
+    return None if gate is None or gate_at is None else (gate, *gate_at)
+
+
 def gemv_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None, *,
-              splits: int | None = None, interpret: bool = False,
-              rows: int | None = None) -> tuple[jax.Array, jax.Array]:
+              splits: int | None = None, interpret: bool = False, rows: int | None = None,
+              gate: jax.Array | None = None, gate_at: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array]:
     """(x @ w1 + b1, x @ w2 + b2) from one launch: two products of the same rows (an MoE layer's
     QKV and router, which read the same LayerNorm output). `rows`: the real rows of x when x
-    arrives padded (products of the first `rows` only)."""
-    y = _summed(gemv_partials(x, w1, w2, splits=splits, interpret=interpret), rows or x.shape[0])
+    arrives padded (products of the first `rows` only). `gate` / `gate_at`: `gemv_partials`'
+    gate (array, (row, column))."""
+    y = _summed(gemv_partials(x, w1, w2, splits=splits, gate=_gate(gate, gate_at), interpret=interpret),
+                rows or x.shape[0])
     n1 = w1.shape[1]
     return _finish(y[:, :n1], b1, x.dtype), _finish(y[:, n1:], b2, x.dtype)
 
@@ -445,7 +459,9 @@ def gemv_merged(o: jax.Array, lse: jax.Array, w: jax.Array, bias: jax.Array | No
 
 
 def gemv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, splits: int | None = None,
-         interpret: bool = False, rows: int | None = None) -> jax.Array:
-    """x [M, K] @ w [K, N] (+ bias) in x.dtype, f32 accumulation; the first `rows` rows (default M)."""
-    return _finish(_summed(gemv_partials(x, w, splits=splits, interpret=interpret), rows or x.shape[0]), bias,
-                   x.dtype)
+         interpret: bool = False, rows: int | None = None, gate: jax.Array | None = None,
+         gate_at: tuple[int, int] | None = None) -> jax.Array:
+    """x [M, K] @ w [K, N] (+ bias) in x.dtype, f32 accumulation; the first `rows` rows (default M).
+    `gate` / `gate_at`: `gemv_partials`' gate (array, (row, column)): 0 there gives just the bias."""
+    parts = gemv_partials(x, w, splits=splits, gate=_gate(gate, gate_at), interpret=interpret)
+    return _finish(_summed(parts, rows or x.shape[0]), bias, x.dtype)

@@ -194,21 +194,44 @@ def _gemv_usable(x: jax.Array, max_rows: int, *ws: jax.Array, rows: int | None =
     return all(kern.gemv_supported(x, w.astype(x.dtype)) for w in ws)
 
 
+Gate = tuple[jax.Array, int, int]  # (2-D int32 array, row, column): 0 there skips a decode GEMM's work
+
+
 def small_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_rows: int,
-                 rows: int | None = None) -> jax.Array | None:
+                 rows: int | None = None, gate: Gate | None = None) -> jax.Array | None:
     """`x @ w + b` through the decode GEMM kernel (`gemv_mgpu`) when the kernel path is on, x has
     at most `max_rows` rows and the kernel supports the shapes; None otherwise (the caller runs
-    its own jnp product). `rows`: the real rows when x arrives padded (the result has `rows`)."""
+    its own jnp product). `rows`: the real rows when x arrives padded (the result has `rows`).
+    `gate`: where its element is 0 the kernel streams nothing and the result is just b (a product
+    the step does not need; `region_gate`)."""
     if not _gemv_usable(x, max_rows, w, rows=rows):
         return None
     from kestrel_jax.pallas import gemv_mgpu as kern
 
-    return _jitted(kern.gemv, ("rows",))(x, w.astype(x.dtype), b, rows=rows)
+    return _jitted(kern.gemv, ("rows", "gate_at"))(x, w.astype(x.dtype), b, rows=rows, gate=_gate_array(gate),
+                                                   gate_at=_gate_at(gate))
+
+
+def _gate_array(gate: Gate | None) -> jax.Array | None:
+    return None if gate is None else gate[0]
+
+
+def _gate_at(gate: Gate | None) -> tuple[int, int] | None:
+    return None if gate is None else (gate[1], gate[2])
+
+
+def region_gate_wanted() -> bool:
+    """Whether the steps gate the region heads' decode GEMMs on the host's "any row needs them"
+    column (`batch.D_REGION` / `T_REGION`): a step of text rows only then skips their weight
+    streams (MD3: four products, ~2.3 MB; MD2: its two decoder MLPs, ~117 MB, which then run on
+    the decode GEMM kernel too). KESTREL_JAX_REGION_GATE=1 (read at trace time), opt-in until
+    measured on a GPU."""
+    return flag("KESTREL_JAX_REGION_GATE", False)
 
 
 def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None, *,
                       max_rows: int, rows: int | None = None, padded_ok: bool = False,
-                      tau: Any = None) -> tuple[jax.Array, jax.Array, Any] | None:
+                      tau: Any = None, gate: Gate | None = None) -> tuple[jax.Array, jax.Array, Any] | None:
     """(`x @ w1 + b1`, `x @ w2 + b2`, tau dots or None) from one decode GEMM launch, under the same
     conditions as `small_linear`; None otherwise. With `padded_ok` (callers whose consumers are
     kernels that take padded rows) and `gemv_rows_wanted()`, the two products come back as finished
@@ -216,13 +239,13 @@ def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax
     instead of being summed from split partials by XLA; then with `tau` (MD3's `TauWeights` over
     the first product's columns, bf16 [32, N1]) and `tau_dots_wanted()` the same launch also forms
     the tau dot products (`gemv_rows`' tau_w), the third item (`qkv_epilogue.TauDots`, for
-    `decode_qkv`'s tau_dots)."""
+    `decode_qkv`'s tau_dots). `gate` as `small_linear`'s (split partials only)."""
     if not _gemv_usable(x, max_rows, w1, w2, rows=rows):
         return None
     from kestrel_jax.pallas import gemv_mgpu as kern
 
     w1c, w2c = w1.astype(x.dtype), w2.astype(x.dtype)
-    if padded_ok and gemv_rows_wanted() and all(
+    if padded_ok and gate is None and gemv_rows_wanted() and all(
             b is None or (b.shape == (w.shape[1],) and jnp.dtype(b.dtype) == jnp.dtype(jnp.bfloat16))
             for b, w in ((b1, w1c), (b2, w2c))):
         if tau is not None and tau_dots_wanted() and kern.tau_dots_problem(tau.wq, tau.wv, w1c.shape[1]) is None:
@@ -232,7 +255,8 @@ def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax
             return y1, y2, TauDots(dots, tau.alpha)
         y1, y2 = _jitted(kern.gemv_rows)(x, w1c, b1, w2c, b2)
         return y1, y2, None
-    y1, y2 = _jitted(kern.gemv_pair, ("rows",))(x, w1c, b1, w2c, b2, rows=rows)
+    y1, y2 = _jitted(kern.gemv_pair, ("rows", "gate_at"))(x, w1c, b1, w2c, b2, rows=rows, gate=_gate_array(gate),
+                                                          gate_at=_gate_at(gate))
     return y1, y2, None
 
 

@@ -22,13 +22,14 @@ D_POS, D_SLOT, D_KV_LEN, D_KIND, D_TOKEN, D_SRC, D_FLAGS, D_TOP_K, D_SEED, D_STE
 D_SUP = 10  # 3 suppressed-id slots: 10, 11, 12
 D_NUM_VALID = 13
 D_NSTEPS = 14  # multi-step decode: iterations this row runs (0 = padding)
-DI = 15
+D_REGION = 15  # every row: 1 if any row of the step needs the region heads (`mark_region`)
+DI = 16
 # Decode float columns.
 F_VAL0, F_VAL1, F_TEMP, F_TOP_P = range(4)
 DF = 4
 # Prefill per-token int columns.
-T_POS, T_SLOT, T_KIND, T_TOKEN, T_IMG_ROW, T_NUM_VALID = range(6)
-TI = 6
+T_POS, T_SLOT, T_KIND, T_TOKEN, T_IMG_ROW, T_NUM_VALID, T_REGION = range(7)  # T_REGION as D_REGION
+TI = 7
 # Prefill per-sequence int columns.
 S_CU_END, S_KV_LEN, S_PREFIX, S_LOGITS_ROW, S_FLAGS, S_TOP_K, S_SEED, S_STEP = range(8)
 S_SUP = 8  # 8, 9, 10
@@ -36,6 +37,20 @@ SI = 11
 N_SUP = 3
 
 FLAG_REGION, FLAG_REASONING = 1, 2
+# Row / token input kinds (T_KIND, D_KIND): a token id, E_coord(value), E_size(value), an image row.
+IN_TOKEN, IN_COORD, IN_SIZE, IN_IMAGE = 0, 1, 2, 3
+
+
+def needs_region(flags: np.ndarray, kinds: np.ndarray) -> int:
+    """1 if any row samples for a region or reasoning job (its outputs carry decoded coordinates
+    and sizes) or takes a coordinate or size as input, else 0: the value of D_REGION / T_REGION,
+    which lets a step skip the region heads' weight streams on the device (`ops.region_gate`)."""
+    return int(bool(np.any(flags != 0) or np.any((kinds == IN_COORD) | (kinds == IN_SIZE))))
+
+
+def mark_region(ints: np.ndarray) -> None:
+    """Set a decode step's D_REGION column from its rows' flags and input kinds."""
+    ints[:, D_REGION] = needs_region(ints[:, D_FLAGS], ints[:, D_KIND])
 
 
 @dataclass
@@ -126,6 +141,7 @@ def text_prefill(seqs: list[tuple[int, list[int]]], *, tokens: int, max_seqs: in
         prefill_seq_sampling(seq_ints, seq_floats, b, specs[b] if b < len(specs) else RowSpec())
         off += n
     tok_ints[:, T_NUM_VALID] = off
+    tok_ints[:, T_REGION] = needs_region(seq_ints[:, S_FLAGS], tok_ints[:, T_KIND])
     return tok_ints, tok_floats, seq_ints, seq_floats
 
 
@@ -146,4 +162,5 @@ def text_decode(rows: list[tuple[int, int, int, int]], *, bucket: int, pages: in
         decode_row(ints, floats, i, kind=0, token=max(token, 0), value=(0.0, 0.0), src=src,
                    spec=specs[i] if i < len(specs) else RowSpec())
     ints[:, D_NUM_VALID] = len(rows)
+    mark_region(ints)
     return ints, floats

@@ -53,7 +53,7 @@ from kestrel_jax.serving.export_cache import ExportedStep, source_hash
 log = logging.getLogger(__name__)
 
 # Row input kinds.
-IN_TOKEN, IN_COORD, IN_SIZE, IN_IMAGE = 0, 1, 2, 3
+IN_TOKEN, IN_COORD, IN_SIZE, IN_IMAGE = bt.IN_TOKEN, bt.IN_COORD, bt.IN_SIZE, bt.IN_IMAGE
 # Bucket 1: a 1x1 tiling, whose only tile is the global crop's pixels, encodes that crop once
 # (`Runner.encode_image`); two crops always mean a 1x1 tiling, so bucket 2 is not in the defaults.
 VISION_CROP_BUCKETS = (1, 5, 7, 10, 13)
@@ -138,14 +138,19 @@ def _lm(parts: _Parts, params: list[jax.Array]) -> LM:
     return LM(parts.cfg, parts.dtype, nnx.merge(parts.text_gd, text_state), nnx.merge(parts.region_gd, region_state))
 
 
+def _region_gate(ints: jax.Array, col: int) -> ops.Gate | None:
+    """The region heads' gate (`ops.region_gate_wanted`): the step's "any row needs them" column."""
+    return (ints, 0, col) if ops.region_gate_wanted() else None
+
+
 def _embed(model: LM, kind: jax.Array, token: jax.Array, value: jax.Array,
-           image_row: jax.Array | None, images: jax.Array | None) -> jax.Array:
+           image_row: jax.Array | None, images: jax.Array | None, gate: ops.Gate | None = None) -> jax.Array:
     """Per-row input embedding: wte[token], E_coord(value[0]), E_size(value) or an image row."""
     dtype = model.dtype
     x = model.text.embed(jnp.clip(token, 0, model.cfg.text.vocab_size - 1), dtype)
     rows = region_kernel_rows()
-    coord = model.region.encode_coordinate(value[:, :1], dtype, kernel_rows=rows)
-    size = model.region.encode_size(value, dtype, kernel_rows=rows)
+    coord = model.region.encode_coordinate(value[:, :1], dtype, kernel_rows=rows, gate=gate)
+    size = model.region.encode_size(value, dtype, kernel_rows=rows, gate=gate)
     x = jnp.where((kind == IN_COORD)[:, None], coord, x)
     x = jnp.where((kind == IN_SIZE)[:, None], size, x)
     if images is not None and image_row is not None:
@@ -163,12 +168,14 @@ def _sampling(ints: jax.Array, floats: jax.Array, top_k: int, seed: int, step: i
         suppressed_ids=ints[:, sup: sup + bt.N_SUP] if suppressed is None else suppressed)
 
 
-def _heads(model: LM, hidden: jax.Array, sp: SamplingParams, backend: str, out_rows: int) -> jax.Array:
+def _heads(model: LM, hidden: jax.Array, sp: SamplingParams, backend: str, out_rows: int,
+           gate: ops.Gate | None = None) -> jax.Array:
     """hidden [B, D] (pre post_ln) -> packed outputs [out_rows, 6] (see StepOutputs.packed).
 
     The region heads run for every row and every step. A `lax.cond` on "does any row need
     them" would make XLA copy the predicate to the host and wait for it in the middle of the
-    step, stalling the dispatch of everything after it; the heads cost ~1% of a decode step."""
+    step, stalling the dispatch of everything after it; the heads cost ~1% of a decode step. With
+    `gate` their decode GEMMs skip their weight streams in steps whose rows need none of them."""
     tk = model.cfg.tokenizer
     logits = model.text.logits(hidden)  # [B, V] f32
     out = sample(logits, sp, return_logprobs=True, backend=backend)  # type: ignore[arg-type]
@@ -177,7 +184,7 @@ def _heads(model: LM, hidden: jax.Array, sp: SamplingParams, backend: str, out_r
     else:
         nxt = jnp.argmax(logits, axis=-1)
     b = hidden.shape[0]
-    coord_logits, size_logits = model.region.decode_heads(hidden, kernel_rows=region_kernel_rows())
+    coord_logits, size_logits = model.region.decode_heads(hidden, kernel_rows=region_kernel_rows(), gate=gate)
     coord = coord_bin_to_value(jnp.argmax(coord_logits, axis=-1))
     size = size_bin_to_value(jnp.argmax(size_logits, axis=-1))
     assert out.logprobs is not None
@@ -201,7 +208,7 @@ def _copy_pages(cache: KVCache, copies: jax.Array) -> KVCache:
 
 
 def _decode_inputs(model: LM, ints: jax.Array, floats: jax.Array, prev: jax.Array,
-                   src: jax.Array) -> tuple[jax.Array, jax.Array]:
+                   src: jax.Array, gate: ops.Gate | None = None) -> tuple[jax.Array, jax.Array]:
     """Decode rows (batch.py layout) -> (input embeddings [B, D], suppressed ids [B, N_SUP]); rows
     with src >= 0 take their input from row src of `prev`."""
     tk = model.cfg.tokenizer
@@ -222,7 +229,7 @@ def _decode_inputs(model: LM, ints: jax.Array, floats: jax.Array, prev: jax.Arra
     # sample is the answer's first, with nothing suppressed
     first_answer = use_prev & reasoning & (p_tok == tk.answer_id)
     sup = jnp.where(first_answer[:, None], -1, ints[:, bt.D_SUP: bt.D_SUP + bt.N_SUP])
-    return _embed(model, kind, token, value, None, None), sup
+    return _embed(model, kind, token, value, None, None, gate), sup
 
 
 def _decode_sampling(ints: jax.Array, floats: jax.Array, sup: jax.Array,
@@ -234,10 +241,11 @@ def _decode_once(model: LM, cache: KVCache, ints: jax.Array, floats: jax.Array, 
                  slots: jax.Array, positions: jax.Array, kv_lens: jax.Array, step_offset: jax.Array | int,
                  backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
     """One decode iteration; rows with src >= 0 take their input from row src of `prev`."""
-    x, sup = _decode_inputs(model, ints, floats, prev, src)
+    gate = _region_gate(ints, bt.D_REGION)
+    x, sup = _decode_inputs(model, ints, floats, prev, src, gate)
     batch = AttentionBatch(positions, slots, kv_lens, ints[:, bt.DI:], num_valid=ints[0, bt.D_NUM_VALID])
     hidden, cache, _ = model.text(x, batch, cache)
-    return cache, _heads(model, hidden, _decode_sampling(ints, floats, sup, step_offset), backend, out_rows)
+    return cache, _heads(model, hidden, _decode_sampling(ints, floats, sup, step_offset), backend, out_rows, gate)
 
 
 def _decode_step(parts: _Parts, params: list[jax.Array], cache: KVCache, ints: jax.Array, floats: jax.Array,
@@ -305,15 +313,16 @@ def _prefill_or_mixed(model: LM, cache: KVCache, tok_ints: jax.Array, tok_floats
                       seq_floats: jax.Array, images: jax.Array, decode: tuple[jax.Array, jax.Array, jax.Array] | None,
                       backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
     with ops.use_backend(backend):  # type: ignore[arg-type]
+        gate = _region_gate(tok_ints, bt.T_REGION)  # a mixed step's covers its decode rows too
         x = _embed(model, tok_ints[:, bt.T_KIND], tok_ints[:, bt.T_TOKEN], tok_floats, tok_ints[:, bt.T_IMG_ROW],
-                   images)
+                   images, gate)
         cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), seq_ints[:, bt.S_CU_END]])
         positions, slots, num_valid = tok_ints[:, bt.T_POS], tok_ints[:, bt.T_SLOT], tok_ints[0, bt.T_NUM_VALID]
         rows, sp, nd = None, _sampling(seq_ints, seq_floats, bt.S_TOP_K, bt.S_SEED, bt.S_STEP, bt.S_SUP, 0, 1), 0
         if decode is not None:
             ints, floats, prev = decode
             nd = ints.shape[0]
-            xd, sup = _decode_inputs(model, ints, floats, prev, ints[:, bt.D_SRC])
+            xd, sup = _decode_inputs(model, ints, floats, prev, ints[:, bt.D_SRC], gate)
             x = jnp.concatenate([xd, x])
             positions = jnp.concatenate([ints[:, bt.D_POS], positions])
             slots = jnp.concatenate([ints[:, bt.D_SLOT], slots])
@@ -326,7 +335,7 @@ def _prefill_or_mixed(model: LM, cache: KVCache, tok_ints: jax.Array, tok_floats
         last = hidden[nd + jnp.clip(seq_ints[:, bt.S_LOGITS_ROW], 0, tok_ints.shape[0] - 1)]  # [B, D]
         if nd:
             last = jnp.concatenate([hidden[:nd], last])
-        return cache, _heads(model, last, sp, backend, out_rows)
+        return cache, _heads(model, last, sp, backend, out_rows, gate)
 
 
 def _vision_step(graphdef: Any, treedef: Any, dtype: Any, attn: str | None, params: list[jax.Array],

@@ -106,6 +106,7 @@ class Stepper:
                           steps=n)
             rows[rid] = i
             row_steps[rid] = n
+        bt.mark_region(ints)
         return ints, floats, rows, row_steps
 
     def _prefill(self, plan: PrefillPlan, pending: Pending | None) -> Pending:
@@ -153,9 +154,11 @@ class Stepper:
         if len(images) > self.max_images:
             raise RuntimeError(f"{len(images)} images in one prefill step; at most {self.max_images} fit")
         block = self.image_block(images)
+        tok_ints[:, bt.T_REGION] = bt.needs_region(seq_ints[:, bt.S_FLAGS], kind)
         if plan.decode is None:
             return Pending(plan, self.runner.prefill(tok_ints, tok_floats, seq_ints, seq_floats, block), rows)
         ints, floats, drows, _ = self._decode_rows(plan.decode, pending)
+        tok_ints[:, bt.T_REGION] |= ints[0, bt.D_REGION]  # the mixed step's gate covers its decode rows
         out = self.runner.mixed(ints, floats, pending.feed if pending is not None else None, tok_ints, tok_floats,
                                 seq_ints, seq_floats, block)
         return Pending(plan, out, {**drows, **rows})

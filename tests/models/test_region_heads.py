@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from kestrel_jax.models.config import tiny_config
-from kestrel_jax.models.layers import Linear
+from kestrel_jax.models.layers import MLP, Linear
 from kestrel_jax.models.region import RegionModel
 from kestrel_jax.pallas import gemv_mgpu, ops
 
@@ -27,13 +27,14 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     (rows, K, N)."""
     seen: list[tuple[int, ...]] = []
 
-    def partials(x, w, w2=None, **_):  # [2, N, Mp] f32 partials of y^T, K split in two
+    def partials(x, w, w2=None, gate=None, **_):  # [2, N, Mp] f32 partials of y^T, K split in two
         ww = w if w2 is None else jnp.concatenate([w, w2], axis=1)
         seen.append((x.shape[0], *ww.shape))
         mp = -(-x.shape[0] // 8) * 8
         xp = jnp.pad(x, ((0, mp - x.shape[0]), (0, 0))).astype(jnp.float32)
         h = x.shape[1] // 2
-        return jnp.stack([(xp[:, :h] @ ww[:h].astype(jnp.float32)).T, (xp[:, h:] @ ww[h:].astype(jnp.float32)).T])
+        out = jnp.stack([(xp[:, :h] @ ww[:h].astype(jnp.float32)).T, (xp[:, h:] @ ww[h:].astype(jnp.float32)).T])
+        return out if gate is None else jnp.where(gate[0][gate[1], gate[2]] != 0, out, 0.0)  # the kernel's gate
 
     monkeypatch.setattr(gemv_mgpu, "gemv_partials", partials)
     monkeypatch.setattr(gemv_mgpu, "gemv_supported", lambda x, w: x.shape[0] <= 64)
@@ -113,3 +114,43 @@ def test_the_gpu_check_tool_compares_both_paths(launches: list[tuple[int, ...]],
     for name in ("coord", "size", "enc_coord", "enc_size"):
         assert res[name]["finite"] and res[name]["max_rel"] <= 2e-2, (name, res[name])
     assert 0.0 <= res["coord"]["argmax_agree"] <= 1.0
+
+
+@pytest.mark.parametrize("family", ["md3", "md2"])
+def test_region_gate_skips_the_products_unless_a_row_needs_them(launches: list[tuple[int, ...]],
+                                                                md3_region: RegionModel, family: str) -> None:
+    """With a gate (`ops.region_gate_wanted`: the step's "any row needs the region heads" column)
+    the heads' decode GEMMs, MD2's decoder MLPs included, take it: set, the heads are the reference
+    path's; clear, every product is skipped and each head is its last layer's bias."""
+    region = md3_region if family == "md3" else _region("md2")
+    if family == "md2":
+        rng0 = np.random.default_rng(1)
+        for mlp in (region.coord_decoder, region.size_decoder):
+            assert isinstance(mlp, MLP)
+            for lin in (mlp.fc1, mlp.fc2):  # zeros at random init: make them matter
+                assert lin.bias is not None
+                lin.bias[...] = jnp.asarray(rng0.standard_normal(lin.bias.shape), jnp.bfloat16)
+    rng = np.random.default_rng()
+    h = jnp.asarray(rng.standard_normal((2, region.cfg.dim)), jnp.bfloat16)
+    v = jnp.asarray(rng.uniform(size=(2, 2)), jnp.float32)
+    for on in (1, 0):
+        gate = (jnp.zeros((3, 5), jnp.int32).at[0, 4].set(on), 0, 4)
+        launches.clear()
+        with ops.use_backend("kernel"):
+            coord, size = region.decode_heads(h, kernel_rows=8, gate=gate)
+            ec = region.encode_coordinate(v[:, :1], jnp.bfloat16, kernel_rows=8, gate=gate)
+        if on:  # traced once per shape (the second pass reuses the traces): MD3 the pair and the
+            # encoder; MD2 the decoders' fc1 (one shape for both, as the encoder's), and their fc2s
+            assert len(set(launches)) == (2 if family == "md3" else 3), launches
+        last = region.coord_decoder if isinstance(region.coord_decoder, Linear) else region.coord_decoder.fc2
+        assert last.bias is not None and region.coord_encoder.bias is not None
+        if on:
+            with ops.use_backend("reference"):
+                _close(coord, region.decode_coordinate(h))
+                _close(size, region.decode_size(h))
+                _close(ec, region.encode_coordinate(v[:, :1], jnp.bfloat16))
+        else:
+            bias = np.asarray(last.bias[...], np.float32)
+            np.testing.assert_array_equal(np.asarray(coord), np.broadcast_to(bias, coord.shape))
+            enc_bias = np.asarray(region.coord_encoder.bias[...], np.float32)
+            np.testing.assert_array_equal(np.asarray(ec, np.float32), np.broadcast_to(enc_bias, ec.shape))

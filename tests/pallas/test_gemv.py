@@ -174,6 +174,31 @@ def test_gemv_merged_is_the_merge_then_the_product(M: int, H: int, S: int):
         g.gemv_partials(None, w, merge=(o[:, :, :, :32], lse, M))
 
 
+def test_gemv_gate_skips_the_product_where_its_element_is_zero():
+    """`gate` = (array, row, column): 0 there and the product is skipped (just the bias, for the
+    pair too); any other value and it is the ungated product bit for bit (interpreted)."""
+    rng = fresh_rng()
+    x = jnp.asarray(rng.standard_normal((3, 256)), BF16)
+    w1 = jnp.asarray(rng.standard_normal((256, 128)) / 16, BF16)
+    w2 = jnp.asarray(rng.standard_normal((256, 64)) / 16, BF16)
+    b1 = jnp.asarray(rng.standard_normal(128), BF16)
+    b2 = jnp.asarray(rng.standard_normal(64), BF16)
+    plain = g.gemv(x, w1, b1, interpret=True)
+    plain_pair = g.gemv_pair(x, w1, b1, w2, b2, interpret=True)
+    for value in (0, 1, 7):
+        arr = jnp.zeros((2, 5), jnp.int32).at[1, 3].set(value)
+        got = g.gemv(x, w1, b1, gate=arr, gate_at=(1, 3), interpret=True)
+        pair = g.gemv_pair(x, w1, b1, w2, b2, gate=arr, gate_at=(1, 3), interpret=True)
+        if value:
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain, np.float32))
+            for a, b in zip(pair, plain_pair, strict=True):
+                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        else:
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.broadcast_to(np.asarray(b1, np.float32),
+                                                                                        (3, 128)))
+            assert np.array_equal(np.asarray(pair[1], np.float32), np.broadcast_to(np.asarray(b2, np.float32), (3, 64)))
+
+
 def test_gemv_refuses_what_it_cannot_do():
     z = jnp.zeros
     x, w = z((4, 256), BF16), z((256, 128), BF16)
@@ -243,6 +268,12 @@ def test_gemv_lowers_at_decoder_shapes():
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(g.gemv_rows).trace(*rows_pair).lower(lowering_platforms=("cuda",)).as_text()
         assert "kestrel_gemv_rows" in text
+    # a gated product (the region heads': MD3's paired decoders, gated on a step's int column)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(functools.partial(g.gemv_pair, gate_at=(0, 15))).trace(
+            _SDS((1, 2048), BF16), _SDS((2048, 1024), BF16), _SDS((1024,), BF16), _SDS((2048, 2048), BF16),
+            _SDS((2048,), BF16), gate=_SDS((1, 40), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "kestrel_gemv" in text
     # the output projection with split-KV attention's merge inside (MD3: 32 heads, 4 splits at 1 row)
     for M in (1, 8):
         with jax.sharding.use_abstract_mesh(mesh):

@@ -46,8 +46,15 @@ def _kv(runner: Runner, pages: list[int]) -> np.ndarray:
 
 # The token feed on both models; the device-side feed (src) on MD3 only (the feed is model-independent
 # host/step plumbing; CI time).
-@pytest.mark.parametrize(("model", "feed"), [("md3", "token"), ("md3", "src"), ("md2", "token")], indirect=["model"])
-def test_mixed_step_equals_separate_prefill_and_decode(model: MoondreamModel, feed: str) -> None:
+# "src+gate": with KESTREL_JAX_REGION_GATE=1 the steps pass the region heads' gate column along
+# (here, off the kernel path, the gate is not applied: the outputs must not change).
+@pytest.mark.parametrize(("model", "feed"), [("md3", "token"), ("md3", "src"), ("md2", "token"), ("md2", "src+gate")],
+                         indirect=["model"])
+def test_mixed_step_equals_separate_prefill_and_decode(model: MoondreamModel, feed: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    if feed.endswith("+gate"):
+        monkeypatch.setenv("KESTREL_JAX_REGION_GATE", "1")
+        feed = feed[: -len("+gate")]
     a = [1, 700, 33, 4000, 12, 9, 81, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]  # 18 tokens: crosses a page
     b, c = [1, 55, 66, 77, 88], [1, 300, 301]
     temps = (0.0, 0.8)
