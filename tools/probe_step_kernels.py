@@ -8,9 +8,12 @@ mixed steps of ~1,500 tokens, decode at batch 64); this says what inside them co
   PYTHONPATH=. python3 tools/probe_step_kernels.py --model md3 --kinds prefill,mixed,decode --out-dir $OUT
   PYTHONPATH=. python3 tools/probe_step_kernels.py --model md3 --tiny --kinds prefill   # CPU smoke run
   PYTHONPATH=. python3 tools/probe_step_kernels.py --kinds decode --batch 1 --ab KESTREL_JAX_TAU_DOTS=0,1
+  PYTHONPATH=. python3 tools/probe_step_kernels.py --kinds decode --batch 1 \
+      --sets default KESTREL_JAX_MERGED_PROJ=1 KESTREL_JAX_MERGED_PROJ=1+KESTREL_JAX_L2_PREFETCH=30
 
 With --ab, one process compiles the step once per value of a switch and measures the variants in
-turn (A B A B ...): one model build and one machine for the comparison, drift shared alike.
+turn (A B A B ...): one model build and one machine for the comparison, drift shared alike;
+--sets does the same for variants of several switches each.
 Beside the CUPTI sum each step gets a host-timed wall clock per blocking call (--wall-rounds, in
 turn as well): a change can move the wall time by more than the kernel sum (the twenty-first
 session's region heads: the sum -1 us, W1's time per token -30 us), and the wall time is what W1
@@ -140,6 +143,47 @@ def parse_ab(spec: str | None) -> tuple[str, list[str]] | None:
     return name, vals
 
 
+def parse_sets(specs: list[str] | None) -> list[tuple[str, dict[str, str]]] | None:
+    """--sets SPEC SPEC ...: each variant `default` (the environment as it is) or switches joined
+    by `+` (KESTREL_JAX_A=1+KESTREL_JAX_B=0) -> [(label, {name: value})]; None without any."""
+    if not specs:
+        return None
+    out = []
+    for spec in specs:
+        env: dict[str, str] = {}
+        if spec.strip() != "default":
+            for part in spec.split("+"):
+                name, eq, value = part.strip().partition("=")
+                if not eq or not name.startswith("KESTREL_JAX_") or not value:
+                    raise SystemExit(f"--sets wants default or KESTREL_JAX_A=V[+KESTREL_JAX_B=V...], got {spec!r}")
+                env[name] = value
+        out.append((spec.strip(), env))
+    if len(out) < 2 or len({label for label, _ in out}) < len(out):
+        raise SystemExit(f"--sets wants at least two distinct variants, got {specs!r}")
+    return out
+
+
+def variant_sets(ab: tuple[str, list[str]] | None,
+                 sets: list[tuple[str, dict[str, str]]] | None) -> list[tuple[str, dict[str, str]]] | None:
+    """The variants of an in-process A/B: --ab's values of one switch, or --sets' (not both)."""
+    if ab and sets:
+        raise SystemExit("--ab and --sets are two ways to name variants: give one")
+    if ab:
+        return [(f"{ab[0]}={v}", {ab[0]: v}) for v in ab[1]]
+    return sets
+
+
+def apply_variant(env: dict[str, str], names: set[str], saved: dict[str, str | None]) -> None:
+    """Set os.environ for one variant: every switch any variant names back to its saved value,
+    then this variant's."""
+    for name in names:
+        if saved.get(name) is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved[name]  # type: ignore[assignment]
+    os.environ.update(env)
+
+
 def interleaved(fns: list[Any], args: tuple[Any, ...], iters: int,
                 measure: Any = measure_runs) -> tuple[list[list[list[tuple[str, float]]]], str]:
     """One measurement of each variant in turn, `iters` rounds (A B A B ...: drift on the machine
@@ -192,8 +236,13 @@ def main() -> int:
                     help="each step compiled once per value of this switch (read at trace time) and measured "
                          "in turn, A B A B ...; --json then names one file per value (PATH stem + _NAME=V) and "
                          "the diff against the first value is printed")
+    ap.add_argument("--sets", nargs="+", default=None, metavar="SPEC",
+                    help="as --ab, with variants of several switches each: default, or "
+                         "KESTREL_JAX_A=V[+KESTREL_JAX_B=V...] (e.g. default KESTREL_JAX_MERGED_PROJ=1)")
     a = ap.parse_args()
-    ab = parse_ab(a.ab)
+    ab = variant_sets(parse_ab(a.ab), parse_sets(a.sets))
+    names = {n for _, env in ab or [] for n in env}
+    saved = {n: os.environ.get(n) for n in names}
     model = synthetic_model(a.model, tiny=a.tiny)
     page = a.page
     per_row = a.context // page + 1  # pages of a decode row
@@ -215,8 +264,8 @@ def main() -> int:
                            "settings": {k: v for k, v in vars(a).items() if k not in ("out_dir", "json")},
                            "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KESTREL_JAX_")},
                            "steps": {}}
-    # --ab: one result per value, each naming its value among the switches
-    variants = {v: {**res, "switches": {**res["switches"], ab[0]: v}, "steps": {}} for v in ab[1]} if ab else {}
+    # --ab / --sets: one result per variant, each naming its values among the switches
+    variants = {label: {**res, "switches": {**res["switches"], **env}, "steps": {}} for label, env in ab} if ab else {}
     for kind in [k.strip() for k in a.kinds.split(",") if k.strip()]:
         step_fn: Any
         args: tuple[Any, ...]
@@ -237,33 +286,34 @@ def main() -> int:
         else:
             raise SystemExit(f"unknown step kind {kind!r}")
         # the runner's step donates the KV pool; the probe runs it again and again on the same pool
-        values = ab[1] if ab else [None]
+        labels: list[str | None] = [label for label, _ in ab] if ab else [None]
         compiled_v = []
-        for value in values:
-            if ab:
-                os.environ[ab[0]] = str(value)
+        for env in [e for _, e in ab] if ab else [None]:
+            if env is not None:
+                apply_variant(env, names, saved)
                 jax.clear_caches()  # the switch is read when a step (or a kernel's entry point) is traced
                 ops._jitted.cache_clear()
             compiled_v.append(jax.jit(getattr(step_fn, "__wrapped__", step_fn)).lower(*args).compile())
         runs_v, how = interleaved(compiled_v, args, a.iters)
-        walls = wall_times(compiled_v, args, a.wall_rounds) if a.wall_rounds else [None] * len(values)
-        for value, compiled, runs, wall in zip(values, compiled_v, runs_v, walls, strict=True):
-            if ab is None:
+        walls = wall_times(compiled_v, args, a.wall_rounds) if a.wall_rounds else [None] * len(labels)
+        for label, compiled, runs, wall in zip(labels, compiled_v, runs_v, walls, strict=True):
+            if label is None:
                 report(kind, compiled, aggregate_runs(runs), how, res, a, out_dir, wall_us=wall)
             else:
-                report(kind, compiled, aggregate_runs(runs), how, variants[str(value)], a, out_dir,
-                       label=f"[{ab[0]}={value}] ", wall_us=wall)
+                report(kind, compiled, aggregate_runs(runs), how, variants[label], a, out_dir,
+                       label=f"[{label}] ", wall_us=wall)
     if ab:
-        first = variants[ab[1][0]]
-        for value in ab[1][1:]:
-            print("\n".join(diff_steps(first, variants[value], 15)), flush=True)
+        first = variants[ab[0][0]]
+        for label, _ in ab[1:]:
+            print(f"{ab[0][0]} -> {label}:", flush=True)
+            print("\n".join(diff_steps(first, variants[label], 15)), flush=True)
     if out_dir is not None:
         (out_dir / "step_kernels.json").write_text(json.dumps({"variants": variants} if ab else res, indent=1))
     if a.json:
         if ab:
             path = Path(a.json)
-            for value, r in variants.items():
-                path.with_name(f"{path.stem}_{ab[0]}={value}{path.suffix}").write_text(json.dumps(r, indent=1))
+            for label, r in variants.items():
+                path.with_name(f"{path.stem}_{label}{path.suffix}").write_text(json.dumps(r, indent=1))
         else:
             Path(a.json).write_text(json.dumps(res, indent=1))
     return 0

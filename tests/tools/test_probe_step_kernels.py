@@ -3,10 +3,22 @@ its run aggregation, and its in-process A/B (--ab): the switch spec and the inte
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
-from tools.probe_step_kernels import aggregate_runs, family, hlo_index, interleaved, parse_ab, wall_times
+from tools.probe_step_kernels import (
+    aggregate_runs,
+    apply_variant,
+    family,
+    hlo_index,
+    interleaved,
+    parse_ab,
+    parse_sets,
+    variant_sets,
+    wall_times,
+)
 
 # one line per instruction, as XLA prints them
 HLO = """
@@ -51,6 +63,28 @@ def test_ab_spec_names_a_switch_and_at_least_two_values():
     for bad in ("KESTREL_JAX_TAU_DOTS=1", "TAU_DOTS=0,1", "KESTREL_JAX_TAU_DOTS"):
         with pytest.raises(SystemExit, match="--ab"):
             parse_ab(bad)
+
+
+def test_sets_name_variants_of_several_switches_and_restore_the_rest(monkeypatch):
+    sets = parse_sets(["default", "KESTREL_JAX_A=1", "KESTREL_JAX_A=0+KESTREL_JAX_B=2"])
+    assert sets == [("default", {}), ("KESTREL_JAX_A=1", {"KESTREL_JAX_A": "1"}),
+                    ("KESTREL_JAX_A=0+KESTREL_JAX_B=2", {"KESTREL_JAX_A": "0", "KESTREL_JAX_B": "2"})]
+    assert parse_sets(None) is None
+    for bad in (["default"], ["default", "default"], ["default", "A=1"], ["default", "KESTREL_JAX_A="]):
+        with pytest.raises(SystemExit, match="--sets"):
+            parse_sets(bad)
+    assert variant_sets(("KESTREL_JAX_T", ["0", "1"]), None) == [("KESTREL_JAX_T=0", {"KESTREL_JAX_T": "0"}),
+                                                                  ("KESTREL_JAX_T=1", {"KESTREL_JAX_T": "1"})]
+    with pytest.raises(SystemExit, match="--ab and --sets"):
+        variant_sets(("KESTREL_JAX_T", ["0", "1"]), sets)
+    monkeypatch.setenv("KESTREL_JAX_A", "5")
+    monkeypatch.delenv("KESTREL_JAX_B", raising=False)
+    names, saved = {"KESTREL_JAX_A", "KESTREL_JAX_B"}, {"KESTREL_JAX_A": "5", "KESTREL_JAX_B": None}
+    assert sets is not None
+    apply_variant(sets[2][1], names, saved)
+    assert (os.environ["KESTREL_JAX_A"], os.environ["KESTREL_JAX_B"]) == ("0", "2")
+    apply_variant(sets[0][1], names, saved)  # default: the environment as it was
+    assert os.environ["KESTREL_JAX_A"] == "5" and "KESTREL_JAX_B" not in os.environ
 
 
 def test_variants_are_measured_in_turn():
