@@ -223,7 +223,7 @@ def _gate_at(gate: Gate | None) -> tuple[int, int] | None:
 def region_gate_wanted() -> bool:
     """Whether the steps gate the region heads' decode GEMMs on the host's "any row needs them"
     column (`batch.D_REGION` / `T_REGION`): a step of text rows only then skips their weight
-    streams (MD3: four products, ~2.3 MB; MD2: its two decoder MLPs, ~117 MB, which then run on
+    streams (MD3: four products, ~16 MB; MD2: its two decoder MLPs, ~117 MB, which then run on
     the decode GEMM kernel too). KESTREL_JAX_REGION_GATE=1 (read at trace time), opt-in until
     measured on a GPU."""
     return flag("KESTREL_JAX_REGION_GATE", False)
