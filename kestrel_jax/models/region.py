@@ -112,10 +112,21 @@ class RegionModel(nnx.Module):
                 sz.kernel[...], sz.bias[...] if sz.bias is not None else None, max_rows=kernel_rows, gate=gate)
             if pair is not None:
                 coord, size, _ = pair
-                return coord.astype(jnp.float32), size.astype(jnp.float32).reshape(h.shape[0], 2, -1)
+                return _materialised(coord.astype(jnp.float32), size.astype(jnp.float32).reshape(h.shape[0], 2, -1))
         if kernel_rows and isinstance(self.coord_decoder, MLP) and isinstance(self.size_decoder, MLP):
             x = self._in(h)
             coord = self._mlp(self.coord_decoder, x, kernel_rows, gate).astype(jnp.float32)
             size = self._mlp(self.size_decoder, x, kernel_rows, gate).astype(jnp.float32)
-            return coord, size.reshape(h.shape[0], 2, -1)
+            return _materialised(coord, size.reshape(h.shape[0], 2, -1))
         return self.decode_coordinate(h), self.decode_size(h)
+
+
+def _materialised(coord: jax.Array, size: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The decode GEMM's head logits behind an optimization barrier where
+    `ops.heads_barrier_wanted()`: XLA otherwise fuses the sum of the kernel's split partials (and
+    the bias) into the bins' argmax, a reduction of one row that runs as one CTA reading every
+    partial (H100, MD3 batch-1 step, twenty-second session: the two argmax fusions 6.2 and 9.9 us).
+    Behind the barrier the sum is a loop fusion of its own and the argmaxes read [rows, bins]."""
+    if ops.heads_barrier_wanted():
+        return jax.lax.optimization_barrier((coord, size))
+    return coord, size

@@ -229,6 +229,13 @@ def region_gate_wanted() -> bool:
     return flag("KESTREL_JAX_REGION_GATE", False)
 
 
+def heads_barrier_wanted() -> bool:
+    """Whether the region heads' logits from the decode GEMM kernel pass an optimization barrier
+    before their argmax (`region._materialised`). KESTREL_JAX_HEADS_BARRIER=1 (read at trace
+    time), opt-in until measured on a GPU."""
+    return flag("KESTREL_JAX_HEADS_BARRIER", False)
+
+
 def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None, *,
                       max_rows: int, rows: int | None = None, padded_ok: bool = False,
                       tau: Any = None, gate: Gate | None = None) -> tuple[jax.Array, jax.Array, Any] | None:

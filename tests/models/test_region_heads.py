@@ -154,3 +154,21 @@ def test_region_gate_skips_the_products_unless_a_row_needs_them(launches: list[t
             np.testing.assert_array_equal(np.asarray(coord), np.broadcast_to(bias, coord.shape))
             enc_bias = np.asarray(region.coord_encoder.bias[...], np.float32)
             np.testing.assert_array_equal(np.asarray(ec, np.float32), np.broadcast_to(enc_bias, ec.shape))
+
+
+def test_heads_barrier_switch(launches: list[tuple[int, ...]], md3_region: RegionModel,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """KESTREL_JAX_HEADS_BARRIER=1: the kernel path's head logits pass an optimization barrier
+    (XLA then cannot fuse the split-partial sum into the argmax); the values are the same."""
+    h = jnp.asarray(np.random.default_rng(2).standard_normal((1, md3_region.cfg.dim)), jnp.bfloat16)
+    out = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv("KESTREL_JAX_HEADS_BARRIER", switch)
+        ops._jitted.cache_clear()
+        with ops.use_backend("kernel"):
+            f = jax.jit(lambda h: md3_region.decode_heads(h, kernel_rows=8))
+            text = f.lower(h).as_text()
+            out[switch] = [np.asarray(a) for a in f(h)]
+        assert ("optimization_barrier" in text) == (switch == "1"), switch
+    for a, b in zip(out["0"], out["1"], strict=True):
+        np.testing.assert_array_equal(a, b)
