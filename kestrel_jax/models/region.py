@@ -73,10 +73,8 @@ class RegionModel(nnx.Module):
                 return y
         return layer(x)
 
-    def _mlp(self, mlp: MLP, x: jax.Array, kernel_rows: int, gate: ops.Gate | None) -> jax.Array:
-        """An MD2 decoder MLP: with a gate, both products on the decode GEMM kernel (gated)."""
-        if gate is None:
-            return mlp(x)
+    def _mlp(self, mlp: MLP, x: jax.Array, kernel_rows: int, gate: ops.Gate) -> jax.Array:
+        """An MD2 decoder MLP, both products on the decode GEMM kernel, gated."""
         return self._linear(mlp.fc2, gelu_tanh(self._linear(mlp.fc1, x, kernel_rows, gate)), kernel_rows, gate)
 
     def encode_coordinate(self, v: jax.Array, dtype: jnp.dtype, kernel_rows: int = 0,
@@ -103,8 +101,8 @@ class RegionModel(nnx.Module):
                      gate: ops.Gate | None = None) -> tuple[jax.Array, jax.Array]:
         """(`decode_coordinate(h)`, `decode_size(h)`). With single-Linear decoders (MD3) and at
         most `kernel_rows` rows on the kernel path, both products come from one decode GEMM launch
-        (`ops.small_linear_pair`); MD2's MLPs take it with a `gate` (`_linear`'s: where its element
-        is 0 the outputs are those of zero products, which no row of the step reads)."""
+        (`ops.small_linear_pair`); MD2's MLPs take it only with a `gate` (`_linear`'s: where its
+        element is 0 the outputs are those of zero products, which no row of the step reads)."""
         if kernel_rows and isinstance(self.coord_decoder, Linear) and isinstance(self.size_decoder, Linear):
             c, sz = self.coord_decoder, self.size_decoder
             pair = ops.small_linear_pair(
@@ -113,7 +111,8 @@ class RegionModel(nnx.Module):
             if pair is not None:
                 coord, size, _ = pair
                 return _materialised(coord.astype(jnp.float32), size.astype(jnp.float32).reshape(h.shape[0], 2, -1))
-        if kernel_rows and isinstance(self.coord_decoder, MLP) and isinstance(self.size_decoder, MLP):
+        if kernel_rows and gate is not None and isinstance(self.coord_decoder, MLP) and isinstance(
+                self.size_decoder, MLP):
             x = self._in(h)
             coord = self._mlp(self.coord_decoder, x, kernel_rows, gate).astype(jnp.float32)
             size = self._mlp(self.size_decoder, x, kernel_rows, gate).astype(jnp.float32)

@@ -155,9 +155,9 @@ def gemv_partials(
     the step does not need this time, decided on the device without a host round trip)."""
     if merge is not None:
         o, lse, M = merge
-        if x is not None or w2 is not None or not merge_supported(o, lse, w) or not 1 <= M <= 8:
+        if x is not None or w2 is not None or gate is not None or not merge_supported(o, lse, w) or not 1 <= M <= 8:
             raise ValueError(f"merged-input gemv does not support o {o.shape} {o.dtype}, lse {lse.shape}, "
-                             f"w {w.shape} {w.dtype}, rows {M}")
+                             f"w {w.shape} {w.dtype}, rows {M} (nor x, a second product or a gate beside it)")
         K, mp, n_splits = w.shape[0], 8, o.shape[2]
         x_dtype = jnp.dtype(jnp.bfloat16)
     else:

@@ -44,7 +44,7 @@ IN_TOKEN, IN_COORD, IN_SIZE, IN_IMAGE = 0, 1, 2, 3
 def needs_region(flags: np.ndarray, kinds: np.ndarray) -> int:
     """1 if any row samples for a region or reasoning job (its outputs carry decoded coordinates
     and sizes) or takes a coordinate or size as input, else 0: the value of D_REGION / T_REGION,
-    which lets a step skip the region heads' weight streams on the device (`ops.region_gate`)."""
+    which lets a step skip the region heads' weight streams on the device (`ops.region_gate_wanted`)."""
     return int(bool(np.any(flags != 0) or np.any((kinds == IN_COORD) | (kinds == IN_SIZE))))
 
 

@@ -172,6 +172,8 @@ def test_gemv_merged_is_the_merge_then_the_product(M: int, H: int, S: int):
     assert not np.asarray(parts[..., M:]).any()  # padding rows' products are zero, not NaN
     with pytest.raises(ValueError, match="merged-input gemv"):
         g.gemv_partials(None, w, merge=(o[:, :, :, :32], lse, M))
+    with pytest.raises(ValueError, match="merged-input gemv"):  # a gate would be ignored: refused
+        g.gemv_partials(None, w, merge=(o, lse, M), gate=(jnp.ones((1, 1), jnp.int32), 0, 0))
 
 
 def test_gemv_gate_skips_the_product_where_its_element_is_zero():
