@@ -10,10 +10,13 @@ At most `window` images are encoded and not yet prefilled at a time: an offline 
 thousands of requests must not hold thousands of encodings (3 MB each for MD3) in device
 memory, nor spend the device on images whose prefill is minutes away. Requests beyond the window
 wait in arrival order and start as earlier images are prefilled (their last image chunk
-launched) or dropped. Requests on one image (same digest) share one encoding. An image leaves the window
-when its prefill is launched, for all its requests. A request whose image the prefix cache holds
-is not encoded; if its cache entry is gone by its prefill, or its
-encoding was never started, `take` returns None and the caller encodes it in place.
+launched) or dropped; one whose prefill comes before its turn (the scheduler orders by arrival
+and priority, and images are prepared side by side, so admissions can come out of that order) is
+started then, on the worker, past the window until its image is prefilled: the engine thread
+waits for it as it would for its own encoding, and launches none of the vision step. Requests on
+one image (same digest) share one encoding. An image leaves the window when its prefill is
+launched, for all its requests. A request whose image the prefix cache holds is not encoded; if
+its cache entry is gone by its prefill, `take` returns None and the caller encodes it in place.
 
 With `encode_many`, the worker encodes up to `max_batch` queued images in one call (the runner
 encodes one-crop images together: more of the GPU busy per launch, BENCHMARKS.md, thirteenth
@@ -94,14 +97,19 @@ class EncodeAhead:
             self._waiting[rid] = sub
 
     def take(self, sub: Any, last: bool) -> Any | None:
-        """The request's encoding for a prefill chunk of its image, or None (not encoded ahead:
-        encode it in place). `last`: this chunk ends the image prefix: the image is prefilled, so
-        the encoding leaves the window, also for other requests on the image (they find its KV
-        pages in the prefix cache; one that misses it gets None and is encoded in place). An
-        error raised on the worker is raised here."""
+        """The request's encoding for a prefill chunk of its image (started now if the request
+        was still waiting for a slot), or None (its image was expected in the prefix cache, or
+        it was taken for its last chunk already: encode it in place). `last`: this chunk ends the
+        image prefix: the image is prefilled, so the encoding leaves the window, also for other
+        requests on the image (they find its KV pages in the prefix cache; one that misses it gets
+        None and is encoded in place). An error raised on the worker is raised here."""
         rid = sub.job.request_id
-        if self._waiting.pop(rid, None) is not None:
-            return None  # reached its prefill before its turn came
+        if self._waiting.pop(rid, None) is not None:  # reached its prefill before its turn came:
+            entry = self._entries.get(sub.digest)  # started now, out of turn (over the window
+            if entry is None:                       # until its image is prefilled)
+                self._start(sub)
+            else:
+                entry[1].add(rid)
         entry = self._entries.get(sub.digest)
         if entry is None or rid not in entry[1]:
             return None

@@ -1,7 +1,7 @@
 """EncodeAhead (the vision thread's bookkeeping) without a model: the window bounds the images
 encoded and not yet prefilled, later arrivals start in arrival order as earlier ones are
 prefilled or dropped, one image is encoded once for all its requests, cached images never, and
-a request that reaches its prefill first is encoded in place."""
+a request that reaches its prefill before its turn is started then, on the worker."""
 
 from __future__ import annotations
 
@@ -60,13 +60,15 @@ def test_window_bounds_encodings_and_later_arrivals_start_in_order() -> None:
     assert (ea.pending, ea.waiting, ea.started) == (2, 2, 3) and ea.holds(subs[2])
     ea.drop(subs[1])  # cancelled before its prefill: request 3 starts
     assert ea.holds(subs[3]) and not ea.holds(subs[4]) and ea.waiting == 1
-    # request 4 reaches its prefill before its turn: encoded in place by the caller, not ahead
-    assert ea.take(subs[4], last=True) is None and ea.waiting == 0
+    # request 4 reaches its prefill before its turn: started now on the worker, past the window
+    assert ea.take(subs[4], last=False) == "enc-img4" and ea.waiting == 0
+    assert (ea.pending, ea.started) == (3, 5) and ea.holds(subs[4])
+    assert ea.take(subs[4], last=True) == "enc-img4" and ea.pending == 2
     assert ea.take(subs[2], last=True) == "enc-img2" and ea.take(subs[3], last=True) == "enc-img3"
-    assert (ea.pending, ea.waiting, ea.started) == (0, 0, 4)
+    assert (ea.pending, ea.waiting, ea.started) == (0, 0, 5)
     ea.shutdown()
     got = sorted(r for r, _ in rec.calls)  # request 1's encoding may have been cancelled before it ran
-    assert got in ([0, 2, 3], [0, 1, 2, 3]), got
+    assert got in ([0, 2, 3, 4], [0, 1, 2, 3, 4]), got
     assert all(t.startswith("kestrel-jax-vision") for _, t in rec.calls)
 
 
@@ -95,14 +97,16 @@ def test_one_image_is_encoded_once_and_leaves_the_window_when_prefilled() -> Non
     ea.drop(a1)  # cancelled: a2 still needs the encoding
     assert ea.holds(a2) and ea.waiting == 1
     # a2's prefill: the image is prefilled, its slot frees and c starts; another request on it
-    # (a3) would find its pages in the prefix cache, or else be encoded in place
+    # (a3) finds its pages in the prefix cache, or else (here: it waits for c's slot and reaches
+    # its prefill first) is encoded again, out of turn
     assert ea.take(a2, last=True) == "enc-a" and ea.holds(c) and ea.waiting == 0
     ea.add(a3)
-    assert ea.waiting == 1 and ea.take(a3, last=True) is None
+    assert ea.waiting == 1 and ea.take(a3, last=True) == "enc-a" and ea.waiting == 0
     ea.drop(a2)  # no-op: it holds nothing any more
-    assert ea.take(c, last=True) == "enc-c"
+    assert ea.take(c, last=True) == "enc-c" and ea.pending == 0
     ea.shutdown()
-    assert [r for r, _ in rec.calls] == [1, 4]
+    assert sorted(r for r, _ in rec.calls) == [1, 3, 4]
+    assert all(t.startswith("kestrel-jax-vision") for _, t in rec.calls)
 
 
 def test_cached_images_are_not_encoded_also_when_their_turn_comes() -> None:
