@@ -7,6 +7,7 @@ and for the decoders the share of rows whose argmax bin (the decoded coordinate 
 
   PYTHONPATH=. python3 tools/check_region_heads.py --model md3 --rows 1 8
   PYTHONPATH=. python3 tools/check_region_heads.py --model md3 --tiny --rows 1   # CPU: both paths XLA
+  PYTHONPATH=. python3 tools/check_region_heads.py --model md2 --rows 1 8 --gate  # gated open / closed
 """
 
 from __future__ import annotations
@@ -28,26 +29,47 @@ from kestrel_jax.models.config import md2_config, md3_config, tiny_config  # noq
 from kestrel_jax.models.region import RegionModel  # noqa: E402
 
 
-def compare(region: RegionModel, rows: int, seed: int = 0) -> dict[str, Any]:
-    """Kernel path (kernel_rows = rows) against XLA (kernel_rows = 0) for one batch of `rows`."""
-    rng = np.random.default_rng(seed)
-    h = jnp.asarray(rng.standard_normal((rows, region.cfg.dim)), jnp.bfloat16)
-    v = jnp.asarray(rng.uniform(size=(rows, 2)), jnp.float32)
+def _heads(region: RegionModel, h: jax.Array, v: jax.Array, kernel_rows: int,
+           gate: jax.Array | None = None) -> tuple[jax.Array, ...]:
+    g = None if gate is None else (gate, 0, 0)
+    coord, size = region.decode_heads(h, kernel_rows=kernel_rows, gate=g)
+    return (coord, size, region.encode_coordinate(v[:, :1], jnp.bfloat16, kernel_rows=kernel_rows, gate=g),
+            region.encode_size(v, jnp.bfloat16, kernel_rows=kernel_rows, gate=g))
 
-    def heads(h: jax.Array, v: jax.Array, kernel_rows: int) -> tuple[jax.Array, ...]:
-        coord, size = region.decode_heads(h, kernel_rows=kernel_rows)
-        return (coord, size, region.encode_coordinate(v[:, :1], jnp.bfloat16, kernel_rows=kernel_rows),
-                region.encode_size(v, jnp.bfloat16, kernel_rows=kernel_rows))
 
-    kern = jax.jit(lambda h, v: heads(h, v, rows))(h, v)
-    xla = jax.jit(lambda h, v: heads(h, v, 0))(h, v)
-    out: dict[str, Any] = {"rows": rows}
-    for name, a, b in zip(("coord", "size", "enc_coord", "enc_size"), kern, xla, strict=True):
+def _diff(out: dict[str, Any], kern: tuple[jax.Array, ...], xla: tuple[jax.Array, ...],
+          scale: tuple[jax.Array, ...] | None = None) -> dict[str, Any]:
+    """Each output's largest difference relative to the largest magnitude of `scale`'s (default:
+    xla's own) output."""
+    for i, (name, a, b) in enumerate(zip(("coord", "size", "enc_coord", "enc_size"), kern, xla, strict=True)):
         a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        out[name] = {"max_rel": float(np.abs(a32 - b32).max() / max(np.abs(b32).max(), 1e-30)),
+        ref = np.abs(np.asarray((scale or xla)[i], np.float32)).max()
+        out[name] = {"max_rel": float(np.abs(a32 - b32).max() / max(ref, 1e-30)),
                      "finite": bool(np.isfinite(a32).all())}
         if name in ("coord", "size"):
             out[name]["argmax_agree"] = float((a32.argmax(-1) == b32.argmax(-1)).mean())
+    return out
+
+
+def compare(region: RegionModel, rows: int, seed: int = 0, gate: bool = False) -> dict[str, Any]:
+    """Kernel path (kernel_rows = rows) against XLA (kernel_rows = 0) for one batch of `rows`.
+    With `gate`, the kernel path runs gated (the step's region column, `ops.Gate`): open (1) it
+    must match XLA as ungated does; closed (0) its products are skipped, so its outputs must be
+    those of XLA on the same heads with every kernel zeroed (the biases through the layers)."""
+    rng = np.random.default_rng(seed)
+    h = jnp.asarray(rng.standard_normal((rows, region.cfg.dim)), jnp.bfloat16)
+    v = jnp.asarray(rng.uniform(size=(rows, 2)), jnp.float32)
+    xla = jax.jit(lambda h, v: _heads(region, h, v, 0))(h, v)
+    out: dict[str, Any] = {"rows": rows}
+    if not gate:
+        return _diff(out, jax.jit(lambda h, v: _heads(region, h, v, rows))(h, v), xla)
+    gated = jax.jit(lambda h, v, g: _heads(region, h, v, rows, g))
+    out["open"] = _diff({}, gated(h, v, jnp.ones((1, 1), jnp.int32)), xla)
+    graph, state = nnx.split(region)
+    zeroed = nnx.merge(graph, jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.zeros_like(x) if "kernel" in str(path[-2:]) else x, state))
+    zero_xla = jax.jit(lambda h, v: _heads(zeroed, h, v, 0))(h, v)
+    out["closed"] = _diff({}, gated(h, v, jnp.zeros((1, 1), jnp.int32)), zero_xla, scale=xla)
     return out
 
 
@@ -56,12 +78,15 @@ def main() -> int:
     ap.add_argument("--model", default="md3", choices=["md2", "md3"])
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny region heads (a CPU smoke run)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--gate", action="store_true",
+                    help="the kernel path gated (KESTREL_JAX_REGION_GATE's column): open and closed")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     cfg = tiny_config(a.model) if a.tiny else (md3_config() if a.model == "md3" else md2_config())
     region = RegionModel(cfg.region, dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
     res = {"device": jax.devices()[0].device_kind, "model": a.model,
-           "results": [compare(region, r, seed=r) for r in a.rows]}
+           "gate": a.gate,
+           "results": [compare(region, r, seed=r, gate=a.gate) for r in a.rows]}
     for r in res["results"]:
         print(json.dumps(r), flush=True)
     if a.out:

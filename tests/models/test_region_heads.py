@@ -117,6 +117,29 @@ def test_the_gpu_check_tool_compares_both_paths(launches: list[tuple[int, ...]],
 
 
 @pytest.mark.parametrize("family", ["md3", "md2"])
+def test_the_gpu_check_tool_compares_the_gated_paths(launches: list[tuple[int, ...]],
+                                                     family: Literal["md2", "md3"]) -> None:
+    """tools/check_region_heads.py --gate with the kernel's stand-in: open, the heads match XLA's;
+    closed, they match XLA's on the heads with their kernels zeroed. Where the gate is ignored
+    (the reference path), the closed comparison fails."""
+    from tools.check_region_heads import compare
+
+    region = _region(family)
+    for lin in (region.coord_decoder, region.coord_encoder):  # zeros at random init: make them matter
+        last = lin if isinstance(lin, Linear) else lin.fc2
+        assert last.bias is not None
+        last.bias[...] = jnp.asarray(np.random.default_rng(4).standard_normal(last.bias.shape), jnp.bfloat16)
+    with ops.use_backend("kernel"):
+        res = compare(region, 2, gate=True)
+    for name in ("coord", "size", "enc_coord", "enc_size"):
+        assert res["open"][name]["max_rel"] <= 2e-2, (name, res["open"][name])
+        assert res["closed"][name]["max_rel"] <= 2e-2, (name, res["closed"][name])
+    with ops.use_backend("reference"):  # the gate does not apply: products where zeros are expected
+        ignored = compare(region, 2, gate=True)
+    assert ignored["closed"]["coord"]["max_rel"] > 2e-2 and ignored["closed"]["enc_coord"]["max_rel"] > 2e-2
+
+
+@pytest.mark.parametrize("family", ["md3", "md2"])
 def test_region_gate_skips_the_products_unless_a_row_needs_them(launches: list[tuple[int, ...]],
                                                                 md3_region: RegionModel, family: str) -> None:
     """With a gate (`ops.region_gate_wanted`: the step's "any row needs the region heads" column)
