@@ -147,6 +147,9 @@ class EngineWorker:
                 "startup_s": self.startup_s, "load_s": self.load_s, "compile_s": dict(self.compile_s),
                 "host_s": {**self.host_s, "wait_outputs": self.stepper.wait_s}, "scheduler": self.scheduler.stats,
                 "images": dict(self.runner.images), "export": self.runner.export_counts,
+                "queue": {"running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting},
+                "kv_pages": {"used": self.scheduler.allocator.num_used, "free": self.scheduler.allocator.num_free},
+                "prefix_cache": None if self.scheduler.prefix_cache is None else self.scheduler.prefix_cache.stats,
                 "encode_ahead": None if self._ahead is None else {
                     "started": self._ahead.started, "pending": self._ahead.pending, "waiting": self._ahead.waiting,
                     "calls_by_images": dict(sorted(self._ahead.calls.items()))}}

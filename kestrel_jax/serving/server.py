@@ -4,7 +4,7 @@
     POST /v1/caption  {image_url | image, length?, stream?, settings?}
     POST /v1/detect   {image_url | image, object, settings?}
     POST /v1/point    {image_url | image, object, settings?}
-    GET  /health, GET /v1/models
+    GET  /health, GET /v1/models, GET /metrics (Prometheus)
 
 The request shapes follow Moondream's cloud API. Images arrive inline only (a `data:` URL or
 bare base64): the server never fetches URLs or opens paths a client names. Every request is
@@ -33,6 +33,8 @@ from kestrel_jax.errors import user_errors
 from kestrel_jax.models.image_crops import ImageError
 from kestrel_jax.prompts import PromptError
 from kestrel_jax.serving.engine import EngineConfig, EngineError, InferenceEngine, Result, Stream
+from kestrel_jax.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kestrel_jax.serving.metrics import ServerMetrics, skill_label
 from kestrel_jax.serving.request import RequestRejected
 from kestrel_jax.serving.runner import RunnerConfig
 from kestrel_jax.serving.skills import SettingsError
@@ -190,6 +192,13 @@ def classify(exc: BaseException) -> tuple[int, str, str]:
 _HTTP_TYPES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
+class _EventStream(web.StreamResponse):
+    """An SSE response; `outcome`: the status its error maps to when the request failed after the
+    stream began (its HTTP status is 200 by then), for the metrics."""
+
+    outcome: int | None = None
+
+
 def error_response(status: int, type: str, message: str) -> web.Response:
     return web.json_response({"error": {"type": type, "message": message}}, status=status)
 
@@ -223,10 +232,12 @@ class Server:
         self.app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._middleware])
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/metrics", self._metrics)
         for skill in _FIELDS:
             self.app.router.add_post(f"/v1/{skill}", self._skill_handler(skill))
         self.in_flight = 0
         self.draining = False
+        self.metrics = ServerMetrics(self._engine_stats)
         self._runner: web.AppRunner | None = None
         self._port: int | None = None
         self._abandoned: set[asyncio.Task[None]] = set()
@@ -277,14 +288,30 @@ class Server:
     # -- middleware: draining, in-flight count, error mapping -------------------------------
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
-        is_work = request.method == "POST"
-        if is_work and self.draining:
-            return error_response(503, "shutting_down", "the server is shutting down; retry on another replica")
-        if is_work:
-            self.in_flight += 1
+        if request.method != "POST":
+            return await self._handled(request, handler)
+        t0 = time.monotonic()
+        self.in_flight += 1
+        self.metrics.in_flight.set(self.in_flight)
+        status = 500
         try:
-            response: web.StreamResponse = await handler(request)
+            response: web.StreamResponse
+            if self.draining:
+                response = error_response(503, "shutting_down", "the server is shutting down; retry on another replica")
+            else:
+                response = await self._handled(request, handler)
+            status = response.outcome if isinstance(response, _EventStream) and response.outcome else response.status
             return response
+        finally:
+            self.in_flight -= 1
+            self.metrics.in_flight.set(self.in_flight)
+            self.metrics.request_ended(skill_label(request.path), status, time.monotonic() - t0)
+
+    async def _handled(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
+        """The handler's response, or the error response its exception maps to."""
+        try:
+            out: web.StreamResponse = await handler(request)
+            return out
         except web.HTTPException as e:
             if e.status < 400:
                 raise
@@ -300,9 +327,6 @@ class Server:
             if status == 500:
                 log.exception("unexpected error in %s %s", request.method, request.path)
             return error_response(status, kind, message)
-        finally:
-            if is_work:
-                self.in_flight -= 1
 
     def _too_large_message(self, size: int | None) -> str:
         limit = self.config.max_body_bytes
@@ -320,6 +344,9 @@ class Server:
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_info()]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": METRICS_CONTENT_TYPE})
 
     def _skill_handler(self, skill: str) -> Callable[[web.Request], Any]:
         async def handle(request: web.Request) -> web.StreamResponse:
@@ -343,24 +370,28 @@ class Server:
         else:
             out = await fn(call.image, deadline_s=deadline, **call.kwargs)
         if isinstance(out, Stream):
-            return await self._stream(request, out)
+            return await self._stream(request, out, skill)
+        self.metrics.result(skill, out.finish_reason, out.metrics)
         return web.json_response(render(out), dumps=_dumps)
 
-    async def _stream(self, request: web.Request, stream: Stream) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, stream: Stream, skill: str) -> web.StreamResponse:
         """SSE: `data: {"chunk": ...}` per text chunk, then `data: {"completed": true, ...}` (or
         `data: {"error": ...}` when the request fails after the stream began)."""
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+        resp = _EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            "X-Accel-Buffering": "no"})
         try:
             await resp.prepare(request)
             async for chunk in stream:
                 await resp.write(_sse({"chunk": chunk, "completed": False}))
             try:
-                final = {"completed": True, **render(await stream.result())}
+                result = await stream.result()
+                self.metrics.result(skill, result.finish_reason, result.metrics)
+                final = {"completed": True, **render(result)}
             except Exception as e:
                 status, kind, message = classify(e)
                 if status == 500:
                     log.exception("unexpected error in a stream of %s", request.path)
+                resp.outcome = status
                 final = {"completed": True, "error": {"type": kind, "message": message}}
             await resp.write(_sse(final))
             await resp.write_eof()
@@ -375,6 +406,13 @@ class Server:
 
     def _engine_alive(self) -> bool:
         return bool(getattr(self.engine, "healthy", True))
+
+    def _engine_stats(self) -> dict[str, Any] | None:
+        """The engine's stats for /metrics, None when it is not serving."""
+        if not self._engine_alive():
+            return None
+        stats = getattr(self.engine, "stats", None)
+        return stats if isinstance(stats, dict) else None
 
     def _model_info(self) -> dict[str, Any]:
         cfg = self.engine.cfg

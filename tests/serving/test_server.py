@@ -121,6 +121,69 @@ def test_every_endpoint_shape(engine: InferenceEngine) -> None:
     _leak_free(engine)
 
 
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Prometheus text -> {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+            for fam in text_string_to_metric_families(text) for smp in fam.samples}
+
+
+def test_metrics_count_requests_tokens_and_engine_state(engine: InferenceEngine) -> None:
+    """GET /metrics: per-skill request counts by status (a stream, a 400 and an unknown path among
+    them), latency and TTFT histograms, token counters that add up to the responses' metrics, and
+    the engine's state read at the scrape (nothing running after, every page used or free)."""
+    async def main() -> tuple[list[tuple[int, Any]], list[dict[str, Any]], str, str]:
+        async with running(engine) as (_, s):
+            outs = [await post(s, "/v1/query", {"image_url": DEMO_URL, "question": "What is this?",
+                                                "reasoning": False, "settings": GREEDY}),
+                    await post(s, "/v1/query", {"image_url": DEMO_URL, "question": "   "}),
+                    await post(s, "/v1/nothing", {}),
+                    await post(s, "/v1/point", {"image_url": DEMO_URL, "object": "sun",
+                                                "settings": {"max_objects": 1}})]
+            events = await post_sse(s, "/v1/caption", {"image_url": DEMO_URL, "length": "short",
+                                                       "settings": GREEDY})
+            async with s.get("/metrics") as r:
+                assert r.status == 200
+                ctype, text = r.headers["Content-Type"], await r.text()
+            return outs, events, ctype, text
+
+    outs, events, ctype, text = asyncio.run(main())
+    assert ctype.startswith("text/plain") and "version=" in ctype
+    assert [o[0] for o in outs] == [200, 400, 404, 200]
+    m = _samples(text)
+
+    def get(name: str, **labels: str) -> float:
+        return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    assert get("kestrel_requests_total", skill="query", status="200") == 1
+    assert get("kestrel_requests_total", skill="query", status="400") == 1
+    assert get("kestrel_requests_total", skill="other", status="404") == 1
+    assert get("kestrel_requests_total", skill="point", status="200") == 1
+    assert get("kestrel_requests_total", skill="caption", status="200") == 1
+    assert get("kestrel_request_duration_seconds_count", skill="query") == 2
+    assert get("kestrel_request_duration_seconds_count", skill="caption") == 1
+    q, final = outs[0][1]["metrics"], events[-1]
+    assert get("kestrel_tokens_total", skill="query", kind="output") == q["output_tokens"] == 6
+    assert get("kestrel_tokens_total", skill="query", kind="input") == q["input_tokens"]
+    assert get("kestrel_tokens_total", skill="caption", kind="output") == final["metrics"]["output_tokens"]
+    assert get("kestrel_finished_requests_total", skill="caption", reason=final["finish_reason"]) == 1
+    assert get("kestrel_time_to_first_token_seconds_count", skill="query") == 1
+    assert 0 < get("kestrel_time_to_first_token_seconds_sum", skill="query") <= get(
+        "kestrel_request_duration_seconds_sum", skill="query")
+    assert get("kestrel_http_in_flight_requests") == 0
+    assert get("kestrel_engine_up") == 1
+    assert get("kestrel_engine_requests", state="running") == 0 == get("kestrel_engine_requests", state="waiting")
+    cap = get("kestrel_kv_pages_capacity")
+    assert cap == 96 and get("kestrel_kv_pages", state="used") + get("kestrel_kv_pages", state="free") == cap
+    assert get("kestrel_scheduler_requests_total", event="admitted") >= 3
+    assert get("kestrel_engine_steps_total", kind="prefill") >= 1
+    assert get("kestrel_engine_steps_total", kind="decode") >= 1
+    assert get("kestrel_prefix_cache_hits_total") >= 1  # the same image three times
+    assert get("kestrel_images_encoded_total", crops="device") + get("kestrel_images_encoded_total", crops="host") >= 1
+    _leak_free(engine)
+
+
 def test_sse_stream_concatenates_to_the_non_streamed_answer(engine: InferenceEngine) -> None:
     q = {"image_url": DEMO_URL, "question": "Describe it", "reasoning": False, "settings": GREEDY}
     c = {"image_url": DEMO_URL, "length": "normal", "settings": GREEDY}
@@ -282,15 +345,19 @@ class _BrokenStreamEngine(_FailingEngine):
 
 
 def test_failure_after_the_stream_began_ends_it_with_an_error_event(caplog: pytest.LogCaptureFixture) -> None:
-    async def main() -> list[list[dict[str, Any]]]:
+    async def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
         out = []
         for exc in (EngineError("the engine was shut down"), RuntimeError("secret internals")):
             async with running(cast(InferenceEngine, _BrokenStreamEngine(exc))) as (_, s):
                 out.append(await post_sse(s, "/v1/query", {"question": "Hi"}))
-        return out
+                async with s.get("/metrics") as r:
+                    text = await r.text()
+        return out[0], out[1], text
 
     with caplog.at_level(logging.ERROR, logger="kestrel_jax.serving.server"):
-        shut, broken = asyncio.run(main())
+        shut, broken, metrics = asyncio.run(main())
+    # counted by the status its error maps to, not the 200 the stream began with
+    assert 'kestrel_requests_total{skill="query",status="500"} 1.0' in metrics and 'status="200"' not in metrics
     assert [e.get("chunk") for e in shut[:2]] == ["a", "b"]
     want = {"type": "engine_unavailable", "message": "the engine was shut down"}
     assert shut[2] == {"completed": True, "error": want}
