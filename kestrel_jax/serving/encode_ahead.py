@@ -134,6 +134,12 @@ class EncodeAhead:
         if entry is not None and rid in entry[1]:
             self._release(rid, sub.digest)
 
+    def encodings(self) -> list[Any]:
+        """The encodings finished and not yet released (the engine waits for their device work
+        before it goes: a computation still running at interpreter exit can crash it)."""
+        return [fut.result() for fut, _ in self._entries.values()
+                if fut.done() and not fut.cancelled() and fut.exception() is None]
+
     def shutdown(self) -> None:
         """Cancel the queued encodings and wait for the one running."""
         self._waiting.clear()

@@ -131,6 +131,8 @@ class EngineWorker:
             self._thread.join(timeout=60)
         if self._ahead is not None:
             self._ahead.shutdown()
+            with contextlib.suppress(Exception):  # encodings still computing: done before the engine goes
+                jax.block_until_ready(self._ahead.encodings())
 
     @property
     def alive(self) -> bool:
@@ -286,6 +288,9 @@ class EngineWorker:
                     self._fail(rid, EngineError(f"engine failed: {e}"))
                 self._fail_inbox(EngineError(f"engine failed: {e}"))
                 return
+        if pending is not None:  # launched and never read: let it finish before the engine goes
+            with contextlib.suppress(Exception):
+                jax.block_until_ready(pending.out)
         for rid in list(self._live):
             self._fail(rid, EngineError("the engine was shut down"))
         self._fail_inbox(EngineError("the engine was shut down"))
