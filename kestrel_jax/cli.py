@@ -1,4 +1,4 @@
-"""`kestrel-jax` command line: demo, query, caption, detect, point, serve, convert.
+"""`kestrel-jax` command line: demo, query, caption, detect, point, batch, serve, convert.
 
 With no `--model`, commands use a small synthetic Moondream 3 (random weights, generated
 deterministically on first use into a cache folder) and, where no image is given, the bundled
@@ -8,10 +8,12 @@ demo image: everything runs offline, and the answers are noise.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,11 +70,11 @@ def _engine_config(args: argparse.Namespace) -> Any:
                         warmup=False)
 
 
-async def _with_engine(args: argparse.Namespace, body: Any) -> int:
+async def _with_engine(args: argparse.Namespace, body: Any, config: Any = None) -> int:
     from kestrel_jax.serving.engine import InferenceEngine
 
     t0 = time.perf_counter()
-    engine = await InferenceEngine.create(_engine_config(args))
+    engine = await InferenceEngine.create(config if config is not None else _engine_config(args))
     if not args.quiet:
         print(f"[kestrel-jax] {engine.cfg.name} ({engine.cfg.family}) ready in {time.perf_counter() - t0:.1f}s "
               f"({engine.stats['kv_dtype']} KV cache, {engine.stats['num_pages']} pages)", file=sys.stderr)
@@ -86,10 +88,10 @@ async def _with_engine(args: argparse.Namespace, body: Any) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace, body: Any) -> int:
+def _run(args: argparse.Namespace, body: Any, config: Any = None) -> int:
     import asyncio
 
-    return asyncio.run(_with_engine(args, body))
+    return asyncio.run(_with_engine(args, body, config))
 
 
 def _image(args: argparse.Namespace) -> Any:
@@ -190,6 +192,206 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return _run(args, body)
 
 
+IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+_RESULT_KEYS = frozenset({"output", "finish_reason", "metrics", "error"})  # the rest of a line is its request
+
+
+def _image_paths(inputs: list[str], list_file: str | None) -> Iterator[Path]:
+    """Image files named, those under named folders (recursively, by suffix, in sorted order:
+    folders are walked as the job goes, never listed whole), then those a list file names (one
+    path a line, '-' for standard input; blank lines and '#' comments skipped). A named path that
+    does not exist is yielded as it is: its request fails alone, with the reason."""
+    for name in inputs:
+        path = Path(name)
+        if path.is_dir():
+            for root, dirs, files in os.walk(path):
+                dirs.sort()
+                for f in sorted(files):
+                    if Path(f).suffix.lower() in IMAGE_SUFFIXES:
+                        yield Path(root) / f
+        else:
+            yield path
+    if list_file is not None:
+        stream = sys.stdin if list_file == "-" else open(list_file, encoding="utf-8")  # noqa: SIM115
+        try:
+            for line in stream:
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    yield Path(line)
+        finally:
+            if stream is not sys.stdin:
+                stream.close()
+
+
+def _batch_requests(args: argparse.Namespace) -> Iterator[dict[str, Any]]:
+    """The job's requests as JSON-ready dicts (image paths as strings), read lazily."""
+    if args.requests:
+        with open(args.requests, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    req = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise BatchInputError(f"{args.requests}:{n}: not a JSON object: {e}") from e
+                if not isinstance(req, dict) or not isinstance(req.get("skill"), str):
+                    raise BatchInputError(f"{args.requests}:{n}: each line is a JSON object with a 'skill'")
+                yield req
+        return
+    extra: dict[str, Any] = {}
+    if args.skill == "query":
+        extra["question"] = args.question
+        if args.reasoning is not None:
+            extra["reasoning"] = args.reasoning == "on"
+    elif args.skill == "caption":
+        extra["length"] = args.length
+    else:
+        extra["object"] = args.object
+    names = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens, "seed": args.seed,
+             "max_objects": args.max_objects}
+    settings = {k: v for k, v in names.items() if v is not None}
+    for path in _image_paths(args.inputs, args.list):
+        yield {"skill": args.skill, "image": str(path), **extra, **({"settings": settings} if settings else {})}
+
+
+def _request_key(req: dict[str, Any]) -> str:
+    return json.dumps({k: v for k, v in req.items() if k not in _RESULT_KEYS}, sort_keys=True, default=str)
+
+
+def _done_keys(out: Path) -> set[str]:
+    """Requests an earlier run of the job finished (lines without an error; a torn last line is
+    ignored: it is run again)."""
+    done: set[str] = set()
+    with open(out, encoding="utf-8") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and "output" in rec and "error" not in rec:
+                done.add(_request_key(rec))
+    return done
+
+
+def _error_type(e: BaseException) -> str:
+    from kestrel_jax.errors import user_errors
+
+    if isinstance(e, user_errors()):
+        name = type(e).__name__
+        return {"ImageError": "invalid_image", "PromptError": "invalid_prompt", "SettingsError": "invalid_settings",
+                "RequestRejected": "request_rejected", "FileNotFoundError": "not_found"}.get(name, "invalid_request")
+    if isinstance(e, ValueError | TypeError):  # a request's own arguments: an unknown skill or keyword
+        return "invalid_request"
+    return "internal_error"
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    """One skill over many images, or a JSONL of requests: a JSON line per request, written as
+    each ends (completion order), resumable."""
+    from tqdm import tqdm
+
+    from kestrel_jax.serving.engine import EngineError
+
+    out = Path(args.out)
+    done = _done_keys(out) if out.exists() else set()
+    if out.exists() and out.stat().st_size:
+        with open(out, "rb+") as f:  # a line torn by a killed run: end it, so the next line starts clean
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+    counts = {"ok": 0, "failed": 0, "skipped": 0}
+
+    def todo() -> Iterator[dict[str, Any]]:
+        for req in _batch_requests(args):
+            if _request_key(req) in done:
+                counts["skipped"] += 1
+                continue
+            yield req
+
+    def engine_request(req: dict[str, Any]) -> dict[str, Any]:
+        r = dict(req)
+        if isinstance(r.get("image"), str):
+            r["image"] = Path(r["image"])
+        return r
+
+    async def body(engine: Any) -> None:
+        t0 = time.perf_counter()
+        as_written: dict[int, dict[str, Any]] = {}  # in flight: index -> the request as the job names it
+
+        def submitted() -> Iterator[dict[str, Any]]:
+            for i, req in enumerate(todo()):
+                as_written[i] = req
+                yield engine_request(req)
+
+        with open(out, "a", encoding="utf-8") as f, tqdm(desc="batch", unit="req", disable=args.quiet,
+                                                         file=sys.stderr) as bar:
+            stream = engine.generate_stream(submitted(), max_in_flight=args.max_in_flight)
+            async for i, _, res in stream:
+                rec = dict(as_written.pop(i))
+                if isinstance(res, EngineError):
+                    raise res  # the engine stopped: the lines so far are kept, --resume goes on
+                if isinstance(res, BaseException):
+                    rec["error"] = {"type": _error_type(res), "message": str(res) or type(res).__name__}
+                    counts["failed"] += 1
+                else:
+                    m = res.metrics
+                    rec.update(output=res.output, finish_reason=res.finish_reason,
+                               metrics={"ttft_ms": round(m.ttft_ms, 1), "output_tokens": m.output_tokens,
+                                        "cached_tokens": m.cached_tokens})
+                    counts["ok"] += 1
+                f.write(json.dumps(rec, default=str) + "\n")
+                f.flush()
+                bar.update(1)
+        dt = time.perf_counter() - t0
+        n = counts["ok"] + counts["failed"]
+        print(f"[kestrel-jax] batch: {counts['ok']} ok, {counts['failed']} failed, {counts['skipped']} already done "
+              f"in {out}; {n / dt if dt > 0 else 0.0:.2f} req/s", file=sys.stderr)
+
+    try:
+        _run(args, body, config=_batch_engine_config(args))
+    except EngineError as e:
+        print(f"kestrel-jax batch: error: the engine stopped ({e}); the results so far are in {out}: run the "
+              "same command with --resume to go on", file=sys.stderr)
+        return 2
+    return 1 if counts["failed"] else 0
+
+
+def _batch_engine_config(args: argparse.Namespace) -> Any:
+    """Throughput buckets (decode up to --max-batch-size), compiled lazily as the job meets them."""
+    from kestrel_jax.serving.engine import decode_buckets_up_to
+
+    cfg = _engine_config(args)
+    return dataclasses.replace(cfg, decode_buckets=decode_buckets_up_to(args.max_batch_size),
+                               prefill_token_buckets=type(cfg)().prefill_token_buckets,
+                               max_prefill_seqs=type(cfg)().max_prefill_seqs)
+
+
+class BatchInputError(ValueError):
+    """The batch job's own input is wrong (its arguments, its request file): nothing of it runs
+    past that point."""
+
+
+def _check_batch_args(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    if out.exists() and not args.resume:
+        raise BatchInputError(f"{out} exists: pass --resume to continue that job (requests with a result there are "
+                              "skipped, failed ones run again), or choose another --out")
+    if args.max_in_flight < 1 or args.max_batch_size < 1:
+        raise BatchInputError("--max-in-flight and --max-batch-size must be >= 1")
+    if args.requests:
+        if args.inputs or args.list or args.skill:
+            raise BatchInputError("--requests takes its skills and images from the file: no --skill, inputs or --list")
+        return
+    if not args.skill:
+        raise BatchInputError("name a --skill (query, caption, detect, point), or pass --requests FILE.jsonl")
+    if not args.inputs and args.list is None:
+        raise BatchInputError("no images: name image files or folders, or pass --list FILE")
+    if args.skill == "query" and not args.question:
+        raise BatchInputError("--skill query needs --question")
+    if args.skill in ("detect", "point") and not args.object:
+        raise BatchInputError(f"--skill {args.skill} needs --object")
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
 
@@ -270,6 +472,23 @@ def build_parser() -> argparse.ArgumentParser:
         common(p)
         p.add_argument("object")
         p.set_defaults(fn=fn)
+    p = sub.add_parser("batch", help="one skill over many images (files, folders, a list) or a JSONL of requests; "
+                                     "a JSON line per request, resumable")
+    common(p, image=False)
+    p.add_argument("inputs", nargs="*", help="image files, or folders searched recursively for images")
+    p.add_argument("--skill", choices=["query", "caption", "detect", "point"])
+    p.add_argument("--question", help="--skill query: the question")
+    p.add_argument("--reasoning", choices=["on", "off"], default=None, help="--skill query")
+    p.add_argument("--length", choices=["short", "normal", "long"], default="normal", help="--skill caption")
+    p.add_argument("--object", help="--skill detect / point: what to find")
+    p.add_argument("--list", help="a file of image paths, one a line ('-': standard input)")
+    p.add_argument("--requests", help="JSONL, one request a line: {\"skill\": ..., \"image\": path, ...} "
+                                      "with the skill's arguments and optional \"settings\"")
+    p.add_argument("--out", required=True, help="the results, JSON lines (appended to with --resume)")
+    p.add_argument("--resume", action="store_true", help="continue a job: skip requests --out has a result for")
+    p.add_argument("--max-in-flight", type=int, default=256, help="requests submitted at a time")
+    p.add_argument("--max-batch-size", type=int, default=64, help="largest decode bucket")
+    p.set_defaults(fn=cmd_batch, max_tokens=None, top_p=None, seed=None)
     p = sub.add_parser("convert", help="HF safetensors -> converted (orbax) checkpoint")
     p.add_argument("src")
     p.add_argument("dst")
@@ -305,7 +524,12 @@ def main(argv: list[str] | None = None) -> int:
     from kestrel_jax.errors import user_errors
 
     try:
+        if args.fn is cmd_batch:
+            _check_batch_args(args)
         return int(args.fn(args))
+    except BatchInputError as e:
+        print(f"kestrel-jax batch: error: {e}", file=sys.stderr)
+        return 2
     except user_errors() as e:
         print(f"kestrel-jax: error: {e}", file=sys.stderr)
         return 2

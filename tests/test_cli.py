@@ -53,3 +53,80 @@ def test_bad_input_gives_a_clear_error_not_a_traceback(cache: Path, tmp_path: Pa
     assert p.returncode == 2 and "temperature" in p.stderr
     p = _run(["caption", "--model", str(tmp_path / "missing")], cache)
     assert p.returncode == 2 and "no such checkpoint" in p.stderr
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_batch_over_folders_fails_bad_images_alone_and_resumes(cache: Path, tmp_path: Path) -> None:
+    """`batch`: a folder (recursively, images only) and a missing file; a JSON line per request;
+    the corrupt and missing images fail alone (exit 1); --resume runs only what has no result,
+    here after the two inputs were fixed (exit 0); an existing --out without --resume is refused."""
+    from kestrel_jax.models.image_crops import DEMO_IMAGE_PATH
+
+    imgs = tmp_path / "imgs"
+    (imgs / "sub").mkdir(parents=True)
+    (imgs / "a.png").write_bytes(DEMO_IMAGE_PATH.read_bytes())
+    (imgs / "sub" / "b.PNG").write_bytes(DEMO_IMAGE_PATH.read_bytes())
+    (imgs / "c.jpg").write_bytes(b"not an image")
+    (imgs / "notes.txt").write_text("not an input")
+    out = tmp_path / "captions.jsonl"
+    args = ["batch", "--skill", "caption", "--length", "short", "--max-tokens", "3", "--max-batch-size", "4",
+            str(imgs), str(tmp_path / "later.png"), "--out", str(out)]
+    p = _run(args, cache)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "2 ok, 2 failed" in p.stderr and "Traceback" not in p.stderr
+    lines = _lines(out)
+    assert sorted(Path(r["image"]).name for r in lines) == ["a.png", "b.PNG", "c.jpg", "later.png"]
+    for r in lines:
+        assert r["skill"] == "caption" and r["length"] == "short" and r["settings"] == {"max_tokens": 3}
+        if Path(r["image"]).name in ("c.jpg", "later.png"):
+            assert r["error"]["type"] == "invalid_image" and "output" not in r
+        else:
+            assert isinstance(r["output"]["caption"], str) and r["metrics"]["output_tokens"] == 3
+            assert r["finish_reason"] == "length"
+    p = _run(args, cache)
+    assert p.returncode == 2 and "--resume" in p.stderr and _lines(out) == lines
+    (imgs / "c.jpg").write_bytes(DEMO_IMAGE_PATH.read_bytes())
+    (tmp_path / "later.png").write_bytes(DEMO_IMAGE_PATH.read_bytes())
+    with open(out, "a") as f:
+        f.write('{"skill": "caption", "image": "torn')  # a run killed mid-line
+    p = _run([*args, "--resume", "--quiet"], cache)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "2 ok, 0 failed, 2 already done" in p.stderr
+    text = out.read_text().splitlines()
+    assert text[len(lines)].endswith('"torn')
+    new = [json.loads(line) for line in text[len(lines) + 1:]]
+    assert sorted(Path(r["image"]).name for r in new) == ["c.jpg", "later.png"]
+    assert all("output" in r for r in new)
+
+
+def test_batch_requests_file_mixes_skills(cache: Path, tmp_path: Path) -> None:
+    """`batch --requests`: a JSONL of requests of several skills, an unknown skill failing alone;
+    a malformed line stops the job with its line number (exit 2), what ended before it kept."""
+    from kestrel_jax.models.image_crops import DEMO_IMAGE_PATH
+
+    img = str(DEMO_IMAGE_PATH)
+    reqs = [{"skill": "query", "image": img, "question": "What is this?", "reasoning": False,
+             "settings": {"max_tokens": 2, "temperature": 0}},
+            {"skill": "point", "image": img, "object": "sun", "settings": {"max_objects": 1}},
+            {"skill": "query", "image": None, "question": "Hello", "settings": {"max_tokens": 2}},
+            {"skill": "sing", "image": img}]
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text("\n".join(json.dumps(r) for r in reqs) + "\n\n")
+    out = tmp_path / "out.jsonl"
+    p = _run(["batch", "--requests", str(jobs), "--out", str(out), "--max-batch-size", "4", "--quiet"], cache)
+    assert p.returncode == 1, p.stderr[-3000:]
+    got = {json.dumps({k: r[k] for k in r if k not in ("output", "finish_reason", "metrics", "error")},
+                      sort_keys=True): r for r in _lines(out)}
+    assert set(got) == {json.dumps(r, sort_keys=True) for r in reqs}
+    assert got[json.dumps(reqs[3], sort_keys=True)]["error"]["type"] == "invalid_request"
+    assert isinstance(got[json.dumps(reqs[0], sort_keys=True)]["output"]["answer"], str)
+    assert isinstance(got[json.dumps(reqs[1], sort_keys=True)]["output"]["points"], list)
+    jobs.write_text(json.dumps(reqs[2]) + "\n{not json\n")
+    p = _run(["batch", "--requests", str(jobs), "--out", str(tmp_path / "o2.jsonl"), "--max-batch-size", "4",
+              "--quiet"], cache)
+    assert p.returncode == 2 and "jobs.jsonl:2" in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+    p = _run(["batch", "--skill", "detect", str(jobs), "--out", str(tmp_path / "o3.jsonl")], cache)
+    assert p.returncode == 2 and "--object" in p.stderr

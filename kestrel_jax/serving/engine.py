@@ -17,10 +17,11 @@ fails alone and never reaches the worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,13 @@ class EngineConfig:
         if self.mixed_decode_buckets is None:
             return (max(self.decode_buckets),)
         return tuple(self.mixed_decode_buckets)
+
+
+def decode_buckets_up_to(max_batch_size: int) -> tuple[int, ...]:
+    """The default decode buckets below `max_batch_size`, then `max_batch_size` itself."""
+    if max_batch_size < 1:
+        raise ValueError(f"max batch size must be >= 1, got {max_batch_size}")
+    return (*(b for b in EngineConfig().decode_buckets if b < max_batch_size), max_batch_size)
 
 
 @dataclass
@@ -253,52 +261,84 @@ class InferenceEngine:
         order. At most `max_in_flight` requests are submitted at a time (the scheduler batches
         them; a new one goes in as each ends), so a job over millions of images never holds more
         than that many decoded images and queued requests (None: all at once). A failing request
-        yields its exception in place (or raises, with return_exceptions=False)."""
+        yields its exception in place (or raises, with return_exceptions=False, and the rest of
+        the list is not run). `generate_stream` gives each result as it ends instead."""
         from tqdm import tqdm
 
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1 or None, got {max_in_flight}")
-        fns: dict[str, Any] = {"query": self.query, "caption": self.caption, "detect": self.detect,
-                               "point": self.point}
         results: list[Result | BaseException | None] = [None] * len(requests)
-        todo = iter(enumerate(requests))  # shared by the workers: each takes the next request
-        bar = tqdm(total=len(requests), disable=not progress, desc="generate", unit="req")
+        if not requests:
+            return []
+        n = len(requests) if max_in_flight is None else min(max_in_flight, len(requests))
+        with tqdm(total=len(requests), disable=not progress, desc="generate", unit="req") as bar:
+            async with contextlib.aclosing(self.generate_stream(requests, max_in_flight=n)) as done:
+                async for i, _, res in done:
+                    if isinstance(res, BaseException) and not return_exceptions:
+                        raise res
+                    results[i] = res
+                    bar.update(1)
+        return results  # type: ignore[return-value]
 
-        async def one(r: dict[str, Any]) -> Result:
-            args = dict(r)
-            skill = args.pop("skill")
-            fn = fns.get(skill)
-            if fn is None:
-                raise ValueError(f"unknown skill {skill!r}")
-            args.pop("stream", None)
-            res = await fn(**args)
-            assert isinstance(res, Result)
-            return res
+    async def generate_stream(self, requests: Iterable[dict[str, Any]], *, max_in_flight: int = 512,
+                              ) -> AsyncGenerator[tuple[int, dict[str, Any], Result | BaseException], None]:
+        """Offline batch, streamed: (index, request, its Result or the exception it failed with)
+        as each request ends, in completion order. `requests` is read lazily, one request as a
+        slot frees (a generator over millions of files is never held whole), at most
+        `max_in_flight` submitted at a time. An error raised by the iterable itself ends the
+        stream with it. Leaving the stream early (break, an exception, `aclose`) cancels the
+        requests still in flight."""
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        todo = enumerate(requests)  # shared by the workers: each takes the next request
+        ended: asyncio.Queue[tuple[int, dict[str, Any], Result | BaseException]] = asyncio.Queue()
 
         async def worker() -> None:  # one request at a time, from image decoding to its result
             for i, r in todo:
                 try:
-                    results[i] = await one(r)
-                except Exception as e:  # noqa: BLE001 - returned in place, or raised below
-                    if not return_exceptions:
-                        raise
-                    results[i] = e
-                finally:
-                    bar.update(1)
+                    res: Result | BaseException = await self._one(r)
+                except Exception as e:  # noqa: BLE001 - delivered in place
+                    res = e
+                await ended.put((i, r, res))
 
-        # Workers, not one task per request: a list of millions costs a few hundred tasks.
-        n = len(requests) if max_in_flight is None else min(max_in_flight, len(requests))
-        tasks = [asyncio.create_task(worker()) for _ in range(n)]
+        # Workers, not one task per request: a list of millions costs at most max_in_flight tasks.
+        workers = [asyncio.ensure_future(worker()) for _ in range(max_in_flight)]
+        all_done: asyncio.Future[Any] = asyncio.ensure_future(asyncio.gather(*workers))
         try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for t in tasks:  # the rest of the list is not run (their requests are cancelled)
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+            while True:
+                got: asyncio.Future[Any] = asyncio.ensure_future(ended.get())
+                await asyncio.wait({got, all_done}, return_when=asyncio.FIRST_COMPLETED)
+                if got.done():
+                    yield got.result()
+                    continue
+                got.cancel()
+                while not ended.empty():
+                    yield ended.get_nowait()
+                all_done.result()  # the iterable's own error, if it raised one
+                return
         finally:
-            bar.close()
-        return results  # type: ignore[return-value]
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            all_done.cancel()
+            with contextlib.suppress(BaseException):
+                await all_done
+
+    async def _one(self, request: dict[str, Any]) -> Result:
+        """One `generate` request: its `skill` and that skill's arguments (no stream)."""
+        fns: dict[str, Any] = {"query": self.query, "caption": self.caption, "detect": self.detect,
+                               "point": self.point}
+        if not isinstance(request, dict):
+            raise TypeError(f"a request is a dict with 'skill' and its arguments, got {type(request).__name__}")
+        args = dict(request)
+        skill = args.pop("skill", None)
+        fn = fns.get(skill) if isinstance(skill, str) else None
+        if fn is None:
+            raise ValueError(f"unknown skill {skill!r}; one of {sorted(fns)}")
+        args.pop("stream", None)
+        res = await fn(**args)
+        assert isinstance(res, Result)
+        return res
 
     # ------------------------------------------------------------------------------ internals
     def _max_prompt(self, image: ImageInput | None) -> int:

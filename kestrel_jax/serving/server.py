@@ -32,7 +32,14 @@ from aiohttp import web
 from kestrel_jax.errors import user_errors
 from kestrel_jax.models.image_crops import ImageError
 from kestrel_jax.prompts import PromptError
-from kestrel_jax.serving.engine import EngineConfig, EngineError, InferenceEngine, Result, Stream
+from kestrel_jax.serving.engine import (
+    EngineConfig,
+    EngineError,
+    InferenceEngine,
+    Result,
+    Stream,
+    decode_buckets_up_to,
+)
 from kestrel_jax.serving.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kestrel_jax.serving.metrics import ServerMetrics, skill_label
 from kestrel_jax.serving.request import RequestRejected
@@ -470,13 +477,6 @@ async def serve(engine: InferenceEngine, config: ServerConfig | None = None, *,
         for sig in sigs:
             loop.remove_signal_handler(sig)
     log.info("server stopped")
-
-
-def decode_buckets_up_to(max_batch_size: int) -> tuple[int, ...]:
-    """The default decode buckets below `max_batch_size`, then `max_batch_size` itself."""
-    if max_batch_size < 1:
-        raise ValueError(f"max batch size must be >= 1, got {max_batch_size}")
-    return (*(b for b in DEFAULT_DECODE_BUCKETS if b < max_batch_size), max_batch_size)
 
 
 def engine_config(model: str | None = None, *, dtype: str = "bfloat16", kv_dtype: str = "auto",

@@ -6,7 +6,9 @@ with test_server.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -275,6 +277,67 @@ def test_generate_keeps_at_most_max_in_flight_requests_submitted(engine: Inferen
     assert isinstance(out[2], ValueError) and all(isinstance(r, Result) for i, r in enumerate(out) if i != 2)
     with pytest.raises(ValueError, match="unknown skill"):
         asyncio.run(engine.generate(mixed, progress=False, max_in_flight=1, return_exceptions=False))
+    _leak_free(engine)
+
+
+def test_generate_stream_yields_each_result_as_it_ends_reading_requests_lazily(engine: InferenceEngine) -> None:
+    """generate_stream: every request's (index, request, result or exception) once, from a
+    generator that is read only as slots free; a generator's own error ends the stream with it;
+    leaving early cancels what is in flight and leaves nothing behind."""
+    pulled: list[int] = []
+
+    def reqs(n: int, bad_at: int | None = None, broken_at: int | None = None) -> Any:
+        for i in range(n):
+            pulled.append(i)
+            if i == broken_at:
+                raise OSError("the job list is unreadable")
+            yield ({"skill": "sing"} if i == bad_at else
+                   {"skill": "caption", "image": DEMO_IMAGE_PATH, "length": "short", "settings": {"max_tokens": 2}})
+
+    active, peak = [0], [0]
+    one = engine._one
+
+    async def counted(r: dict[str, Any]) -> Any:
+        active[0] += 1
+        peak[0] = max(peak[0], active[0])
+        try:
+            return await one(r)
+        finally:
+            active[0] -= 1
+
+    async def collect(it: Any, max_in_flight: int, stop_after: int | None = None) -> list[Any]:
+        out = []
+        async with contextlib.aclosing(engine.generate_stream(it, max_in_flight=max_in_flight)) as stream:
+            async for item in stream:
+                out.append(item)
+                if stop_after is not None and len(out) == stop_after:
+                    break
+        return out
+
+    engine._one = counted  # type: ignore[method-assign]
+    try:
+        out = asyncio.run(collect(reqs(6, bad_at=3), max_in_flight=2))
+    finally:
+        del engine._one
+    assert peak[0] == 2, peak
+    assert sorted(i for i, _, _ in out) == list(range(6))
+    for i, req, res in out:
+        assert isinstance(res, ValueError) if i == 3 else isinstance(res, Result)
+        assert req["skill"] == ("sing" if i == 3 else "caption")
+    pulled.clear()
+    with pytest.raises(OSError, match="unreadable"):
+        asyncio.run(collect(reqs(9, broken_at=4), max_in_flight=2))
+    assert pulled == [0, 1, 2, 3, 4]
+    pulled.clear()
+    out = asyncio.run(collect(reqs(50), max_in_flight=3, stop_after=2))  # left early: the rest is cancelled
+    assert len(out) == 2 and len(pulled) < 50  # read as slots freed, not all at once
+    with pytest.raises(ValueError, match="max_in_flight"):
+        asyncio.run(collect(reqs(1), max_in_flight=0))
+    # the engine drains the cancellations on its own thread
+    for _ in range(200):
+        if engine.stats["live"] == 0:
+            break
+        time.sleep(0.05)
     _leak_free(engine)
 
 
