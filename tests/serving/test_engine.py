@@ -314,7 +314,7 @@ def test_generate_stream_yields_each_result_as_it_ends_reading_requests_lazily(e
                     break
         return out
 
-    engine._one = counted  # type: ignore[method-assign]
+    engine._one = counted  # type: ignore[method-assign,assignment]
     try:
         out = asyncio.run(collect(reqs(6, bad_at=3), max_in_flight=2))
     finally:
