@@ -275,6 +275,10 @@ def _done_keys(out: Path) -> set[str]:
 
 def _error_type(e: BaseException) -> str:
     from kestrel_jax.errors import user_errors
+    from kestrel_jax.serving.engine import EngineBusy
+
+    if isinstance(e, EngineBusy):  # more in flight than the engine holds: --resume runs it again
+        return "overloaded"
 
     if isinstance(e, user_errors()):
         name = type(e).__name__
@@ -419,7 +423,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         ecfg = engine_config(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size,
                              max_batch_size=args.max_batch_size, prefix_cache=not args.no_prefix_cache,
-                             compile_cache=compile_cache_dir(args.compile_cache))
+                             compile_cache=compile_cache_dir(args.compile_cache),
+                             max_queued=None if args.max_queued < 0 else args.max_queued)
         scfg = ServerConfig(host=args.host, port=args.port, max_body_bytes=int(args.max_request_mb * 2**20),
                             request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace,
                             model_name=Path(args.model).name if args.model else None,
@@ -505,6 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=64, help="KV cache page size (tokens)")
     p.add_argument("--max-batch-size", type=int, default=None, help="largest decode bucket (default 64)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable image/prompt prefix sharing")
+    p.add_argument("--max-queued", type=int, default=1024,
+                   help="requests held beyond those running before new ones get 503 overloaded (-1: no limit)")
     p.add_argument("--max-request-mb", type=float, default=20.0, help="largest accepted request body")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request fails (504)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +52,11 @@ from kestrel_jax.serving.skills import Job, Settings, SettingsError, Skill
 
 class EngineError(RuntimeError):
     """The engine is not running (shut down, or its worker failed)."""
+
+
+class EngineBusy(RuntimeError):
+    """The engine holds as many requests as it takes (`EngineConfig.max_queued` waiting beyond
+    those running): this one is refused at once, before its image is decoded; retry later."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,11 @@ class EngineConfig:
     # (H100, MD3, 64 clients: mostly 4 images per call with 30 ms, TTFT p50 -20 ms; BENCHMARKS.md,
     # thirteenth session). 0: encode at once whatever is queued.
     vision_batch_wait_ms: float = 30.0
+    # Requests held beyond those running (waiting for KV pages or a batch slot, in the inbox, or
+    # having their image decoded): a request past it fails at once with EngineBusy (a server answers
+    # 503 "overloaded"), so a burst cannot fill host memory with decoded images and queued crops.
+    # None: no limit. `generate` and the batch command submit at most their max_in_flight at a time.
+    max_queued: int | None = 1024
 
     def mixed_buckets(self) -> tuple[int, ...]:
         if self.mixed_decode_buckets is None:
@@ -185,6 +196,13 @@ class InferenceEngine:
         self._worker = worker
         self.tokenizer = tokenizer
         self.cfg = cfg
+        queued = worker.config.max_queued
+        if queued is not None and queued < 0:
+            raise ValueError(f"max_queued must be >= 0 or None, got {queued}")
+        # requests the engine may hold at once (running + queued); None: any number
+        self.max_requests: int | None = None if queued is None else worker.scheduler.config.running_limit + queued
+        self._preparing = 0  # requests between their arrival and the worker's inbox (image decoding)
+        self._preparing_lock = threading.Lock()
 
     @classmethod
     async def create(cls, config: EngineConfig | None = None, *, model: Any = None,
@@ -345,8 +363,30 @@ class InferenceEngine:
         t = self.cfg.text
         return self.max_seq_len - (t.prefix_attn if image is not None else 1) - 1
 
+    def held(self) -> int:
+        """Requests the engine holds now: being prepared, in its inbox, waiting or running."""
+        return self._preparing + self._worker.held()
+
     async def _submit(self, skill: Skill, image: ImageInput | None, prompt: Prompt, settings: Settings,
                       reasoning: bool, stream: bool, deadline_s: float | None) -> Result | Stream:
+        with self._preparing_lock:
+            if self.max_requests is not None and self.held() >= self.max_requests:
+                raise EngineBusy(f"the engine holds {self.held()} requests, its limit (EngineConfig.max_queued = "
+                                 f"{self._worker.config.max_queued} queued beyond those running); retry later")
+            self._preparing += 1  # until the worker holds it
+        try:
+            sub, st = await self._prepare(skill, image, prompt, settings, reasoning, stream, deadline_s)
+            self._worker.submit(sub)
+        finally:
+            with self._preparing_lock:
+                self._preparing -= 1
+        if st is not None:
+            return st
+        return await sub.future
+
+    async def _prepare(self, skill: Skill, image: ImageInput | None, prompt: Prompt, settings: Settings,
+                       reasoning: bool, stream: bool, deadline_s: float | None) -> tuple[Submission, Stream | None]:
+        """The request's submission (its image decoded and cropped off the event loop)."""
         loop = asyncio.get_running_loop()
         arrival = time.monotonic()
         crops = tiling = digest = None
@@ -365,10 +405,7 @@ class InferenceEngine:
         st = Stream(future, rid) if stream else None
         sub = Submission(job, tuple(tokens), crops, tiling, digest, future, loop, st, arrival,
                          None if deadline_s is None else arrival + deadline_s)
-        self._worker.submit(sub)
-        if st is not None:
-            return st
-        return await future
+        return sub, st
 
     def _prepare_image(self, image: ImageInput) -> tuple[np.ndarray | CropPlan, tuple[int, int], bytes]:
         """Decode, then either the device crop plan (small enough images, when the runner makes

@@ -138,6 +138,11 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._failed is None and not self._stop.is_set() and self._thread.is_alive()
 
+    def held(self) -> int:
+        """Requests submitted and not yet resolved: in the inbox, waiting or running (read from
+        other threads: an estimate, exact when the engine thread is between steps)."""
+        return self._inbox.qsize() + len(self._live)
+
     def submit(self, sub: Submission) -> None:
         if self._stop.is_set() or self._failed is not None:
             raise EngineError("the engine is not running" + (f": {self._failed}" if self._failed else ""))

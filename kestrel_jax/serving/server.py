@@ -33,6 +33,7 @@ from kestrel_jax.errors import user_errors
 from kestrel_jax.models.image_crops import ImageError
 from kestrel_jax.prompts import PromptError
 from kestrel_jax.serving.engine import (
+    EngineBusy,
     EngineConfig,
     EngineError,
     InferenceEngine,
@@ -187,6 +188,8 @@ def classify(exc: BaseException) -> tuple[int, str, str]:
         return 400, "invalid_prompt", str(exc)
     if isinstance(exc, RequestRejected):
         return 400, "request_rejected", str(exc)
+    if isinstance(exc, EngineBusy):
+        return 503, "overloaded", str(exc)
     if isinstance(exc, EngineError):
         return 503, "engine_unavailable", str(exc)
     if isinstance(exc, TimeoutError):
@@ -206,8 +209,12 @@ class _EventStream(web.StreamResponse):
     outcome: int | None = None
 
 
+RETRY_AFTER_S = 1  # told to clients refused with "overloaded"
+
+
 def error_response(status: int, type: str, message: str) -> web.Response:
-    return web.json_response({"error": {"type": type, "message": message}}, status=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if type == "overloaded" else None
+    return web.json_response({"error": {"type": type, "message": message}}, status=status, headers=headers)
 
 
 def _json_default(x: Any) -> Any:
@@ -481,13 +488,17 @@ async def serve(engine: InferenceEngine, config: ServerConfig | None = None, *,
 
 def engine_config(model: str | None = None, *, dtype: str = "bfloat16", kv_dtype: str = "auto",
                   page_size: int = 64, max_batch_size: int | None = None,
-                  prefix_cache: bool = True, compile_cache: str | None = None) -> EngineConfig:
+                  prefix_cache: bool = True, compile_cache: str | None = None,
+                  max_queued: int | None = EngineConfig.max_queued) -> EngineConfig:
     """`compile_cache`: the persistent compilation (and lowered-step) cache directory, so that a
-    restart loads every step instead of compiling it; None: none."""
+    restart loads every step instead of compiling it; None: none. `max_queued`: requests held
+    beyond those running before new ones get 503 "overloaded" (None: no limit)."""
+    if max_queued is not None and max_queued < 0:
+        raise ValueError(f"max queued must be >= 0, got {max_queued}")
     buckets = DEFAULT_DECODE_BUCKETS if max_batch_size is None else decode_buckets_up_to(max_batch_size)
     runner = RunnerConfig(page_size=page_size, kv_dtype=kv_dtype, compilation_cache_dir=compile_cache)
     return EngineConfig(model_path=model, dtype=dtype, runner=runner, decode_buckets=buckets,
-                        enable_prefix_cache=prefix_cache)
+                        enable_prefix_cache=prefix_cache, max_queued=max_queued)
 
 
 def run(engine_cfg: EngineConfig, config: ServerConfig) -> None:

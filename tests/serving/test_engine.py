@@ -341,6 +341,37 @@ def test_generate_stream_yields_each_result_as_it_ends_reading_requests_lazily(e
     _leak_free(engine)
 
 
+def test_requests_past_the_queue_limit_are_refused_at_once(engine: InferenceEngine) -> None:
+    """EngineConfig.max_queued: past running + queued requests held, a new one fails at once with
+    EngineBusy (before its image is decoded) and the others are served; once they end, requests
+    are taken again. The default leaves room for generate's and the batch command's windows."""
+    assert engine.max_requests == engine._worker.scheduler.config.running_limit + 1024 >= 512
+    req: dict[str, Any] = {"image": DEMO_IMAGE_PATH, "length": "short", "settings": {"max_tokens": 4}}
+    decoded = [0]
+    prepare = engine._prepare_image
+
+    def counted(image: Any) -> Any:
+        decoded[0] += 1
+        return prepare(image)
+
+    async def burst() -> list[Any]:
+        return await asyncio.gather(*(engine.caption(**req) for _ in range(5)), return_exceptions=True)
+
+    saved = engine.max_requests
+    engine.max_requests, engine._prepare_image = 2, counted  # type: ignore[method-assign]
+    try:
+        out = asyncio.run(burst())
+        assert engine.held() == 0
+        again = asyncio.run(engine.caption(**req))
+    finally:
+        engine.max_requests = saved
+        del engine._prepare_image
+    assert [type(r).__name__ for r in out] == ["Result", "Result", "EngineBusy", "EngineBusy", "EngineBusy"]
+    assert "max_queued" in str(out[2]) and decoded[0] == 3  # the refused images were never decoded
+    assert isinstance(again, Result)
+    _leak_free(engine)
+
+
 def test_sampled_outputs_equal_reference_with_the_same_seed(engine: InferenceEngine, ref: ReferenceMoondream,
                                                             images: list[Path]) -> None:
     settings = {"temperature": 0.8, "top_p": 0.9, "max_tokens": 6, "seed": 1234}

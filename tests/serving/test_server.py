@@ -21,7 +21,7 @@ import pytest
 
 from kestrel_jax.cli import build_parser, compile_cache_dir
 from kestrel_jax.models.image_crops import DEMO_IMAGE_PATH
-from kestrel_jax.serving.engine import EngineError, InferenceEngine, Stream
+from kestrel_jax.serving.engine import EngineBusy, EngineError, InferenceEngine, Stream
 from kestrel_jax.serving.server import (
     RequestError,
     Server,
@@ -303,13 +303,18 @@ class _FailingEngine:
 def test_engine_failures_map_to_5xx_without_leaking(caplog: pytest.LogCaptureFixture) -> None:
     cases = [(RuntimeError("secret internals at 0xdead"), 500, "internal_error"),
              (EngineError("the engine is not running"), 503, "engine_unavailable"),
-             (TimeoutError("request deadline passed"), 504, "timeout")]
+             (TimeoutError("request deadline passed"), 504, "timeout"),
+             (EngineBusy("the engine holds 1088 requests"), 503, "overloaded")]
+
+    retry_after: list[str | None] = []
 
     async def main() -> list[tuple[int, Any]]:
         out = []
         for exc, *_ in cases:
-            async with running(cast(InferenceEngine, _FailingEngine(exc))) as (_, s):
-                out.append(await post(s, "/v1/query", {"question": "Hi"}))
+            async with (running(cast(InferenceEngine, _FailingEngine(exc))) as (_, s),
+                        s.post("/v1/query", json={"question": "Hi"}) as r):
+                out.append((r.status, await r.json()))
+                retry_after.append(r.headers.get("Retry-After"))
         async with running(cast(InferenceEngine, _FailingEngine(RuntimeError()))) as (server, s):
             server.draining = True
             out.append(await post(s, "/v1/query", {"question": "Hi"}))
@@ -323,8 +328,9 @@ def test_engine_failures_map_to_5xx_without_leaking(caplog: pytest.LogCaptureFix
         assert status == w_status and body["error"]["type"] == w_kind, body
     assert "secret" not in json.dumps(out[0][1]) and "Traceback" not in json.dumps(out[0][1])
     assert "secret internals" in caplog.text  # logged with its traceback on the server side
-    assert out[3][0] == 503 and out[3][1]["error"]["type"] == "shutting_down"
-    assert out[4][0] == 503 and out[4][1]["status"] == "draining"
+    assert retry_after == [None, None, None, "1"]  # only "overloaded" asks the client to come back
+    assert out[4][0] == 503 and out[4][1]["error"]["type"] == "shutting_down"
+    assert out[5][0] == 503 and out[5][1]["status"] == "draining"
 
 
 class _BrokenStreamEngine(_FailingEngine):
@@ -435,6 +441,13 @@ def test_cli_serve_options_build_the_engine_config() -> None:
     assert compile_cache_dir("/x/cc") == "/x/cc" and compile_cache_dir("none") is None
     cfg = engine_config(None, compile_cache="/x/cc")
     assert cfg.runner.compilation_cache_dir == "/x/cc"
+    # the queue limit: 1024 by default, a flag, -1 for none (cmd_serve maps it to None)
+    assert build_parser().parse_args(["serve"]).max_queued == 1024 == cfg.max_queued
+    assert build_parser().parse_args(["serve", "--max-queued", "16"]).max_queued == 16
+    assert engine_config(None, max_queued=16).max_queued == 16
+    assert engine_config(None, max_queued=None).max_queued is None
+    with pytest.raises(ValueError, match="max queued"):
+        engine_config(None, max_queued=-2)
 
 
 # ------------------------------------------------------------------------------------ last: shutdown
