@@ -408,6 +408,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """The server's API key: --api-key, else $KESTREL_JAX_API_KEY, else none."""
+    return args.api_key or os.environ.get("KESTREL_JAX_API_KEY") or None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -428,7 +433,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         scfg = ServerConfig(host=args.host, port=args.port, max_body_bytes=int(args.max_request_mb * 2**20),
                             request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace,
                             model_name=Path(args.model).name if args.model else None,
-                            synthetic=not args.model).validate()
+                            synthetic=not args.model,
+                            api_key=api_key(args)).validate()
     except ValueError as e:
         print(f"kestrel-jax serve: error: {e}", file=sys.stderr)
         return 2
@@ -510,6 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=64, help="KV cache page size (tokens)")
     p.add_argument("--max-batch-size", type=int, default=None, help="largest decode bucket (default 64)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable image/prompt prefix sharing")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/ endpoints (default: $KESTREL_JAX_API_KEY; "
+                        "unset: no key). The environment variable keeps the key off the process list")
     p.add_argument("--max-queued", type=int, default=1024,
                    help="requests held beyond those running before new ones get 503 overloaded (-1: no limit)")
     p.add_argument("--max-request-mb", type=float, default=20.0, help="largest accepted request body")

@@ -19,6 +19,7 @@ import base64
 import binascii
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
 import signal
@@ -70,8 +71,13 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0  # how long in-flight requests may finish after SIGINT/SIGTERM
     model_name: str | None = None  # shown by /v1/models; default: the checkpoint config's name
     synthetic: bool = False  # serving the random-weight demo model (reported by /health, /v1/models)
+    # With a key, every /v1/ endpoint wants "Authorization: Bearer <key>" (401 otherwise); /health
+    # and /metrics stay open for probes and scrapers.
+    api_key: str | None = None
 
     def validate(self) -> ServerConfig:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty (None: no key)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.max_body_bytes < 1024:
@@ -212,8 +218,9 @@ class _EventStream(web.StreamResponse):
 RETRY_AFTER_S = 1  # told to clients refused with "overloaded"
 
 
-def error_response(status: int, type: str, message: str) -> web.Response:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if type == "overloaded" else None
+def error_response(status: int, type: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    if type == "overloaded":
+        headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
     return web.json_response({"error": {"type": type, "message": message}}, status=status, headers=headers)
 
 
@@ -302,6 +309,11 @@ class Server:
     # -- middleware: draining, in-flight count, error mapping -------------------------------
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
+        if not self._authorized(request):
+            if request.method == "POST":
+                self.metrics.request_ended(skill_label(request.path), 401, 0.0)
+            return error_response(401, "unauthorized", "this server wants an API key: send 'Authorization: Bearer "
+                                  "<key>'", headers={"WWW-Authenticate": "Bearer"})
         if request.method != "POST":
             return await self._handled(request, handler)
         t0 = time.monotonic()
@@ -417,6 +429,13 @@ class Server:
                 raise
             log.info("client disconnected from a stream of %s", request.path)
         return resp
+
+    def _authorized(self, request: web.Request) -> bool:
+        key = self.config.api_key
+        if key is None or not request.path.startswith("/v1/"):
+            return True
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
     def _engine_alive(self) -> bool:
         return bool(getattr(self.engine, "healthy", True))

@@ -19,7 +19,7 @@ from typing import Any, cast
 import aiohttp
 import pytest
 
-from kestrel_jax.cli import build_parser, compile_cache_dir
+from kestrel_jax.cli import api_key, build_parser, compile_cache_dir
 from kestrel_jax.models.image_crops import DEMO_IMAGE_PATH
 from kestrel_jax.serving.engine import EngineBusy, EngineError, InferenceEngine, Stream
 from kestrel_jax.serving.server import (
@@ -181,6 +181,39 @@ def test_metrics_count_requests_tokens_and_engine_state(engine: InferenceEngine)
     assert get("kestrel_engine_steps_total", kind="decode") >= 1
     assert get("kestrel_prefix_cache_hits_total") >= 1  # the same image three times
     assert get("kestrel_images_encoded_total", crops="device") + get("kestrel_images_encoded_total", crops="host") >= 1
+    _leak_free(engine)
+
+
+def test_api_key_guards_the_v1_endpoints_only(engine: InferenceEngine) -> None:
+    """ServerConfig.api_key: /v1/ wants 'Authorization: Bearer <key>' (401 with WWW-Authenticate
+    otherwise, counted in the metrics); /health and /metrics stay open."""
+    body = {"question": "Hi", "settings": {"max_tokens": 2}}
+
+    async def main() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        async with running(engine, api_key="s3cret") as (_, s):
+            for name, headers in (("none", {}), ("wrong", {"Authorization": "Bearer nope"}),
+                                  ("basic", {"Authorization": "Basic s3cret"}),
+                                  ("right", {"Authorization": "Bearer s3cret"})):
+                async with s.post("/v1/query", json=body, headers=headers) as r:
+                    out[name] = (r.status, await r.json(), r.headers.get("WWW-Authenticate"))
+            async with s.get("/v1/models") as r:
+                out["models"] = r.status
+            async with s.get("/health") as r:
+                out["health"] = r.status
+            async with s.get("/metrics") as r:
+                out["metrics"] = (r.status, await r.text())
+        return out
+
+    out = asyncio.run(main())
+    for name in ("none", "wrong", "basic"):
+        status, err, challenge = out[name]
+        assert status == 401 and err["error"]["type"] == "unauthorized" and challenge == "Bearer", (name, out[name])
+    assert out["right"][0] == 200 and isinstance(out["right"][1]["answer"], str)
+    assert out["models"] == 401 and out["health"] == 200 and out["metrics"][0] == 200
+    assert 'kestrel_requests_total{skill="query",status="401"} 3.0' in out["metrics"][1]
+    with pytest.raises(ValueError, match="api_key"):
+        ServerConfig(api_key=" ").validate()
     _leak_free(engine)
 
 
@@ -441,6 +474,13 @@ def test_cli_serve_options_build_the_engine_config() -> None:
     assert compile_cache_dir("/x/cc") == "/x/cc" and compile_cache_dir("none") is None
     cfg = engine_config(None, compile_cache="/x/cc")
     assert cfg.runner.compilation_cache_dir == "/x/cc"
+    # the API key: the flag, else the environment, else none
+    assert api_key(build_parser().parse_args(["serve", "--api-key", "k1"])) == "k1"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KESTREL_JAX_API_KEY", "k2")
+        assert api_key(build_parser().parse_args(["serve"])) == "k2"
+        mp.delenv("KESTREL_JAX_API_KEY")
+        assert api_key(build_parser().parse_args(["serve"])) is None
     # the queue limit: 1024 by default, a flag, -1 for none (cmd_serve maps it to None)
     assert build_parser().parse_args(["serve"]).max_queued == 1024 == cfg.max_queued
     assert build_parser().parse_args(["serve", "--max-queued", "16"]).max_queued == 16
