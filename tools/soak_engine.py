@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""Soak the serving engine with a random mix of traffic, then check that nothing is left behind.
+
+Every skill, streamed and not, text-only queries, a pool of repeated images (prefix-cache hits
+and evictions under a small KV pool) and new ones, bad inputs (a corrupt image, a negative
+temperature, an empty question), cancellations at random moments (a task cancelled, a stream
+abandoned the way the HTTP server abandons one) and short deadlines, all at once from a number of
+concurrent clients. Each request must end, within a time limit, in a result or one of the errors
+its input calls for; afterwards the engine must hold no request, no page but the prefix cache's and
+no encoding, its scheduler's invariants must hold, and a greedy request must give the answer it gave
+before the soak.
+
+  PYTHONPATH=. python3 tools/soak_engine.py --seconds 60 --clients 16     # CPU, tiny synthetic MD3
+
+The test suite runs `soak` for a few seconds on its tiny engine (tests/serving/test_soak.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kestrel_jax.models.image_crops import ImageError  # noqa: E402
+from kestrel_jax.prompts import PromptError  # noqa: E402
+from kestrel_jax.serving.engine import EngineBusy, InferenceEngine, Result, Stream  # noqa: E402
+from kestrel_jax.serving.request import RequestRejected  # noqa: E402
+from kestrel_jax.serving.skills import SettingsError  # noqa: E402
+
+KINDS = ("query", "query_stream", "caption", "caption_stream", "detect", "point", "text_only",
+         "bad_image", "bad_settings", "bad_prompt")
+# What each kind may end in besides a Result (cancellation and deadlines come on top of these).
+EXPECTED: dict[str, tuple[type[BaseException], ...]] = {
+    "bad_image": (ImageError,), "bad_settings": (SettingsError,), "bad_prompt": (PromptError,)}
+CHECK_REQUEST: dict[str, Any] = {"question": "What is in this image?", "reasoning": False,
+                                 "settings": {"temperature": 0.0, "max_tokens": 6}}
+
+
+def _image(rng: random.Random, pool: list[np.ndarray]) -> np.ndarray:
+    if rng.random() < 0.75:
+        return rng.choice(pool)  # repeated: prefix-cache hits (or misses after an eviction)
+    side = rng.choice((200, 378, 500))
+    return np.random.default_rng(rng.randrange(1 << 30)).integers(0, 255, (side, side + 40, 3), dtype=np.uint8)
+
+
+async def _one(engine: InferenceEngine, rng: random.Random, kind: str, pool: list[np.ndarray]) -> Any:
+    """One request of `kind`, with its random settings, cancellation and deadline."""
+    settings = {"temperature": rng.choice((0.0, 0.5)), "max_tokens": rng.randint(1, 12)}
+    deadline = rng.uniform(0.01, 0.5) if rng.random() < 0.1 else None
+    image = _image(rng, pool)
+    if kind in ("query", "query_stream"):
+        call = engine.query(image, rng.choice(("What is this?", "How many?")), reasoning=rng.random() < 0.3,
+                            stream=kind.endswith("stream"), settings=settings, deadline_s=deadline)
+    elif kind in ("caption", "caption_stream"):
+        call = engine.caption(image, length=rng.choice(("short", "normal")), stream=kind.endswith("stream"),
+                              settings=settings, deadline_s=deadline)
+    elif kind in ("detect", "point"):
+        fn = engine.detect if kind == "detect" else engine.point
+        call = fn(image, rng.choice(("car", "sun")), settings={"max_objects": rng.randint(1, 3)}, deadline_s=deadline)
+    elif kind == "text_only":
+        call = engine.query(None, "Hello there", settings=settings, deadline_s=deadline)
+    elif kind == "bad_image":
+        call = engine.caption(b"\x89PNG\r\n\x1a\n not really", settings=settings)
+    elif kind == "bad_settings":
+        call = engine.query(image, "What?", settings={"temperature": -1.0})
+    else:
+        call = engine.query(image, "   ", settings=settings)
+    out = await call
+    if isinstance(out, Stream):
+        chunks = 0
+        async for _ in out:
+            chunks += 1
+            if rng.random() < 0.1:  # abandoned mid-stream, as the server does for a gone client
+                engine.cancel(out.request_id)
+                break
+        return await out.result()
+    return out
+
+
+async def _client(engine: InferenceEngine, rng: random.Random, until: float, pool: list[np.ndarray],
+                  report: dict[str, Any], request_timeout_s: float) -> None:
+    while time.monotonic() < until:
+        kind = rng.choice(KINDS)
+        task = asyncio.ensure_future(_one(engine, rng, kind, pool))
+        cancel_after = rng.uniform(0.0, 0.3) if rng.random() < 0.15 else None
+        outcome: str
+        try:
+            if cancel_after is not None:
+                done, _ = await asyncio.wait({task}, timeout=cancel_after)
+                if not done:
+                    task.cancel()
+            res = await asyncio.wait_for(task, request_timeout_s)
+            outcome = f"result:{res.finish_reason}" if isinstance(res, Result) else f"odd:{type(res).__name__}"
+        except asyncio.CancelledError:
+            if cancel_after is None:
+                raise
+            outcome = "cancelled"
+        except TimeoutError as e:
+            if task.cancelled():  # wait_for's own timeout (it cancels the task): the request hung
+                outcome = "hung"
+            else:
+                outcome = "deadline" if "deadline" in str(e) else f"unexpected:TimeoutError:{e}"
+        except (EngineBusy, RequestRejected) as e:
+            outcome = type(e).__name__
+        except Exception as e:  # noqa: BLE001 - classified: expected for bad inputs, a failure otherwise
+            ok = EXPECTED.get(kind, ())
+            outcome = f"expected:{type(e).__name__}" if isinstance(e, ok) else f"unexpected:{type(e).__name__}:{e}"
+        report["outcomes"][f"{kind}:{outcome.split(':')[0]}"] += 1
+        if outcome.startswith(("unexpected", "hung", "odd")):
+            report["failures"].append(f"{kind}: {outcome}")
+
+
+async def _settle(engine: InferenceEngine, timeout_s: float) -> bool:
+    """Wait until the engine holds nothing (cancellations are read on its own thread)."""
+    w = engine._worker
+    quiet = 0
+    t_end = time.monotonic() + timeout_s
+    while time.monotonic() < t_end:
+        idle = engine.held() == 0 and (w._ahead is None or w._ahead.pending == w._ahead.waiting == 0)
+        quiet = quiet + 1 if idle else 0
+        if quiet >= 5:
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+def soak(engine: InferenceEngine, *, seconds: float, clients: int, seed: int = 0,
+         request_timeout_s: float = 120.0) -> dict[str, Any]:
+    """Run the traffic for `seconds`, then check the engine; returns the report (`failures`
+    empty when everything held)."""
+    rng = random.Random(seed)
+    pool = [np.random.default_rng(seed + i).integers(0, 255, (300 + 60 * i, 340, 3), dtype=np.uint8)
+            for i in range(3)]
+    report: dict[str, Any] = {"outcomes": Counter(), "failures": []}
+
+    async def main() -> None:
+        before = await engine.query(pool[0], **CHECK_REQUEST)
+        t0 = time.monotonic()
+        until = t0 + seconds
+        await asyncio.gather(*(_client(engine, random.Random(rng.randrange(1 << 30)), until, pool, report,
+                                       request_timeout_s) for _ in range(clients)))
+        report["seconds"] = round(time.monotonic() - t0, 1)
+        if not await _settle(engine, 60.0):
+            report["failures"].append(f"the engine still holds {engine.held()} requests after the soak")
+        after = await engine.query(pool[0], **CHECK_REQUEST)
+        assert isinstance(before, Result) and isinstance(after, Result)
+        if after.output != before.output:
+            report["failures"].append(f"the check request changed: {before.output} -> {after.output}")
+
+    asyncio.run(main())
+    w = engine._worker
+    try:
+        w.scheduler.check_invariants()
+    except AssertionError as e:
+        report["failures"].append(f"scheduler invariants: {e}")
+    cache = w.scheduler.prefix_cache
+    held_by_cache = len(cache.cached_pages()) if cache is not None else 0
+    used = w.scheduler.allocator.num_used
+    if used != held_by_cache:
+        report["failures"].append(f"{used} pages used, the prefix cache holds {held_by_cache}")
+    if not engine.healthy:
+        report["failures"].append("the engine is not healthy")
+    report["requests"] = sum(report["outcomes"].values())
+    report["outcomes"] = dict(sorted(report["outcomes"].items()))
+    return report
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    import jax.numpy as jnp
+
+    from kestrel_jax.models.config import tiny_config
+    from kestrel_jax.models.moondream import random_model
+    from kestrel_jax.serving.engine import EngineConfig
+    from kestrel_jax.serving.runner import RunnerConfig
+    from kestrel_jax.tokenizer import Tokenizer, build_synthetic_tokenizer
+
+    model = random_model(tiny_config("md3", vision_layers=2), dtype=jnp.float32, seed=3)
+    tok = Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size))
+    cfg = EngineConfig(runner=RunnerConfig(num_pages=64, kv_dtype="f32", max_seq_len=1024, vision_buckets=(1, 10)),
+                       decode_buckets=(1, 4), prefill_token_buckets=(64, 1024), max_prefill_seqs=4, vision_ahead=2)
+    engine = asyncio.run(InferenceEngine.create(cfg, model=model, tokenizer=tok))
+    try:
+        report = soak(engine, seconds=a.seconds, clients=a.clients, seed=a.seed)
+    finally:
+        with contextlib.suppress(Exception):
+            asyncio.run(engine.shutdown())
+    print(json.dumps(report, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=1))
+    return 1 if report["failures"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
