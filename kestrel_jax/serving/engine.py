@@ -184,6 +184,7 @@ class Submission:
     stream: Stream | None
     arrival: float
     deadline: float | None = None
+    priority: int = 0  # lower is admitted first (the scheduler's order), then arrival
     first_token_time: float | None = None  # when the host read its first output
     last_output_time: float | None = None
 
@@ -245,31 +246,34 @@ class InferenceEngine:
     # ------------------------------------------------------------------------------ skills
     async def query(self, image: ImageInput | None, question: str, *, reasoning: bool | None = None,
                     spatial_refs: Sequence[Any] = (), stream: bool = False,
-                    settings: dict[str, Any] | None = None, deadline_s: float | None = None) -> Result | Stream:
+                    settings: dict[str, Any] | None = None, deadline_s: float | None = None,
+                    priority: int = 0) -> Result | Stream:
         s = Settings.from_dict(settings, skill="query")
         reasoning = default_query_reasoning(self.cfg) if reasoning is None else bool(reasoning)
         prompt = query_prompt(self.cfg, self.tokenizer.encode, question, reasoning=reasoning,
                               spatial_refs=tuple(spatial_refs), max_prompt_tokens=self._max_prompt(image))
-        return await self._submit("query", image, prompt, s, reasoning, stream, deadline_s)
+        return await self._submit("query", image, prompt, s, reasoning, stream, deadline_s, priority)
 
     async def caption(self, image: ImageInput, *, length: str = "normal", stream: bool = False,
-                      settings: dict[str, Any] | None = None, deadline_s: float | None = None) -> Result | Stream:
+                      settings: dict[str, Any] | None = None, deadline_s: float | None = None,
+                      priority: int = 0) -> Result | Stream:
         s = Settings.from_dict(settings, skill="caption")
-        return await self._submit("caption", image, caption_prompt(self.cfg, length), s, False, stream, deadline_s)
+        return await self._submit("caption", image, caption_prompt(self.cfg, length), s, False, stream, deadline_s,
+                                  priority)
 
     async def detect(self, image: ImageInput, object: str, *, settings: dict[str, Any] | None = None,
-                     deadline_s: float | None = None) -> Result:
+                     deadline_s: float | None = None, priority: int = 0) -> Result:
         s = Settings.from_dict(settings, skill="detect")
         prompt = detect_prompt(self.cfg, self.tokenizer.encode, object, max_prompt_tokens=self._max_prompt(image))
-        r = await self._submit("detect", image, prompt, s, False, False, deadline_s)
+        r = await self._submit("detect", image, prompt, s, False, False, deadline_s, priority)
         assert isinstance(r, Result)
         return r
 
     async def point(self, image: ImageInput, object: str, *, settings: dict[str, Any] | None = None,
-                    deadline_s: float | None = None) -> Result:
+                    deadline_s: float | None = None, priority: int = 0) -> Result:
         s = Settings.from_dict(settings, skill="point")
         prompt = point_prompt(self.cfg, self.tokenizer.encode, object, max_prompt_tokens=self._max_prompt(image))
-        r = await self._submit("point", image, prompt, s, False, False, deadline_s)
+        r = await self._submit("point", image, prompt, s, False, False, deadline_s, priority)
         assert isinstance(r, Result)
         return r
 
@@ -368,7 +372,11 @@ class InferenceEngine:
         return self._preparing + self._worker.held()
 
     async def _submit(self, skill: Skill, image: ImageInput | None, prompt: Prompt, settings: Settings,
-                      reasoning: bool, stream: bool, deadline_s: float | None) -> Result | Stream:
+                      reasoning: bool, stream: bool, deadline_s: float | None, priority: int = 0) -> Result | Stream:
+        """`priority`: lower is admitted first, FIFO within one (the scheduler's queue order); a
+        request that runs is never preempted."""
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
+            raise SettingsError(f"priority must be an integer (lower runs first), got {priority!r}")
         with self._preparing_lock:
             if self.max_requests is not None and self.held() >= self.max_requests:
                 raise EngineBusy(f"the engine holds {self.held()} requests, its limit (EngineConfig.max_queued = "
@@ -376,6 +384,7 @@ class InferenceEngine:
             self._preparing += 1  # until the worker holds it
         try:
             sub, st = await self._prepare(skill, image, prompt, settings, reasoning, stream, deadline_s)
+            sub.priority = priority
             self._worker.submit(sub)
         finally:
             with self._preparing_lock:

@@ -359,7 +359,7 @@ class EngineWorker:
             request_id=job.request_id, prompt_len=len(sub.tokens), max_new_tokens=max(1, budget),
             image_digest=sub.digest, prefix_len=self.prefix_len if sub.crops is not None else 0,
             prompt_tokens=None if (job.prompt.coord_slots or job.prompt.size_slots) else sub.tokens,
-            arrival_time=sub.arrival, deadline=sub.deadline)
+            arrival_time=sub.arrival, deadline=sub.deadline, priority=sub.priority)
         try:
             self.scheduler.add(req)
         except RequestRejected as e:

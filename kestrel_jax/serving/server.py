@@ -1,9 +1,9 @@
 """HTTP front end of the inference engine (aiohttp): JSON in, JSON or Server-Sent Events out.
 
-    POST /v1/query    {image_url | image, question, reasoning?, spatial_refs?, stream?, settings?}
-    POST /v1/caption  {image_url | image, length?, stream?, settings?}
-    POST /v1/detect   {image_url | image, object, settings?}
-    POST /v1/point    {image_url | image, object, settings?}
+    POST /v1/query    {image_url | image, question, reasoning?, spatial_refs?, stream?, settings?, priority?}
+    POST /v1/caption  {image_url | image, length?, stream?, settings?, priority?}
+    POST /v1/detect   {image_url | image, object, settings?, priority?}
+    POST /v1/point    {image_url | image, object, settings?, priority?}
     GET  /health, GET /v1/models, GET /metrics (Prometheus)
 
 The request shapes follow Moondream's cloud API. Images arrive inline only (a `data:` URL or
@@ -54,11 +54,12 @@ DEFAULT_DECODE_BUCKETS = EngineConfig().decode_buckets
 # Bodies larger than this are parsed on a thread so that streams of other requests keep flowing.
 _PARSE_OFF_LOOP_BYTES = 256 * 1024
 
+_COMMON = frozenset({"image_url", "image", "settings", "priority"})
 _FIELDS: dict[str, frozenset[str]] = {
-    "query": frozenset({"image_url", "image", "question", "reasoning", "spatial_refs", "stream", "settings"}),
-    "caption": frozenset({"image_url", "image", "length", "stream", "settings"}),
-    "detect": frozenset({"image_url", "image", "object", "settings"}),
-    "point": frozenset({"image_url", "image", "object", "settings"}),
+    "query": _COMMON | {"question", "reasoning", "spatial_refs", "stream"},
+    "caption": _COMMON | {"length", "stream"},
+    "detect": _COMMON | {"object"},
+    "point": _COMMON | {"object"},
 }
 
 
@@ -135,7 +136,7 @@ def parse_body(raw: bytes, skill: str) -> SkillCall:
         return v
 
     image = decode_image(body.get("image_url"), body.get("image"), required=skill != "query")
-    kwargs: dict[str, Any] = {"settings": field("settings", (dict,))}
+    kwargs: dict[str, Any] = {"settings": field("settings", (dict,)), "priority": field("priority", (int,), default=0)}
     if skill == "query":
         kwargs["question"] = field("question", (str,), required=True)
         kwargs["reasoning"] = field("reasoning", (bool,))

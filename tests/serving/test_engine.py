@@ -372,6 +372,46 @@ def test_requests_past_the_queue_limit_are_refused_at_once(engine: InferenceEngi
     _leak_free(engine)
 
 
+def test_priority_orders_admission(engine: InferenceEngine) -> None:
+    """`priority`: with every running slot taken, a request of lower priority value that arrives
+    after others is admitted before them (FIFO within a priority); a running request is never
+    preempted; a non-integer priority is refused."""
+    sched = engine._worker.scheduler
+    slots = sched.config.running_limit
+    admitted: list[int] = []
+    try_admit = sched._try_admit
+
+    def recorded(w: Any, now: float) -> Any:
+        seq = try_admit(w, now)
+        if seq is not None:
+            admitted.append(int(w.req.request_id))
+        return seq
+
+    long = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
+    short = {"temperature": 0.0, "max_tokens": 2}
+
+    async def run() -> list[Any]:
+        blockers = [engine.query(None, "Hold a slot", reasoning=False, settings=long) for _ in range(slots)]
+        late = [engine.query(None, f"Low {i}", reasoning=False, settings=short, priority=5) for i in range(3)]
+        urgent = engine.query(None, "Urgent", reasoning=False, settings=short, priority=-5)
+        return await asyncio.gather(*blockers, *late, urgent)
+
+    sched._try_admit = recorded
+    try:
+        out = asyncio.run(run())
+    finally:
+        del sched._try_admit
+    assert all(isinstance(r, Result) for r in out)
+    ids = [r.request_id for r in out]
+    low, urgent = ids[slots:slots + 3], ids[-1]
+    assert admitted.index(urgent) < min(admitted.index(i) for i in low), (admitted, ids)
+    assert [admitted.index(i) for i in low] == sorted(admitted.index(i) for i in low)  # FIFO among equals
+    assert [o.metrics.output_tokens for o in out[:slots]] == [48] * slots  # none preempted
+    with pytest.raises(SettingsError, match="priority"):
+        asyncio.run(engine.query(None, "Hi", priority="high"))  # type: ignore[arg-type]
+    _leak_free(engine)
+
+
 def test_sampled_outputs_equal_reference_with_the_same_seed(engine: InferenceEngine, ref: ReferenceMoondream,
                                                             images: list[Path]) -> None:
     settings = {"temperature": 0.8, "top_p": 0.9, "max_tokens": 6, "seed": 1234}

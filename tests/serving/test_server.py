@@ -446,10 +446,15 @@ def test_parse_body_accepts_wrapped_base64_and_data_urls() -> None:
     a = parse_body(json.dumps({"image": wrapped, "question": "q"}).encode(), "query")
     b = parse_body(json.dumps({"image_url": DEMO_URL, "object": "o"}).encode(), "detect")
     assert a.image == b.image == DEMO_IMAGE_PATH.read_bytes()
-    assert a.kwargs == {"settings": None, "question": "q", "reasoning": None, "spatial_refs": ()}
-    assert b.kwargs == {"settings": None, "object": "o"} and not a.stream
+    assert a.kwargs == {"settings": None, "priority": 0, "question": "q", "reasoning": None, "spatial_refs": ()}
+    assert b.kwargs == {"settings": None, "priority": 0, "object": "o"} and not a.stream
+    assert parse_body(b'{"question": "q", "priority": -3}', "query").kwargs["priority"] == -3
     with pytest.raises(RequestError, match="must be bool"):
         parse_body(b'{"question": "q", "reasoning": 1}', "query")
+    with pytest.raises(RequestError, match="'priority' must be int"):
+        parse_body(b'{"question": "q", "priority": "high"}', "query")
+    with pytest.raises(RequestError, match="'priority' must be int"):
+        parse_body(b'{"question": "q", "priority": true}', "query")
     with pytest.raises(RequestError, match="must be a data URL"):
         parse_body(b'{"question": "q", "image_url": "/etc/passwd"}', "query")
 
