@@ -10,7 +10,7 @@ its input calls for; afterwards the engine must hold no request, no page but the
 no encoding, its scheduler's invariants must hold, and a greedy request must give the answer it gave
 before the soak.
 
-  PYTHONPATH=. python3 tools/soak_engine.py --seconds 60 --clients 16     # CPU, tiny synthetic MD3
+  PYTHONPATH=. python3 tools/soak_engine.py --seconds 60 --clients 16 [--family md2]  # CPU, tiny synthetic model
 
 The test suite runs `soak` for a few seconds on its tiny engine (tests/serving/test_soak.py).
 """
@@ -181,6 +181,7 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--family", choices=["md2", "md3"], default="md3")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import jax.numpy as jnp
@@ -191,7 +192,7 @@ def main() -> int:
     from kestrel_jax.serving.runner import RunnerConfig
     from kestrel_jax.tokenizer import Tokenizer, build_synthetic_tokenizer
 
-    model = random_model(tiny_config("md3", vision_layers=2), dtype=jnp.float32, seed=3)
+    model = random_model(tiny_config(a.family, vision_layers=2), dtype=jnp.float32, seed=3)
     tok = Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size))
     cfg = EngineConfig(runner=RunnerConfig(num_pages=64, kv_dtype="f32", max_seq_len=1024, vision_buckets=(1, 10)),
                        decode_buckets=(1, 4), prefill_token_buckets=(64, 1024), max_prefill_seqs=4, vision_ahead=2)
