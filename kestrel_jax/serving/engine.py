@@ -219,7 +219,7 @@ class InferenceEngine:
 
     @property
     def stats(self) -> dict[str, Any]:
-        return self._worker.stats()
+        return {**self._worker.stats(), "held": self.held(), "max_requests": self.max_requests}
 
     @property
     def healthy(self) -> bool:

@@ -93,6 +93,12 @@ class _EngineCollector(Collector):
             if state in queue:
                 g.add_metric([state], float(queue[state]))
         yield g
+        if "held" in stats:
+            yield GaugeMetricFamily("kestrel_engine_requests_held", "Requests the engine holds: being prepared, "
+                                    "queued or running", value=float(stats["held"]))
+        if stats.get("max_requests") is not None:
+            yield GaugeMetricFamily("kestrel_engine_requests_limit", "Requests the engine holds before it refuses new "
+                                    "ones (503 overloaded)", value=float(stats["max_requests"]))
         pages = stats.get("kv_pages") or {}
         g = GaugeMetricFamily("kestrel_kv_pages", "KV-cache pages by state (used includes the prefix cache's)",
                               labels=["state"])

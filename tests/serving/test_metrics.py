@@ -53,7 +53,7 @@ def test_results_feed_tokens_and_histograms() -> None:
 def test_engine_stats_become_series() -> None:
     sched = SchedulerStats(prefill_steps=7, decode_steps=40, mixed_steps=3, prefill_tokens=5000, prefill_padding=120,
                            decode_rows=300, decode_padding=20, admitted=9, finished=6, cancelled=1, rejected=2)
-    stats: dict[str, Any] = {"num_pages": 64, "queue": {"running": 2, "waiting": 1},
+    stats: dict[str, Any] = {"num_pages": 64, "queue": {"running": 2, "waiting": 1}, "held": 3, "max_requests": 1028,
                              "kv_pages": {"used": 40, "free": 24}, "scheduler": sched,
                              "prefix_cache": PrefixCacheStats(lookups=9, hits=4, hit_tokens=2920, evicted_pages=3),
                              "images": {"device_crops": 5, "host_crops": 1}}
@@ -62,6 +62,7 @@ def test_engine_stats_become_series() -> None:
     assert s[("kestrel_engine_up", ())] == 1
     assert s[("kestrel_engine_requests", (("state", "running"),))] == 2
     assert s[("kestrel_engine_requests", (("state", "waiting"),))] == 1
+    assert s[("kestrel_engine_requests_held", ())] == 3 and s[("kestrel_engine_requests_limit", ())] == 1028
     assert s[("kestrel_kv_pages", (("state", "used"),))] == 40 and s[("kestrel_kv_pages_capacity", ())] == 64
     assert s[("kestrel_engine_steps_total", (("kind", "decode"),))] == 40
     assert s[("kestrel_engine_steps_total", (("kind", "mixed"),))] == 3

@@ -174,6 +174,7 @@ def test_metrics_count_requests_tokens_and_engine_state(engine: InferenceEngine)
     assert get("kestrel_http_in_flight_requests") == 0
     assert get("kestrel_engine_up") == 1
     assert get("kestrel_engine_requests", state="running") == 0 == get("kestrel_engine_requests", state="waiting")
+    assert get("kestrel_engine_requests_held") == 0 and get("kestrel_engine_requests_limit") == engine.max_requests
     cap = get("kestrel_kv_pages_capacity")
     assert cap == 96 and get("kestrel_kv_pages", state="used") + get("kestrel_kv_pages", state="free") == cap
     assert get("kestrel_scheduler_requests_total", event="admitted") >= 3
