@@ -279,7 +279,6 @@ def _error_type(e: BaseException) -> str:
 
     if isinstance(e, EngineBusy):  # more in flight than the engine holds: --resume runs it again
         return "overloaded"
-
     if isinstance(e, user_errors()):
         name = type(e).__name__
         return {"ImageError": "invalid_image", "PromptError": "invalid_prompt", "SettingsError": "invalid_settings",
@@ -382,6 +381,9 @@ def _check_batch_args(args: argparse.Namespace) -> None:
                               "skipped, failed ones run again), or choose another --out")
     if args.max_in_flight < 1 or args.max_batch_size < 1:
         raise BatchInputError("--max-in-flight and --max-batch-size must be >= 1")
+    for flag, name in (("--requests", args.requests), ("--list", args.list)):
+        if name is not None and name != "-" and not Path(name).is_file():
+            raise BatchInputError(f"{flag} {name}: no such file")
     if args.requests:
         if args.inputs or args.list or args.skill:
             raise BatchInputError("--requests takes its skills and images from the file: no --skill, inputs or --list")

@@ -130,3 +130,5 @@ def test_batch_requests_file_mixes_skills(cache: Path, tmp_path: Path) -> None:
     assert p.returncode == 2 and "jobs.jsonl:2" in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
     p = _run(["batch", "--skill", "detect", str(jobs), "--out", str(tmp_path / "o3.jsonl")], cache)
     assert p.returncode == 2 and "--object" in p.stderr
+    p = _run(["batch", "--requests", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o4.jsonl")], cache)
+    assert p.returncode == 2 and "no such file" in p.stderr and "ready" not in p.stderr  # before any model load

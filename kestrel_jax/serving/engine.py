@@ -343,7 +343,7 @@ class InferenceEngine:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
             all_done.cancel()
-            with contextlib.suppress(BaseException):
+            with contextlib.suppress(asyncio.CancelledError, Exception):  # retrieved: no "never retrieved" warning
                 await all_done
 
     async def _one(self, request: dict[str, Any]) -> Result:

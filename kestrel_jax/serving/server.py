@@ -329,6 +329,9 @@ class Server:
                 response = await self._handled(request, handler)
             status = response.outcome if isinstance(response, _EventStream) and response.outcome else response.status
             return response
+        except asyncio.CancelledError:
+            status = 499  # the handler was cancelled (the connection or the server went): no response
+            raise
         finally:
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
