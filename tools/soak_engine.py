@@ -11,6 +11,12 @@ no encoding, its scheduler's invariants must hold, and a greedy request must giv
 before the soak.
 
   PYTHONPATH=. python3 tools/soak_engine.py --seconds 60 --clients 16 [--family md2]  # CPU, tiny synthetic model
+  PYTHONPATH=. python3 tools/soak_engine.py --seconds 60 --http   # the same through the HTTP server
+
+With --http the clients talk to `serving.server.Server` over a socket: JSON and SSE, bodies that
+are not JSON, images that are not base64, unknown fields, and clients that hang up mid-stream or
+before a reply; every reply must be the status its request calls for (200, 400 or 404; a 5xx
+fails the soak) and afterwards the server must have nothing in flight.
 
 The test suite runs `soak` for a few seconds on its tiny engine (tests/serving/test_soak.py).
 """
@@ -121,6 +127,29 @@ async def _client(engine: InferenceEngine, rng: random.Random, until: float, poo
             report["failures"].append(f"{kind}: {outcome}")
 
 
+async def _over_http(engine: InferenceEngine, rng: random.Random, until: float, pool: list[np.ndarray],
+                     report: dict[str, Any], clients: int, request_timeout_s: float) -> None:
+    import aiohttp
+
+    from kestrel_jax.serving.server import Server, ServerConfig
+
+    server = Server(engine, ServerConfig(port=0))
+    await server.start()
+    try:
+        images = [_png_b64(img) for img in pool]
+        async with aiohttp.ClientSession(base_url=server.url) as session:
+            await asyncio.gather(*(_http_client(session, random.Random(rng.randrange(1 << 30)), until, images,
+                                                report, request_timeout_s) for _ in range(clients)))
+        for _ in range(600):  # handlers of clients that hung up finish on their own
+            if server.in_flight == 0:
+                break
+            await asyncio.sleep(0.05)
+        if server.in_flight:
+            report["failures"].append(f"the server still has {server.in_flight} requests in flight")
+    finally:
+        await server.stop(grace_s=5, shutdown_engine=False)
+
+
 async def _settle(engine: InferenceEngine, timeout_s: float) -> bool:
     """Wait until the engine holds nothing (cancellations are read on its own thread)."""
     w = engine._worker
@@ -135,10 +164,73 @@ async def _settle(engine: InferenceEngine, timeout_s: float) -> bool:
     return False
 
 
+HTTP_KINDS = ("query", "query_stream", "caption_stream", "detect", "point", "text_only", "not_json",
+              "bad_base64", "unknown_field", "no_endpoint", "hang_up_stream", "hang_up")
+
+
+def _png_b64(img: np.ndarray) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+async def _http_client(session: Any, rng: random.Random, until: float, images: list[str],
+                       report: dict[str, Any], request_timeout_s: float) -> None:
+    import aiohttp
+
+    while time.monotonic() < until:
+        kind = rng.choice(HTTP_KINDS)
+        settings = {"temperature": rng.choice((0.0, 0.5)), "max_tokens": rng.randint(1, 10)}
+        img = rng.choice(images)
+        body: dict[str, Any] = {"image": img, "question": "What?", "settings": settings}
+        path, want, stream = "/v1/query", 200, False
+        if kind in ("caption_stream", "hang_up_stream"):
+            path, body, stream = "/v1/caption", {"image": img, "length": "short", "settings": settings}, True
+        elif kind in ("detect", "point"):
+            path, body = f"/v1/{kind}", {"image": img, "object": "car", "settings": {"max_objects": 2}}
+        elif kind == "text_only":
+            body = {"question": "Hello", "settings": settings}
+        elif kind == "query_stream":
+            stream = True
+        elif kind == "bad_base64":
+            body, want = {**body, "image": "%%% not base64 %%%"}, 400
+        elif kind == "unknown_field":
+            body, want = {**body, "colour": "red"}, 400
+        elif kind == "no_endpoint":
+            path, want = "/v1/sing", 404
+        if stream:
+            body = {**body, "stream": True}
+        data = b"{not json" if kind == "not_json" else None
+        want = 400 if kind == "not_json" else want
+        try:
+            timeout = aiohttp.ClientTimeout(total=rng.uniform(0.02, 0.2) if kind == "hang_up" else request_timeout_s)
+            async with session.post(path, json=None if data else body, data=data, timeout=timeout) as r:
+                if kind == "hang_up_stream" and r.status == 200:
+                    await r.content.readline()  # the first event, then the client goes
+                    r.close()
+                    outcome = "hung_up"
+                else:
+                    text = await r.text()
+                    ok = r.status == want and (not stream or r.status != 200 or '"completed": true' in text)
+                    outcome = f"status:{r.status}" if ok else f"unexpected:{r.status}:{text[:200]}"
+        except TimeoutError:
+            outcome = "hung_up" if kind == "hang_up" else "unexpected:client timeout (a request hung)"
+        except aiohttp.ClientError as e:
+            outcome = f"unexpected:{type(e).__name__}:{e}"
+        report["outcomes"][f"{kind}:{outcome.split(':')[0]}"] += 1
+        if outcome.startswith("unexpected"):
+            report["failures"].append(f"{kind}: {outcome}")
+
+
 def soak(engine: InferenceEngine, *, seconds: float, clients: int, seed: int = 0,
-         request_timeout_s: float = 120.0) -> dict[str, Any]:
-    """Run the traffic for `seconds`, then check the engine; returns the report (`failures`
-    empty when everything held)."""
+         request_timeout_s: float = 120.0, http: bool = False) -> dict[str, Any]:
+    """Run the traffic for `seconds` (with `http`, through the HTTP server), then check the
+    engine; returns the report (`failures` empty when everything held)."""
     rng = random.Random(seed)
     pool = [np.random.default_rng(seed + i).integers(0, 255, (300 + 60 * i, 340, 3), dtype=np.uint8)
             for i in range(3)]
@@ -148,8 +240,11 @@ def soak(engine: InferenceEngine, *, seconds: float, clients: int, seed: int = 0
         before = await engine.query(pool[0], **CHECK_REQUEST)
         t0 = time.monotonic()
         until = t0 + seconds
-        await asyncio.gather(*(_client(engine, random.Random(rng.randrange(1 << 30)), until, pool, report,
-                                       request_timeout_s) for _ in range(clients)))
+        if http:
+            await _over_http(engine, rng, until, pool, report, clients, request_timeout_s)
+        else:
+            await asyncio.gather(*(_client(engine, random.Random(rng.randrange(1 << 30)), until, pool, report,
+                                           request_timeout_s) for _ in range(clients)))
         report["seconds"] = round(time.monotonic() - t0, 1)
         if not await _settle(engine, 60.0):
             report["failures"].append(f"the engine still holds {engine.held()} requests after the soak")
@@ -182,6 +277,7 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--family", choices=["md2", "md3"], default="md3")
+    ap.add_argument("--http", action="store_true", help="through the HTTP server (needs aiohttp)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import jax.numpy as jnp
@@ -198,7 +294,7 @@ def main() -> int:
                        decode_buckets=(1, 4), prefill_token_buckets=(64, 1024), max_prefill_seqs=4, vision_ahead=2)
     engine = asyncio.run(InferenceEngine.create(cfg, model=model, tokenizer=tok))
     try:
-        report = soak(engine, seconds=a.seconds, clients=a.clients, seed=a.seed)
+        report = soak(engine, seconds=a.seconds, clients=a.clients, seed=a.seed, http=a.http)
     finally:
         with contextlib.suppress(Exception):
             asyncio.run(engine.shutdown())

@@ -1,6 +1,7 @@
-"""A few seconds of tools/soak_engine.py on the shared tiny engine: every skill, streamed and not,
-bad inputs, cancellations and deadlines from concurrent clients; every request ends as its input
-calls for, and afterwards the engine holds nothing and answers as it did before."""
+"""A few seconds of tools/soak_engine.py on the shared tiny engine, direct and over HTTP: every
+skill, streamed and not, bad inputs, cancellations and deadlines from concurrent clients; every
+request ends as its input calls for, and afterwards the engine holds nothing and answers as it
+did before."""
 
 from __future__ import annotations
 
@@ -15,3 +16,13 @@ def test_soak_leaves_nothing_behind(engine: InferenceEngine) -> None:
     kinds = {key.split(":")[0] for key in report["outcomes"]}
     assert report["requests"] >= 20 and len(kinds) >= len(KINDS) - 2, report
     assert any(key.endswith(":result") for key in report["outcomes"]), report
+
+
+def test_soak_over_http_leaves_nothing_in_flight(engine: InferenceEngine) -> None:
+    """The same through the HTTP server: malformed bodies, bad images, unknown fields and paths get
+    their 4xx, clients that hang up mid-stream or before a reply leave nothing behind, no 5xx."""
+    from tools.soak_engine import soak
+
+    report = soak(engine, seconds=8.0, clients=6, seed=11, request_timeout_s=90.0, http=True)
+    assert report["failures"] == [], report
+    assert report["requests"] >= 15 and any(k.startswith("hang_up") for k in report["outcomes"]), report
