@@ -391,6 +391,10 @@ class InferenceEngine:
                 self._preparing -= 1
         if st is not None:
             return st
+        # A caller that stops waiting (its task cancelled: a timeout, a client gone) ends the request
+        # in the engine too, instead of leaving it to decode for nobody.
+        rid = sub.job.request_id
+        sub.future.add_done_callback(lambda f: self._worker.cancel(rid) if f.cancelled() else None)
         return await sub.future
 
     async def _prepare(self, skill: Skill, image: ImageInput | None, prompt: Prompt, settings: Settings,

@@ -268,7 +268,9 @@ class Server:
     async def start(self) -> None:
         # Handlers are drained by stop() itself; the runner's timeout only bounds stragglers
         # whose engine future can no longer resolve.
-        self._runner = web.AppRunner(self.app, access_log=log, shutdown_timeout=5.0)
+        # handler_cancellation: a client that hangs up cancels its handler, and so its engine
+        # request (a stream's is cancelled by `_stream`, a reply's by the engine's future).
+        self._runner = web.AppRunner(self.app, access_log=log, shutdown_timeout=5.0, handler_cancellation=True)
         await self._runner.setup()
         await web.TCPSite(self._runner, self.config.host, self.config.port).start()
         self._port = int(self._runner.addresses[0][1])

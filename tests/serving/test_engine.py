@@ -372,6 +372,29 @@ def test_requests_past_the_queue_limit_are_refused_at_once(engine: InferenceEngi
     _leak_free(engine)
 
 
+def test_a_caller_that_stops_waiting_ends_its_request(engine: InferenceEngine) -> None:
+    """Cancelling the task that awaits a request (a timeout, a client gone) cancels the request in
+    the engine: it ends as cancelled instead of decoding its 200 tokens for nobody."""
+    stats = engine._worker.scheduler.stats
+    before = (stats.cancelled, stats.finished)
+
+    async def run() -> None:
+        task = asyncio.ensure_future(engine.query(None, "Tell me everything", reasoning=False,
+                                                  settings={"max_tokens": 200, "ignore_eos": True}))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(run())
+    for _ in range(200):
+        if engine.held() == 0:
+            break
+        time.sleep(0.02)
+    assert (stats.cancelled, stats.finished) == (before[0] + 1, before[1]), (stats, before)
+    _leak_free(engine)
+
+
 def test_priority_orders_admission(engine: InferenceEngine) -> None:
     """`priority`: with every running slot taken, a request of lower priority value that arrives
     after others is admitted before them (FIFO within a priority); a running request is never

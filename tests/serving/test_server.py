@@ -441,6 +441,33 @@ def test_client_disconnect_mid_stream_cancels_the_request(engine: InferenceEngin
     _leak_free(engine)
 
 
+def test_client_hanging_up_before_a_reply_cancels_the_request(engine: InferenceEngine) -> None:
+    """A client that hangs up while waiting for a (non-streamed) reply cancels its handler
+    (aiohttp's handler_cancellation) and so its engine request, counted as 499."""
+    sched = engine._worker.scheduler
+    before = sched.stats.cancelled
+
+    async def main() -> tuple[str, int]:
+        async with running(engine) as (server, s):
+            body = {"question": "Tell me a long story", "reasoning": False,
+                    "settings": {"temperature": 0.0, "max_tokens": 900, "ignore_eos": True}}
+            with contextlib.suppress(TimeoutError):
+                async with s.post("/v1/query", json=body, timeout=aiohttp.ClientTimeout(total=0.5)) as r:
+                    await r.read()
+            t0 = time.monotonic()
+            while (sched.stats.cancelled == before or engine.held()) and time.monotonic() - t0 < 60:
+                await asyncio.sleep(0.05)
+            while server.in_flight and time.monotonic() - t0 < 60:
+                await asyncio.sleep(0.05)
+            async with s.get("/metrics") as r:
+                return await r.text(), server.in_flight
+
+    metrics, in_flight = asyncio.run(main())
+    assert sched.stats.cancelled == before + 1 and in_flight == 0
+    assert 'kestrel_requests_total{skill="query",status="499"} 1.0' in metrics
+    _leak_free(engine)
+
+
 # ------------------------------------------------------------------------------------ pieces
 def test_parse_body_accepts_wrapped_base64_and_data_urls() -> None:
     wrapped = "\n".join(DEMO_B64[i:i + 76] for i in range(0, len(DEMO_B64), 76))
