@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,12 +146,28 @@ class Result:
 
 
 class Stream:
-    """Async iterator of text chunks (answer text; reasoning is not streamed), then `result()`."""
+    """Async iterator of text chunks (answer text; reasoning is not streamed), then `result()`.
+    A consumer that stops early calls `cancel()` (or uses the stream as an async context manager,
+    which cancels it on exit unless it finished), so the engine stops decoding for it; its
+    `result()` then has finish_reason "cancelled"."""
 
-    def __init__(self, future: asyncio.Future[Result], request_id: int = 0):
+    def __init__(self, future: asyncio.Future[Result], request_id: int = 0,
+                 cancel: Callable[[int], None] | None = None):
         self._queue: asyncio.Queue[str | None] = asyncio.Queue()
         self._future = future
         self.request_id = request_id
+        self._cancel = cancel
+
+    def cancel(self) -> None:
+        """End the request in the engine now (no-op once it finished)."""
+        if self._cancel is not None and not self._future.done():
+            self._cancel(self.request_id)
+
+    async def __aenter__(self) -> Stream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cancel()
 
     def _push(self, chunk: str | None) -> None:
         self._queue.put_nowait(chunk)
@@ -415,7 +431,7 @@ class InferenceEngine:
         job = Job(rid, skill, self.cfg, prompt, settings, reasoning=reasoning, has_image=image is not None)
         tokens = prompt.ids if image is not None else (self.cfg.tokenizer.bos_id, *prompt.ids)
         future: asyncio.Future[Result] = loop.create_future()
-        st = Stream(future, rid) if stream else None
+        st = Stream(future, rid, self.cancel) if stream else None
         sub = Submission(job, tuple(tokens), crops, tiling, digest, future, loop, st, arrival,
                          None if deadline_s is None else arrival + deadline_s)
         return sub, st

@@ -22,7 +22,7 @@ from kestrel_jax.generate import SamplingSettings
 from kestrel_jax.models.image_crops import DEMO_IMAGE_PATH, ImageError
 from kestrel_jax.prompts import PromptError
 from kestrel_jax.reference import ReferenceMoondream
-from kestrel_jax.serving.engine import InferenceEngine, Result
+from kestrel_jax.serving.engine import InferenceEngine, Result, Stream
 from kestrel_jax.serving.skills import SettingsError
 
 
@@ -392,6 +392,33 @@ def test_a_caller_that_stops_waiting_ends_its_request(engine: InferenceEngine) -
             break
         time.sleep(0.02)
     assert (stats.cancelled, stats.finished) == (before[0] + 1, before[1]), (stats, before)
+    _leak_free(engine)
+
+
+def test_a_stream_left_early_is_cancelled(engine: InferenceEngine) -> None:
+    """A stream used as an async context manager and left after its first chunk is cancelled in
+    the engine (its result says so); cancel() on a finished stream changes nothing."""
+    stats = engine._worker.scheduler.stats
+    before = stats.cancelled
+    settings = {"max_tokens": 200, "ignore_eos": True}
+
+    async def run() -> tuple[Any, Any]:
+        stream = await engine.query(None, "Tell me everything", reasoning=False, stream=True, settings=settings)
+        assert isinstance(stream, Stream)
+        async with stream:
+            async for _ in stream:
+                break
+        left = await stream.result()
+        done = await engine.query(None, "Hi", reasoning=False, stream=True, settings={"max_tokens": 2})
+        assert isinstance(done, Stream)
+        async for _ in done:
+            pass
+        done.cancel()  # finished already: nothing to cancel
+        return left, await done.result()
+
+    left, done = asyncio.run(run())
+    assert left.finish_reason == "cancelled" and left.metrics.output_tokens < 200
+    assert done.finish_reason == "length" and stats.cancelled == before + 1
     _leak_free(engine)
 
 
