@@ -374,13 +374,13 @@ def test_requests_past_the_queue_limit_are_refused_at_once(engine: InferenceEngi
 
 def test_a_caller_that_stops_waiting_ends_its_request(engine: InferenceEngine) -> None:
     """Cancelling the task that awaits a request (a timeout, a client gone) cancels the request in
-    the engine: it ends as cancelled instead of decoding its 200 tokens for nobody."""
+    the engine: it ends as cancelled instead of decoding its 800 tokens for nobody."""
     stats = engine._worker.scheduler.stats
     before = (stats.cancelled, stats.finished)
 
     async def run() -> None:
-        task = asyncio.ensure_future(engine.query(None, "Tell me everything", reasoning=False,
-                                                  settings={"max_tokens": 200, "ignore_eos": True}))
+        task = asyncio.ensure_future(engine.query(None, "Tell me everything", reasoning=False,  # seconds of work
+                                                  settings={"max_tokens": 800, "ignore_eos": True}))
         await asyncio.sleep(0.3)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
