@@ -405,6 +405,27 @@ def tau_gelu() -> Callable[[jax.Array], jax.Array]:
     return gelu_erf
 
 
+def tau_dots_fn() -> Callable[[jax.Array, Any], tuple[jax.Array, jax.Array] | None] | None:
+    """How MD3's tau dots are formed where the decode epilogue kernel does not form them (prefill
+    and mixed steps, decode batches without the QKV GEMM's dots): on the kernel path with
+    KESTREL_JAX_TAU_DOTS_KERNEL=1 (read at trace time; opt-in until measured on a GPU), one
+    Pallas Triton launch reads u once and forms GELU and both dots (`tau_dots_triton`) instead of
+    XLA's GELU pass, run-time weight concatenation and split-K product; None: XLA's path. The
+    returned function gives None for shapes the kernel does not tile (XLA's path then)."""
+    if not (_want_kernel() and flag("KESTREL_JAX_TAU_DOTS_KERNEL", False)):
+        return None
+    return _tau_dots_kernel
+
+
+def _tau_dots_kernel(u: jax.Array, tau: Any) -> tuple[jax.Array, jax.Array] | None:
+    from kestrel_jax.pallas import tau_dots_triton as td
+
+    if not td.tau_dots_supported(u.shape[0], u.shape[1], tau.wq.shape[0], u.dtype):
+        return None
+    pq, pv = td.tau_dots(u, tau.wq, tau.wv)
+    return pq.sum(0), pv.sum(0)
+
+
 def _gelu_poly(u: jax.Array) -> jax.Array:
     return moe_ref_mod.gelu_erf_poly(u.astype(jnp.float32)).astype(u.dtype)
 
@@ -494,7 +515,7 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
             return None
         u = u[:rows]
         # traced only: where the kernel refuses them, the unused factors leave the program
-        tau_q, tau_v, _ = kern.tau_factors(u, positions, tau, tau_gelu())
+        tau_q, tau_v, _ = kern.tau_factors(u, positions, tau, tau_gelu(), tau_dots_fn())
         if kern.decode_qkv_problem(u, k_pages, None, n_heads=n_heads, rotary_dim=rotary_dim,
                                    factors=(tau_q, tau_v)) is not None:
             return None
