@@ -32,8 +32,8 @@ def test_partials_sum_to_the_reference_dots(t: int, n: int, dtype) -> None:
     pq, pv = td.tau_dots(u, wq, wv, interpret=True)
     assert pq.shape == pv.shape == (n // td.SPLIT, t, 16) and pq.dtype == jnp.float32
     rq, rv = td.tau_dots_ref(u, wq, wv)
-    for got, want in ((pq.sum(0), rq), (pv.sum(0), rv)):
-        got, want = np.asarray(got), np.asarray(want)
+    for got_j, want_j in ((pq.sum(0), rq), (pv.sum(0), rv)):
+        got, want = np.asarray(got_j), np.asarray(want_j)
         assert np.isfinite(got).all()
         # f32 sums of n bf16 products in another order: a few ulps of the largest term's scale
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
