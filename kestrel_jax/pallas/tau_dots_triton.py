@@ -30,9 +30,10 @@ from jax.experimental.pallas import triton as pltriton
 from kestrel_jax.pallas.moe import gelu_erf_poly
 
 BLOCK_ROWS = 64  # rows of u per program
-SPLIT = 1024  # columns of u per program (MD3: 6 splits; 1,536 rows -> 144 programs)
+SPLIT = 512  # columns of u per program (MD3: 12 splits; 1,536 rows -> 288 programs)
 CHUNK = 64  # columns per tensor-core step inside a program
 NUM_WARPS = 4
+NUM_STAGES = 3
 
 
 def tau_dots_supported(rows: int, cols: int, heads: int, dtype: jnp.dtype) -> bool:
@@ -50,45 +51,53 @@ def _kernel(u_ref, wq_ref, wv_ref, oq_ref, ov_ref, *, low: bool):
     prec = None if low else lax.Precision.HIGHEST  # f32 u: no TF32 rounding of the operands
     bm, split = u_ref.shape
     h = wq_ref.shape[0]
-    acc_q = jnp.zeros((bm, h), f32)
-    acc_v = jnp.zeros((bm, h), f32)
-    for c0 in range(0, split, CHUNK):
-        g = gelu_erf_poly(u_ref[:, pl.ds(c0, CHUNK)].astype(f32))
+
+    def chunk(i, acc):  # a loop, not unrolled: Triton pipelines its loads (num_stages)
+        acc_q, acc_v = acc
+        cols = pl.ds(pl.multiple_of(i * CHUNK, CHUNK), CHUNK)
+        g = gelu_erf_poly(u_ref[:, cols].astype(f32))
         g = g.astype(u_ref.dtype)  # the jnp path holds GELU's output in u's dtype
-        wq = wq_ref[:, pl.ds(c0, CHUNK)].astype(u_ref.dtype)
-        wv = wv_ref[:, pl.ds(c0, CHUNK)].astype(u_ref.dtype)
+        wq = wq_ref[:, cols].astype(u_ref.dtype)
+        wv = wv_ref[:, cols].astype(u_ref.dtype)
         acc_q += lax.dot_general(g, wq, _NT, precision=prec, preferred_element_type=f32)
         acc_v += lax.dot_general(g, wv, _NT, precision=prec, preferred_element_type=f32)
+        return acc_q, acc_v
+
+    zeros = jnp.zeros((bm, h), f32)
+    acc_q, acc_v = lax.fori_loop(0, split // CHUNK, chunk, (zeros, zeros))
     oq_ref[...] = acc_q
     ov_ref[...] = acc_v
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def tau_dots(u: jax.Array, wq: jax.Array, wv: jax.Array, *, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """u [T, N] (bf16 / f32), wq and wv [H, N] -> per-split partials (f32 [N / SPLIT, T, H]) of
-    GELU(u) . wq[h] and GELU(u) . wv[h], GELU's output rounded to u's dtype."""
+@functools.partial(jax.jit, static_argnames=("interpret", "split", "block_rows", "num_warps", "num_stages"))
+def tau_dots(u: jax.Array, wq: jax.Array, wv: jax.Array, *, interpret: bool = False, split: int = SPLIT,
+             block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS,
+             num_stages: int = NUM_STAGES) -> tuple[jax.Array, jax.Array]:
+    """u [T, N] (bf16 / f32), wq and wv [H, N] -> per-split partials (f32 [N / split, T, H]) of
+    GELU(u) . wq[h] and GELU(u) . wv[h], GELU's output rounded to u's dtype. The tiling arguments
+    are for GPU sweeps (`tau_dots_supported` checks the defaults)."""
     t, n = u.shape
     h = wq.shape[0]
     if wq.shape != (h, n) or wv.shape != (h, n):
         raise ValueError(f"tau_dots: weights {wq.shape} / {wv.shape} must be [heads, {n}]")
-    if not tau_dots_supported(t, n, h, u.dtype):
+    if not tau_dots_supported(t, n, h, u.dtype) or t % block_rows or n % split or split % CHUNK:
         raise ValueError(f"tau_dots: unsupported u {u.shape} {u.dtype} with {h} heads")
-    splits = n // SPLIT
+    splits = n // split
     out = jax.ShapeDtypeStruct((splits, t, h), jnp.float32)
     return pl.pallas_call(
         functools.partial(_kernel, low=jnp.dtype(u.dtype) == jnp.dtype(jnp.bfloat16)),
         out_shape=(out, out),
-        grid=(t // BLOCK_ROWS, splits),
+        grid=(t // block_rows, splits),
         in_specs=[
-            pl.BlockSpec((BLOCK_ROWS, SPLIT), lambda i, s: (i, s)),
-            pl.BlockSpec((h, SPLIT), lambda i, s: (0, s)),
-            pl.BlockSpec((h, SPLIT), lambda i, s: (0, s)),
+            pl.BlockSpec((block_rows, split), lambda i, s: (i, s)),
+            pl.BlockSpec((h, split), lambda i, s: (0, s)),
+            pl.BlockSpec((h, split), lambda i, s: (0, s)),
         ],
         out_specs=[
-            pl.BlockSpec((None, BLOCK_ROWS, h), lambda i, s: (s, i, 0)),
-            pl.BlockSpec((None, BLOCK_ROWS, h), lambda i, s: (s, i, 0)),
+            pl.BlockSpec((None, block_rows, h), lambda i, s: (s, i, 0)),
+            pl.BlockSpec((None, block_rows, h), lambda i, s: (s, i, 0)),
         ],
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=2),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="kestrel_tau_dots",
     )(u, wq, wv)
