@@ -408,10 +408,12 @@ def tau_gelu() -> Callable[[jax.Array], jax.Array]:
 def tau_dots_fn() -> Callable[[jax.Array, Any], tuple[jax.Array, jax.Array] | None] | None:
     """How MD3's tau dots are formed where the decode epilogue kernel does not form them (prefill
     and mixed steps, decode batches without the QKV GEMM's dots): on the kernel path with
-    KESTREL_JAX_TAU_DOTS_KERNEL=1 (read at trace time; opt-in until measured on a GPU), one
-    Pallas Triton launch reads u once and forms GELU and both dots (`tau_dots_triton`) instead of
-    XLA's GELU pass, run-time weight concatenation and split-K product; None: XLA's path. The
-    returned function gives None for shapes the kernel does not tile (XLA's path then)."""
+    KESTREL_JAX_TAU_DOTS_KERNEL=1 (read at trace time), one Pallas Triton launch reads u once and
+    forms GELU and both dots (`tau_dots_triton`) instead of XLA's GELU pass, run-time weight
+    concatenation and split-K product; None: XLA's path. Off: measured slower on the H100
+    (twenty-fourth session: 122.7 us per layer at a 1,536-token prefill against XLA's ~26; no
+    tiling swept came near). The returned function gives None for shapes the kernel does not
+    tile (XLA's path then)."""
     if not (_want_kernel() and flag("KESTREL_JAX_TAU_DOTS_KERNEL", False)):
         return None
     return _tau_dots_kernel

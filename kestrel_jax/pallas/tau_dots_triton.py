@@ -12,6 +12,11 @@ heads' weight tiles on the tensor cores (f32 accumulation). Outputs are per-spli
 f32 [splits, T, H] for q and for v, which the caller sums (one small XLA fusion with the tanh and
 the position term that follow).
 
+Measured slower than XLA's path on the H100 (twenty-fourth session, BENCHMARKS.md): 122.7 us per
+layer at 1,536 rows with the chunks unrolled, 156-356 us host-timed per call with the loop across
+the tilings swept, against ~26 us of XLA kernels; so `ops.tau_dots_fn` keeps it behind an opt-in
+switch.
+
 Shapes: T a multiple of the row block (every prefill bucket is; a mixed step with one decode row
 is not: `tau_dots_supported` says so and the caller keeps XLA's path), N a multiple of the column
 split, H a power of two >= 16 (tensor-core tile).
