@@ -225,7 +225,7 @@ def region_gate_wanted() -> bool:
     column (`batch.D_REGION` / `T_REGION`): a step of text rows only then skips their weight
     streams (MD3: four products, ~16 MB; MD2: its two decoder MLPs, ~117 MB, which then run on
     the decode GEMM kernel too). On by default (H100, session 24: batch-1
-    step -8.9 us; with the heads barrier W1 +1.5%, W2 C=64 +3.5%); KESTREL_JAX_REGION_GATE=0 (read
+    step -8.9 us; with the heads barrier MD3 W1 +1.4%, W2 C=64 +3.5%, MD2 W1 +3.5%); KESTREL_JAX_REGION_GATE=0 (read
     at trace time) turns it off."""
     return flag("KESTREL_JAX_REGION_GATE", True)
 

@@ -41,10 +41,11 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 
 
-def tau_dots_supported(rows: int, cols: int, heads: int, dtype: jnp.dtype) -> bool:
-    """Whether `tau_dots` takes u [rows, cols] with `heads` tau heads."""
-    return (rows > 0 and rows % BLOCK_ROWS == 0 and cols > 0 and cols % SPLIT == 0 and heads >= 16
-            and heads & (heads - 1) == 0
+def tau_dots_supported(rows: int, cols: int, heads: int, dtype: jnp.dtype, *, split: int = SPLIT,
+                       block_rows: int = BLOCK_ROWS) -> bool:
+    """Whether `tau_dots` takes u [rows, cols] with `heads` tau heads at this tiling."""
+    return (rows > 0 and block_rows > 0 and rows % block_rows == 0 and split > 0 and split % CHUNK == 0
+            and cols > 0 and cols % split == 0 and heads >= 16 and heads & (heads - 1) == 0
             and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)))
 
 
@@ -80,12 +81,12 @@ def tau_dots(u: jax.Array, wq: jax.Array, wv: jax.Array, *, interpret: bool = Fa
              num_stages: int = NUM_STAGES) -> tuple[jax.Array, jax.Array]:
     """u [T, N] (bf16 / f32), wq and wv [H, N] -> per-split partials (f32 [N / split, T, H]) of
     GELU(u) . wq[h] and GELU(u) . wv[h], GELU's output rounded to u's dtype. The tiling arguments
-    are for GPU sweeps (`tau_dots_supported` checks the defaults)."""
+    are for GPU sweeps."""
     t, n = u.shape
     h = wq.shape[0]
     if wq.shape != (h, n) or wv.shape != (h, n):
         raise ValueError(f"tau_dots: weights {wq.shape} / {wv.shape} must be [heads, {n}]")
-    if not tau_dots_supported(t, n, h, u.dtype) or t % block_rows or n % split or split % CHUNK:
+    if not tau_dots_supported(t, n, h, u.dtype, split=split, block_rows=block_rows):
         raise ValueError(f"tau_dots: unsupported u {u.shape} {u.dtype} with {h} heads")
     splits = n // split
     out = jax.ShapeDtypeStruct((splits, t, h), jnp.float32)

@@ -49,6 +49,8 @@ def test_refuses_what_it_cannot_tile() -> None:
     assert not td.tau_dots_supported(1536, 6000, 32, BF16)
     assert not td.tau_dots_supported(1536, 6144, 24, BF16)
     assert not td.tau_dots_supported(1536, 6144, 32, jnp.float16)
+    assert td.tau_dots_supported(32, 6144, 32, BF16, block_rows=32)  # a sweep's own tiling
+    assert not td.tau_dots_supported(1536, 6144, 32, BF16, split=96)  # not whole chunks
     z = jnp.zeros((65, 1024), BF16)
     with pytest.raises(ValueError, match="unsupported"):
         td.tau_dots(z, jnp.zeros((16, 1024), BF16), jnp.zeros((16, 1024), BF16), interpret=True)
