@@ -232,10 +232,11 @@ def region_gate_wanted() -> bool:
 
 def heads_barrier_wanted() -> bool:
     """Whether the region heads' logits from the decode GEMM kernel pass an optimization barrier
-    before their argmax (`region._materialised`). On by default (H100, session 24: batch-1
-    step -15.1 us, XLA's fused reduce of the logits 22.6 -> 9.2 us); KESTREL_JAX_HEADS_BARRIER=0
-    (read at trace time) turns it off."""
-    return flag("KESTREL_JAX_HEADS_BARRIER", True)
+    before their argmax (`region._materialised`). On by default on the kernel path (H100,
+    session 24: batch-1 step -15.1 us, XLA's fused reduce of the logits 22.6 -> 9.2 us);
+    KESTREL_JAX_HEADS_BARRIER=0 (read at trace time) turns it off. Never on the reference path
+    (nothing there for it to keep apart)."""
+    return _want_kernel() and flag("KESTREL_JAX_HEADS_BARRIER", True)
 
 
 def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None, *,

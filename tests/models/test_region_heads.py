@@ -193,5 +193,7 @@ def test_heads_barrier_switch(launches: list[tuple[int, ...]], md3_region: Regio
             text = f.lower(h).as_text()
             out[switch] = [np.asarray(a) for a in f(h)]
         assert ("optimization_barrier" in text) == (switch == "1"), switch
+        with ops.use_backend("reference"):  # never on the reference path
+            assert "optimization_barrier" not in jax.jit(lambda h: md3_region.decode_heads(h)).lower(h).as_text()
     for a, b in zip(out["0"], out["1"], strict=True):
         np.testing.assert_array_equal(a, b)
