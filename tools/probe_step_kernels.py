@@ -216,9 +216,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="md3", choices=["md2", "md3"])
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny model (a CPU smoke run)")
-    ap.add_argument("--kinds", default="prefill,mixed,decode", help="comma list of prefill, mixed, decode, vision")
+    ap.add_argument("--kinds", default="prefill,mixed,decode",
+                    help="comma list of prefill, mixed, decode, vision, images")
     ap.add_argument("--crops", type=int, default=1,
                     help="vision bucket (crops per image; 1: the one-crop encoding of a 1x1 tiling)")
+    ap.add_argument("--images", type=int, default=4,
+                    help="one-crop images encoded together by the `images` step (a `vision_image_batches` count)")
     ap.add_argument("--tokens", type=int, default=2048, help="prefill token bucket")
     ap.add_argument("--prompt", type=int, default=740, help="tokens of each of the two prefilled prompts")
     ap.add_argument("--batch", type=int, default=64, help="decode rows (decode and mixed steps)")
@@ -283,6 +286,14 @@ def main() -> int:
             crops = jnp.asarray(rng.integers(0, 256, (a.crops, vc.crop_size, vc.crop_size, 3), np.uint8))
             tiling = (1, 1) if a.crops <= 2 else (1, a.crops - 1)
             args = (runner.vision_params, crops, *map(jnp.asarray, tile_pool_matrices(tiling, vc, max(1, a.crops - 1))))
+        elif kind == "images":
+            if a.images not in runner.image_batches:
+                raise SystemExit(f"--images {a.images} is not among the runner's image counts {runner.image_batches}")
+            step_fn = runner._vision_images
+            vc = model.cfg.vision
+            crops = tuple(jnp.asarray(rng.integers(0, 256, (1, vc.crop_size, vc.crop_size, 3), np.uint8))
+                          for _ in range(a.images))
+            args = (runner.vision_params, crops, *map(jnp.asarray, tile_pool_matrices((1, 1), vc, 1)))
         else:
             raise SystemExit(f"unknown step kind {kind!r}")
         # the runner's step donates the KV pool; the probe runs it again and again on the same pool

@@ -160,7 +160,18 @@ def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelCon
         nt = max(ROW_ALIGN, -(-num_tokens // ROW_ALIGN) * ROW_ALIGN)
         return MoEKernelConfig(block_tokens=nt, dense=True, w8a8=num_tokens >= _w8a8_min_tokens(), num_ctas=ctas,
                                quant_in_gemm=quant_in_gemm_wanted())
-    return MoEKernelConfig(block_tokens=64 if num_tokens <= 256 else 128, w8a8=True, num_ctas=ctas)
+    return MoEKernelConfig(block_tokens=sorted_block_tokens(num_tokens), w8a8=True, num_ctas=ctas)
+
+
+def sorted_block_tokens(num_tokens: int) -> int:
+    """Nt of the sorted regime: 64 up to 256 tokens, else 128. KESTREL_JAX_MOE_SORTED_NT (64 or
+    128, read at trace time) fixes it for A/B runs."""
+    value = os.environ.get("KESTREL_JAX_MOE_SORTED_NT", "")
+    if value:
+        if value not in ("64", "128"):
+            raise ValueError(f"KESTREL_JAX_MOE_SORTED_NT must be 64 or 128, got {value!r}")
+        return int(value)
+    return 64 if num_tokens <= 256 else 128
 
 
 def _w8a8_min_tokens() -> int:
