@@ -291,9 +291,9 @@ def main() -> int:
                 raise SystemExit(f"--images {a.images} is not among the runner's image counts {runner.image_batches}")
             step_fn = runner._vision_images
             vc = model.cfg.vision
-            crops = tuple(jnp.asarray(rng.integers(0, 256, (1, vc.crop_size, vc.crop_size, 3), np.uint8))
-                          for _ in range(a.images))
-            args = (runner.vision_params, crops, *map(jnp.asarray, tile_pool_matrices((1, 1), vc, 1)))
+            singles = tuple(jnp.asarray(rng.integers(0, 256, (1, vc.crop_size, vc.crop_size, 3), np.uint8))
+                            for _ in range(a.images))
+            args = (runner.vision_params, singles, *map(jnp.asarray, tile_pool_matrices((1, 1), vc, 1)))
         else:
             raise SystemExit(f"unknown step kind {kind!r}")
         # the runner's step donates the KV pool; the probe runs it again and again on the same pool
