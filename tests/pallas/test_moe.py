@@ -790,11 +790,12 @@ def test_in_gemm_quantisation_sizes_and_switch(monkeypatch):
 
 @pytest.mark.parametrize("fp8,row_tiles", [(True, 2), (True, 1), (False, 1)], ids=["fp8-down2", "fp8-down1", "bf16"])
 def test_wide_grouped_gemm_equals_the_one_warpgroup_kernel(rng, fp8, row_tiles, monkeypatch):
-    """The sorted regime's two-consumer GEMM (`wide`): the same wgmma shapes and K order per output
-    tile as the one-warpgroup kernel, so the layer's output is bit-identical to it (and within the
-    oracle's bound); ragged expert counts, several units per CTA and a ring that wraps. Run with
-    the interpreter's race detection: the producer refills a slot only after both consumers
-    released it."""
+    """The sorted regime's two-consumer GEMM (`wide`: two blocks of one expert share each weight
+    tile): the same wgmma shapes and K order per output tile as the one-warpgroup kernel, so the
+    layer's output is bit-identical to it (and within the oracle's bound); ragged expert counts
+    (pairs and lone blocks), several units per CTA and a ring that wraps. Run with the
+    interpreter's race detection: the producer refills a slot only after both consumers released
+    it."""
     from kestrel_jax.pallas.paged_attention_mgpu import interpret_races_found
 
     T, k = 150, 2
@@ -838,3 +839,12 @@ def test_wide_gemm_lowers_for_h100():
                 S((T, Dp), jnp.bfloat16), routing, ex).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
         assert text.count("kestrel_moe_gemm_wide") >= 2
+
+
+def test_block_pairs_take_each_experts_blocks_two_at_a_time():
+    block_expert = jnp.asarray([0, 0, 0, 2, 3, 3, 3, 3, 5, 8, 8, 8], jnp.int32)  # 8 = E: unused blocks
+    first, second, count = moe_mgpu.block_pairs(block_expert, jnp.asarray([9], jnp.int32))
+    n = int(count[0])
+    assert n == 6
+    assert np.asarray(first)[:n].tolist() == [0, 2, 3, 4, 6, 8]
+    assert np.asarray(second)[:n].tolist() == [1, -1, -1, 5, 7, -1]
