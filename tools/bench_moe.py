@@ -278,9 +278,7 @@ def run(args) -> dict[str, Any]:
                 phases[1].append((T, prec, dataclasses.replace(cfg, staging_buffers=1)))
             if cfg.dense and T <= 32:  # W8A16 upcasting to bf16 (through f32) instead of f16
                 phases[1].append((T, prec, dataclasses.replace(cfg, w8a8=False, f16_operands=False)))
-            if args.wide_ab and not cfg.dense:  # the sorted regime's GEMMs with two consumer warpgroups
-                phases[1].append((T, prec, dataclasses.replace(cfg, wide=not cfg.wide)))
-            elif T >= 740 and not args.quick:
+            if T >= 740 and not args.quick:
                 phases[1].append((T, prec, dataclasses.replace(cfg, block_tokens=64)))  # registers vs re-reads
     results: list[dict[str, Any]] = []
     for phase in phases:
@@ -308,8 +306,7 @@ def run(args) -> dict[str, Any]:
 def bench_case(T, prec, cfg: MoEKernelConfig, dims, xs, rw, rb, exs, hit, flops, bpe, ceil, iters,
                use_cupti, interpret) -> dict[str, Any]:
     mode = "bf16" if prec == "bf16" else ("fp8-w8a8" if cfg.w8a8 else "fp8-w8a16")
-    variant = ("dense/" + cfg.routing if cfg.dense else "sorted" + ("/wide" if cfg.wide else "")) \
-        + ("/stage1" if cfg.staging_buffers == 1 else "") \
+    variant = ("dense/" + cfg.routing if cfg.dense else "sorted") + ("/stage1" if cfg.staging_buffers == 1 else "") \
         + ("/bf16ops" if not cfg.f16_operands and not cfg.w8a8 else "") \
         + (f"/w{cfg.route_warps}" if cfg.route_warps else "") \
         + (f"/down{cfg.down_row_tiles}" if cfg.down_row_tiles != 2 else "") \
@@ -408,8 +405,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant-ab", action="store_true",
                    help="alternatives: only the other dense FP8 mode and dense W8A8 with the quantisation in "
                         "separate launches (vs inside the GEMMs)")
-    p.add_argument("--wide-ab", action="store_true",
-                   help="sorted regime: the two-consumer GEMM kernel against the one-warpgroup one")
     p.add_argument("--cta-ab", action="store_true", help="dense regime with two CTAs per SM (half the ring)")
     p.add_argument("--no-routing-ab", action="store_true", help="skip the mosaic and xla dense routings")
     p.add_argument("--no-baselines", action="store_true", help="skip XLA ragged_dot and ragged_dot_mgpu")

@@ -2,7 +2,7 @@
 """Run a few MoE layer calls (FP8 experts at MD3's production size) for an external profiler.
 
     ncu -k regex:mosaic_gpu_kernel --section SpeedOfLight --section ComputeWorkloadAnalysis \\
-        python3 tools/profile_moe.py 1480 1480:block_tokens=64 1480:wide=1
+        python3 tools/profile_moe.py 1480 1480:block_tokens=64
 
 Each case is a token count T with optional `MoEKernelConfig` overrides after it (`key=value`,
 integers or 0/1 for flags), run through `moe_layer` `--calls` times on one set of random inputs
@@ -58,7 +58,7 @@ def experts(key: jax.Array, dim: int = D, inner: int = INNER, n: int = E) -> Exp
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cases", nargs="+", help="T[:field=value...], e.g. 1480:wide=1")
+    ap.add_argument("cases", nargs="+", help="T[:field=value...], e.g. 1480:block_tokens=64")
     ap.add_argument("--calls", type=int, default=1)
     ap.add_argument("--small", action="store_true", help="D 256, I 128, 8 experts, interpreted (a CPU smoke run)")
     a = ap.parse_args(argv)

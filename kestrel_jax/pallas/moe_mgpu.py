@@ -135,9 +135,6 @@ class MoEKernelConfig:
     # quantize_b) instead of in two launches of their own, where the rows fit in SMEM beside the
     # ring (`quant_in_gemm_fits`). `default_config` takes it from KESTREL_JAX_MOE_GEMM_QUANT.
     quant_in_gemm: bool = True
-    # Sorted regime: `_grouped_gemm_wide` (two consumer warpgroups sharing each token tile) where it
-    # takes the product. `default_config` takes it from KESTREL_JAX_MOE_WIDE.
-    wide: bool = False
 
 
 def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelConfig:
@@ -163,19 +160,17 @@ def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelCon
         nt = max(ROW_ALIGN, -(-num_tokens // ROW_ALIGN) * ROW_ALIGN)
         return MoEKernelConfig(block_tokens=nt, dense=True, w8a8=num_tokens >= _w8a8_min_tokens(), num_ctas=ctas,
                                quant_in_gemm=quant_in_gemm_wanted())
-    return MoEKernelConfig(block_tokens=sorted_block_tokens(num_tokens), w8a8=True, num_ctas=ctas,
-                           wide=wide_wanted())
-
-
-def wide_wanted() -> bool:
-    """`default_config`'s `wide` for the sorted regime, read at trace time from KESTREL_JAX_MOE_WIDE
-    (0 / 1; opt-in until measured on the GPU)."""
-    return flag("KESTREL_JAX_MOE_WIDE", False)
+    return MoEKernelConfig(block_tokens=sorted_block_tokens(num_tokens), w8a8=True, num_ctas=ctas)
 
 
 def sorted_block_tokens(num_tokens: int) -> int:
     """Nt of the sorted regime: 64 up to 256 tokens, else 128. KESTREL_JAX_MOE_SORTED_NT (64 or
-    128, read at trace time) fixes it for A/B runs."""
+    128, read at trace time) fixes it for A/B runs. H100, twenty-fifth session, W2's prefill step
+    (two 740-token prompts, T = 1536): 5.618 ms of grouped GEMMs with 128, 5.616 with 64, though
+    64 computes ~25% fewer padded rows (each expert's ~185 rows take 3 x 64 instead of 2 x 128).
+    Nsight Compute on the T = 1480 layer: tensor pipe 42-48% busy (35% with 64), DRAM at 68-72%
+    of its peak, one warpgroup per SM issuing (occupancy 6.25%). Two consumer warpgroups (sharing
+    either the token tile or the weight tile) were no faster (BENCHMARKS.md)."""
     value = os.environ.get("KESTREL_JAX_MOE_SORTED_NT", "")
     if value:
         if value not in ("64", "128"):
@@ -517,258 +512,6 @@ def _grouped_gemm(
     return kernel(*args)
 
 
-WIDE_CONSUMERS = 2  # consumer warpgroups of `_grouped_gemm_wide`: one block of a block pair each
-_WIDE_REGISTERS = (232, 40)  # setmaxnreg split (consumer, producer) of its 3 warpgroups
-
-
-def wide_supported(w: jax.Array | jax.ShapeDtypeStruct, b: jax.Array | jax.ShapeDtypeStruct, *, glu: bool,
-                   row_tiles: int = 1) -> bool:
-    """Whether `_grouped_gemm_wide` takes this product: plain operands (bf16 x bf16 or e4m3 x
-    e4m3: no upcast, no in-kernel quantisation) that split into whole output slices."""
-    _, N, K = w.shape
-    nparts = 2 if glu else row_tiles
-    plain = (w.dtype == b.dtype == FP8) or (w.dtype == b.dtype == jnp.bfloat16)
-    return bool(plain and (N // 2 if glu else N) % (ROWS * (1 if glu else nparts)) == 0
-                and K % (128 // jnp.dtype(w.dtype).itemsize) == 0)
-
-
-def block_pairs(block_expert: jax.Array, num_blocks: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Blocks of one expert taken two at a time, for `_grouped_gemm_wide`: (first block [NB], second
-    block or -1 [NB], pair count [1]) with the pairs as a prefix. An expert's blocks are
-    consecutive (`group_by_expert`); its blocks 0 and 1 form a pair, then 2 and 3, ...; an odd
-    last block stands alone."""
-    nb = block_expert.shape[0]
-    b = jnp.arange(nb, dtype=jnp.int32)
-    used = b < num_blocks[0]
-    prev = jnp.concatenate([jnp.full((1,), -1, jnp.int32), block_expert[:-1].astype(jnp.int32)])
-    start = lax.cummax(jnp.where(block_expert != prev, b, 0), axis=0)  # first block of b's expert
-    lead = used & ((b - start) % 2 == 0)
-    nxt = jnp.concatenate([block_expert[1:].astype(jnp.int32), jnp.full((1,), -1, jnp.int32)])
-    second = jnp.where((b + 1 < num_blocks[0]) & (nxt == block_expert), b + 1, -1)
-    slot = jnp.where(lead, jnp.cumsum(lead.astype(jnp.int32)) - 1, nb)
-    first_of = jnp.zeros((nb,), jnp.int32).at[slot].set(b, mode="drop")
-    second_of = jnp.full((nb,), -1, jnp.int32).at[slot].set(second, mode="drop")
-    return first_of, second_of, jnp.sum(lead, dtype=jnp.int32).reshape(1)
-
-
-def _grouped_gemm_wide(
-    meta: jax.Array,  # [chunks, 3, CH] int32, as `_grouped_gemm`'s
-    pairs: jax.Array,  # [chunks, 3, CH] int32: first block, second block or -1, [pair count, 0, ...]
-    w: jax.Array,  # [E, N, K] bf16 | e4m3
-    w_scale: jax.Array | None,  # [E, N] f32 (e4m3 weights)
-    b: jax.Array,  # [R, K] token rows, w's dtype
-    b_scale: jax.Array | None,  # [R] f32 (e4m3 token rows)
-    *,
-    glu: bool,
-    block_tokens: int,
-    num_out_rows: int,
-    num_ctas: int,
-    max_stages: int,
-    row_tiles: int = 1,
-    out_dtype: jnp.dtype = jnp.bfloat16,
-    interpret: object = None,
-) -> jax.Array:  # [NB * Nt, N or N/2] out_dtype, the same values as `_grouped_gemm`'s
-    """`_grouped_gemm` for the sorted (prefill) regime: two consumer warpgroups share each weight
-    tile, each multiplying it by the token tile of one block of a pair (`block_pairs`: two blocks
-    of one expert), and a producer warpgroup issues the loads.
-
-    Why (H100, twenty-fifth session, Nsight Compute at T = 1480): the one-warpgroup kernel's
-    tensor pipe was 42-48% busy while DRAM ran at 68-72% of its peak, about twice the experts'
-    bytes: an expert's two blocks ran on two CTAs that each streamed its weights, and the second
-    stream missed L2. Here each weight tile of a pair is loaded once per step into SMEM (one `bar`
-    phase: the weight tiles, both token tiles); each consumer arrives on `consumed` once its MMAs
-    of that step are done and the producer refills a slot after both arrived. A lone block's
-    second consumer only keeps the barrier phases (its token tile is the first block's again,
-    loaded but not multiplied). Each consumer's accumulation is `_grouped_gemm`'s (same wgmma
-    shapes and K order), so the outputs are equal. (A first build with the consumers sharing the
-    token tile and splitting the weight rows was no faster: 5.85 vs 5.63 ms of grouped GEMMs per
-    W2 prefill step.)
-    """
-    E, N, K = w.shape
-    nt = block_tokens
-    nc = WIDE_CONSUMERS
-    if not wide_supported(w, b, glu=glu, row_tiles=row_tiles):
-        raise MoEKernelError(f"wide grouped GEMM does not take w {w.shape} {w.dtype}, rows {b.dtype}")
-    nparts = 2 if glu else row_tiles
-    n_out = N // 2 if glu else N
-    nj = n_out // ROWS if glu else N // (ROWS * nparts)
-    n_tiles_out = 1 if glu else nparts
-
-    def w_row(p, j):  # first weight row of part p of output slice j (as `_grouped_gemm`)
-        return p * n_out + j * ROWS if glu else (j * nparts + p) * ROWS
-    tk = 128 // jnp.dtype(w.dtype).itemsize
-    ks = K // tk
-    a_bytes = nparts * ROWS * tk * jnp.dtype(w.dtype).itemsize
-    b_bytes = nc * nt * tk * jnp.dtype(b.dtype).itemsize
-    out_bytes = nc * n_tiles_out * nt * ROWS * jnp.dtype(out_dtype).itemsize + (meta.size + pairs.size) * 4
-    stages = min(max_stages, (SMEM_LIMIT - out_bytes - 2048) // (a_bytes + b_bytes))
-    if stages < 2:
-        raise MoEKernelError(f"block_tokens={nt} leaves no room for a 2-stage pipeline in SMEM")
-    has_w_scale, has_b_scale = w_scale is not None, b_scale is not None
-    a_tr, b_tr, o_tr = (_tile_transforms(tk, w.dtype), _tile_transforms(tk, b.dtype),
-                        _tile_transforms(ROWS, out_dtype))
-    n_chunks, _, chunk = meta.shape
-    p_chunks, _, p_chunk = pairs.shape
-    registers = None if interpret else _WIDE_REGISTERS
-
-    def body(*refs):
-        meta_gmem, pairs_gmem, w_ref, *rest = refs
-        ws_ref = rest.pop(0) if has_w_scale else None
-        b_ref = rest.pop(0)
-        bs_ref = rest.pop(0) if has_b_scale else None
-        out_ref, a_buf, b_buf, o_smem, meta_ref, pairs_ref, bar, consumed, meta_bar = rest
-        wg = lax.axis_index("wg")
-        cta = lax.axis_index("cta")
-
-        @pl.when(wg == nc)
-        def _tables():  # the block and pair tables, issued once (every warpgroup waits for them)
-            for c in range(n_chunks):
-                plgpu.copy_gmem_to_smem(meta_gmem.at[c], meta_ref.at[c], meta_bar)
-            for c in range(p_chunks):
-                plgpu.copy_gmem_to_smem(pairs_gmem.at[c], pairs_ref.at[c], meta_bar)
-        plgpu.barrier_wait(meta_bar)
-
-        def table(ref, n, ch, idx, field):
-            if n == 1:
-                return ref[0, field, idx]
-            return ref[lax.div(idx, ch), field, lax.rem(idx, ch)]
-
-        def block_info(blk, field):  # field 0: expert, 1: first B row
-            return table(meta_ref, n_chunks, chunk, blk, field)
-
-        n_pairs = pairs_ref[0, 2, 0]
-        units = n_pairs * nj
-        mine = lax.div(jnp.maximum(units - cta + num_ctas - 1, 0), num_ctas)
-        total = mine * ks
-
-        def unit(i):  # i-th unit of this CTA -> (first block, second block or -1, output slice)
-            u = cta + i * num_ctas
-            q = lax.rem(u, n_pairs)
-            return table(pairs_ref, p_chunks, p_chunk, q, 0), table(pairs_ref, p_chunks, p_chunk, q, 1), lax.div(
-                u, n_pairs)
-
-        if registers is not None:  # always release (the consumers' increase waits for it)
-            pl.when(wg == nc)(functools.partial(plgpu.set_max_registers, registers[1], action="decrease"))
-
-        @pl.when(wg == nc)
-        def _producer():
-            def fetch(s):
-                slot = lax.rem(s, stages)
-                blk0, blk1, j = unit(lax.div(s, ks))
-                k = lax.rem(s, ks)
-                e = block_info(blk0, 0)
-                for p in range(nparts):
-                    plgpu.copy_gmem_to_smem(w_ref.at[e, pl.ds(w_row(p, j), ROWS), pl.ds(k * tk, tk)],
-                                            a_buf.at[slot, p], bar.at[slot])
-                for c, blk in enumerate((blk0, jnp.where(blk1 >= 0, blk1, blk0))):
-                    row = pl.multiple_of(block_info(blk, 1), ROW_ALIGN)
-                    plgpu.copy_gmem_to_smem(b_ref.at[pl.ds(row, nt), pl.ds(k * tk, tk)], b_buf.at[slot, c],
-                                            bar.at[slot])
-
-            @pl.loop(0, total)
-            def _issue(s):
-                pl.when(s >= stages)(lambda: plgpu.barrier_wait(consumed.at[lax.rem(s, stages)]))
-                fetch(s)
-
-            # Observe the last releases too (a waiter waits on every phase).
-            @pl.loop(jnp.maximum(total - stages, 0), total)
-            def _drain(s):
-                plgpu.barrier_wait(consumed.at[lax.rem(s, stages)])
-
-        @pl.when(wg < nc)
-        def _consumer():
-            if registers is not None:
-                plgpu.set_max_registers(registers[0], action="increase")
-
-            @pl.loop(0, mine)
-            def _unit_loop(i):
-                blk0, blk1, j = unit(i)
-                blk = jnp.where(wg == 0, blk0, blk1)
-                active = blk >= 0
-                e = block_info(blk0, 0)
-
-                @pl.when(active)
-                def _compute():
-                    row = pl.multiple_of(block_info(blk, 1), ROW_ALIGN)
-                    row_scales = [
-                        plgpu.load(ws_ref.at[e, pl.ds(w_row(p, j), ROWS)], layout=plgpu.Layout.WGMMA.reduce(1),
-                                   optimized=False)
-                        for p in range(nparts)
-                    ] if ws_ref is not None else []
-                    col_scale = None if bs_ref is None else plgpu.load(
-                        bs_ref.at[pl.ds(row, nt)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-
-                    def acc_scope(*accs):
-                        @pl.loop(0, ks)
-                        def _k_loop(k):
-                            s = i * ks + k
-                            slot = lax.rem(s, stages)
-                            plgpu.barrier_wait(bar.at[slot])
-                            for p in range(nparts):
-                                plgpu.wgmma(accs[p], a_buf.at[slot, p], b_buf.at[slot, wg].T)
-                            plgpu.wgmma_wait(nparts)  # step s-1's MMAs are done: release its slot
-
-                            @pl.when(k >= 1)
-                            def _release():
-                                plgpu.barrier_arrive(consumed.at[lax.rem(s - 1, stages)])
-
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(consumed.at[lax.rem(i * ks + ks - 1, stages)])
-                        vals = []
-                        for p in range(nparts):
-                            v = accs[p][...]
-                            if row_scales:
-                                v = v * lax.broadcast_in_dim(row_scales[p], (ROWS, nt), [0])
-                            if col_scale is not None:
-                                v = v * lax.broadcast_in_dim(col_scale, (ROWS, nt), [1])
-                            vals.append(v)
-                        res = [gelu_erf_poly(vals[0]) * (vals[1] + 1.0)] if glu else vals
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store
-                        for p, r in enumerate(res):
-                            o_smem.at[wg, p].T[...] = r.astype(out_dtype)
-                        plgpu.commit_smem()
-                        for p in range(n_tiles_out):
-                            col = j * ROWS if glu else w_row(p, j)
-                            plgpu.copy_smem_to_gmem(o_smem.at[wg, p],
-                                                    out_ref.at[pl.ds(blk * nt, nt), pl.ds(col, ROWS)])
-
-                    pl.run_scoped(acc_scope, *[plgpu.ACC((ROWS, nt), jnp.float32) for _ in range(nparts)])
-
-                @pl.when(~active)
-                def _idle():  # a lone block's second consumer: keep the phases
-                    @pl.loop(0, ks)
-                    def _k_idle(k):
-                        slot = lax.rem(i * ks + k, stages)
-                        plgpu.barrier_wait(bar.at[slot])
-                        plgpu.barrier_arrive(consumed.at[slot])
-
-            plgpu.wait_smem_to_gmem(0)
-
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((num_out_rows, n_out), out_dtype),
-        scratch_types=[
-            plgpu.SMEM((stages, nparts, ROWS, tk), w.dtype, transforms=a_tr),
-            plgpu.SMEM((stages, nc, nt, tk), b.dtype, transforms=b_tr),
-            plgpu.SMEM((nc, n_tiles_out, nt, ROWS), out_dtype, transforms=o_tr),
-            plgpu.SMEM(meta.shape, jnp.int32),
-            plgpu.SMEM(pairs.shape, jnp.int32),
-            plgpu.Barrier(num_arrivals=nparts + nc, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=nc, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=n_chunks + p_chunks),
-        ],
-        grid=(num_ctas,),
-        grid_names=("cta",),
-        num_threads=nc + 1,
-        thread_name="wg",
-        kernel_name="kestrel_moe_gemm_wide",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret,
-    )
-    args = [meta, pairs, w] + ([w_scale] if has_w_scale else []) + [b] + ([b_scale] if has_b_scale else [])
-    return kernel(*args)
-
-
 def _quant_bytes(nt: int, k: int) -> int:
     """SMEM of `_grouped_gemm`'s in-kernel quantisation: bf16 rows, their e4m3 copy, scales, and the
     ring's (then unused) one-slot token tile."""
@@ -831,7 +574,6 @@ def moe(
     w8a8 = experts.is_fp8 and cfg.w8a8
     xb = x.astype(jnp.bfloat16)
     compact_act: jax.Array | None = None
-    pairs: jax.Array | None = None
 
     if cfg.dense:
         dense = group_dense(routing.experts, E, nt, num_valid_tokens)
@@ -851,11 +593,8 @@ def moe(
             grp.block_expert, jnp.arange(n_blocks, dtype=jnp.int32) * nt, grp.num_blocks)
         x_rows, row_token = xb, grp.row_token  # gathered to [C, D] compact rows
         compact_act = grp.row_block if w8a8 else None
-        if cfg.wide:
-            pairs = _meta(*block_pairs(grp.block_expert, grp.num_blocks))
 
-    y = _expert_gemms(x_rows, row_token, meta_up, meta_down, compact_act, experts, cfg, n_blocks, interpret,
-                      pairs=pairs)
+    y = _expert_gemms(x_rows, row_token, meta_up, meta_down, compact_act, experts, cfg, n_blocks, interpret)
     return _combine(y, dest, routing.weights, valid, x.dtype)
 
 
@@ -870,20 +609,15 @@ def _expert_gemms(
     n_blocks: int,
     interpret: object,
     x_f16: jax.Array | None = None,  # x_rows as the W8A16 f16 operand, already formed (dense regime)
-    pairs: jax.Array | None = None,  # the blocks' `block_pairs` table (`_meta` form; sorted regime, wide)
 ) -> jax.Array:  # [NB * Nt, D] bf16 expert outputs (block rows)
     gemm = functools.partial(_grouped_gemm, block_tokens=cfg.block_tokens, num_out_rows=n_blocks * cfg.block_tokens,
                              num_ctas=cfg.num_ctas, max_stages=cfg.max_stages,
                              staging_buffers=cfg.staging_buffers, interpret=interpret)
-    pdl = pdl_wanted()
-    if pdl:  # the down GEMM may launch while the up GEMM runs and prefetch its weights
+    if pdl_wanted():  # the down GEMM may launch while the up GEMM runs and prefetch its weights
         up_gemm = functools.partial(gemm, pdl_trigger=True)
         gemm = functools.partial(gemm, pdl_wait=True)
     else:
         up_gemm = gemm
-    if cfg.wide and not cfg.dense and not pdl and pairs is not None:
-        up_gemm, gemm = (_wide_or(up_gemm, cfg, n_blocks, interpret, pairs),
-                         _wide_or(gemm, cfg, n_blocks, interpret, pairs))
     if experts.is_fp8 and cfg.w8a8:
         nt, (_, two_i, dim) = cfg.block_tokens, experts.up_w.shape
         in_gemm = cfg.quant_in_gemm and cfg.dense and row_token is None and compact_act is None
@@ -910,19 +644,6 @@ def _expert_gemms(
     act = up_gemm(meta_up, experts.up_w, experts.up_scale, b, None, glu=True,
                   out_dtype=jnp.float16 if f16 else jnp.bfloat16)
     return gemm(meta_down, experts.down_w, experts.down_scale, act, None, glu=False, row_tiles=cfg.down_row_tiles)
-
-
-def _wide_or(gemm, cfg: MoEKernelConfig, n_blocks: int, interpret: object, pairs: jax.Array):
-    """`gemm` (a `_grouped_gemm` partial), with the products `_grouped_gemm_wide` takes sent there
-    (`pairs`: the `block_pairs` table of the blocks)."""
-    def run(meta, w, w_scale, b, b_scale, *, glu: bool, row_tiles: int = 1, out_dtype=jnp.bfloat16, **kw):
-        if not kw.get("quantize_b") and wide_supported(w, b, glu=glu, row_tiles=row_tiles):
-            return _grouped_gemm_wide(meta, pairs, w, w_scale, b, b_scale, glu=glu, block_tokens=cfg.block_tokens,
-                                      num_out_rows=n_blocks * cfg.block_tokens, num_ctas=cfg.num_ctas,
-                                      max_stages=cfg.max_stages, row_tiles=row_tiles, out_dtype=out_dtype,
-                                      interpret=interpret)
-        return gemm(meta, w, w_scale, b, b_scale, glu=glu, row_tiles=row_tiles, out_dtype=out_dtype, **kw)
-    return run
 
 
 def pdl_wanted() -> bool:

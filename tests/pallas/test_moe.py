@@ -788,63 +788,15 @@ def test_in_gemm_quantisation_sizes_and_switch(monkeypatch):
         default_config(1)
 
 
-@pytest.mark.parametrize("fp8,row_tiles", [(True, 2), (True, 1), (False, 1)], ids=["fp8-down2", "fp8-down1", "bf16"])
-def test_wide_grouped_gemm_equals_the_one_warpgroup_kernel(rng, fp8, row_tiles, monkeypatch):
-    """The sorted regime's two-consumer GEMM (`wide`: two blocks of one expert share each weight
-    tile): the same wgmma shapes and K order per output tile as the one-warpgroup kernel, so the
-    layer's output is bit-identical to it (and within the oracle's bound); ragged expert counts
-    (pairs and lone blocks), several units per CTA and a ring that wraps. Run with the
-    interpreter's race detection: the producer refills a slot only after both consumers released
-    it."""
-    from kestrel_jax.pallas.paged_attention_mgpu import interpret_races_found
-
-    T, k = 150, 2
-    ex = make_experts(rng, fp8)
-    x = jnp.asarray(rng.standard_normal((T, dim(fp8))), jnp.bfloat16)
-    experts = np.stack([rng.permutation(E)[:k] for _ in range(T)])
-    experts[: T // 3, 0] = 5  # one expert with many rows (several blocks), others ragged
-    routing = random_routing(rng, T, k, experts)
-    cfg = small_config(T, down_row_tiles=row_tiles)
-    assert not cfg.dense and cfg.block_tokens == 64
-    narrow = run_kernel(x, routing, ex, cfg)
-    wide_cfg = dataclasses.replace(cfg, wide=True)
-    jaxpr = str(jax.make_jaxpr(lambda x: moe(x, routing, ex, config=wide_cfg, interpret=INTERPRET))(x))
-    assert jaxpr.count("name=kestrel_moe_gemm_wide") == 2, jaxpr.count("name=kestrel_moe_gemm_wide")
-    f = jax.jit(lambda x, r, e: moe(x, r, e, config=wide_cfg, interpret=plgpu.InterpretGPUParams(detect_races=True)))
-    wide = np.asarray(f(x, routing, ex).astype(jnp.float32), np.float64)
-    assert not interpret_races_found()
-    np.testing.assert_array_equal(wide, narrow)
-    assert rel_err(wide, oracle(x, routing, ex, w8a8=fp8)) <= (TOL_W8A8_EMULATED if fp8 else TOL_BF16)
-    monkeypatch.setenv("KESTREL_JAX_MOE_WIDE", "1")
-    assert default_config(T).wide and not default_config(8).wide  # the sorted regime only
-    monkeypatch.delenv("KESTREL_JAX_MOE_WIDE")
-    assert not default_config(T).wide
-
-
-def test_wide_gemm_lowers_for_h100():
-    """The two-consumer GEMMs (both products of the sorted regime) lower at production shapes for an
-    H100, FP8 W8A8 and bf16."""
-    S = jax.ShapeDtypeStruct
-    Ep, Dp, Ip, k, T = 64, 2048, 1024, 8, 1536
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=H100)
-    cfg = dataclasses.replace(default_config(T, num_ctas=132), wide=True)
-    routing = Routing(S((T, k), jnp.float32), S((T, k), jnp.int32), S((T, Ep), jnp.float32))  # type: ignore[arg-type]
-    for wd in (FP8, jnp.bfloat16):
-        fp8 = wd == FP8
-        ex = ExpertWeights(S((Ep, 2 * Ip, Dp), wd), S((Ep, Dp, Ip), wd),  # type: ignore[arg-type]
-                           S((Ep, 2 * Ip), jnp.float32) if fp8 else None,  # type: ignore[arg-type]
-                           S((Ep, Dp), jnp.float32) if fp8 else None)  # type: ignore[arg-type]
-        with jax.sharding.use_abstract_mesh(mesh):
-            text = jax.jit(lambda x, r, e: moe(x, r, e, config=cfg)).trace(
-                S((T, Dp), jnp.bfloat16), routing, ex).lower(lowering_platforms=("cuda",)).as_text()
-        assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
-        assert text.count("kestrel_moe_gemm_wide") >= 2
-
-
-def test_block_pairs_take_each_experts_blocks_two_at_a_time():
-    block_expert = jnp.asarray([0, 0, 0, 2, 3, 3, 3, 3, 5, 8, 8, 8], jnp.int32)  # 8 = E: unused blocks
-    first, second, count = moe_mgpu.block_pairs(block_expert, jnp.asarray([9], jnp.int32))
-    n = int(count[0])
-    assert n == 6
-    assert np.asarray(first)[:n].tolist() == [0, 2, 3, 4, 6, 8]
-    assert np.asarray(second)[:n].tolist() == [1, -1, -1, 5, 7, -1]
+def test_sorted_block_size_switch(monkeypatch):
+    """KESTREL_JAX_MOE_SORTED_NT fixes the sorted regime's block size (64 or 128) for A/B runs; the
+    dense regime ignores it; anything else is a clear error."""
+    monkeypatch.delenv("KESTREL_JAX_MOE_SORTED_NT", raising=False)
+    assert [default_config(t).block_tokens for t in (100, 256, 257, 1536)] == [64, 64, 128, 128]
+    monkeypatch.setenv("KESTREL_JAX_MOE_SORTED_NT", "64")
+    assert default_config(1536).block_tokens == 64 and default_config(8).block_tokens == 8
+    monkeypatch.setenv("KESTREL_JAX_MOE_SORTED_NT", "128")
+    assert default_config(100).block_tokens == 128
+    monkeypatch.setenv("KESTREL_JAX_MOE_SORTED_NT", "96")
+    with pytest.raises(ValueError, match="KESTREL_JAX_MOE_SORTED_NT"):
+        default_config(1536)
