@@ -22,6 +22,7 @@ import dataclasses
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,18 +146,49 @@ class Result:
     request_id: int = 0
 
 
+class StreamFeed:
+    """The engine's side of a stream: the chunk queue (None ends it) and the request's future. The
+    worker holds this, never the `Stream` itself, so a stream its caller has dropped can be
+    collected (and its request cancelled)."""
+
+    def __init__(self, future: asyncio.Future[Result]):
+        self.queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self.future = future
+
+    def push(self, chunk: str | None) -> None:
+        self.queue.put_nowait(chunk)
+
+
+def _abandoned(future: asyncio.Future[Result], cancel: Callable[[int], None], request_id: int) -> None:
+    """A `Stream` collected before its request finished: nobody can read it any more."""
+    if not future.done():
+        cancel(request_id)
+
+
+async def _chunks(queue: asyncio.Queue[str | None]) -> AsyncIterator[str]:
+    while True:
+        chunk = await queue.get()
+        if chunk is None:
+            return
+        yield chunk
+
+
 class Stream:
     """Async iterator of text chunks (answer text; reasoning is not streamed), then `result()`.
     A consumer that stops early calls `cancel()` (or uses the stream as an async context manager,
     which cancels it on exit unless it finished), so the engine stops decoding for it; its
-    `result()` then has finish_reason "cancelled"."""
+    `result()` then has finish_reason "cancelled". A stream dropped unfinished (no reference left,
+    e.g. a `break` out of `async for chunk in await engine.query(..., stream=True)`) is cancelled
+    when it is collected."""
 
     def __init__(self, future: asyncio.Future[Result], request_id: int = 0,
                  cancel: Callable[[int], None] | None = None):
-        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self.feed = StreamFeed(future)
         self._future = future
         self.request_id = request_id
         self._cancel = cancel
+        if cancel is not None:  # the callback holds the future and the id, not the stream
+            weakref.finalize(self, _abandoned, future, cancel, request_id)
 
     def cancel(self) -> None:
         """End the request in the engine now (no-op once it finished)."""
@@ -170,17 +202,10 @@ class Stream:
         self.cancel()
 
     def _push(self, chunk: str | None) -> None:
-        self._queue.put_nowait(chunk)
+        self.feed.push(chunk)
 
     def __aiter__(self) -> AsyncIterator[str]:
-        return self._iter()
-
-    async def _iter(self) -> AsyncIterator[str]:
-        while True:
-            chunk = await self._queue.get()
-            if chunk is None:
-                return
-            yield chunk
+        return _chunks(self.feed.queue)  # the iterator holds the queue, not the stream
 
     async def result(self) -> Result:
         return await self._future
@@ -197,7 +222,7 @@ class Submission:
     digest: bytes | None
     future: asyncio.Future[Result]
     loop: asyncio.AbstractEventLoop
-    stream: Stream | None
+    stream: StreamFeed | None
     arrival: float
     deadline: float | None = None
     priority: int = 0  # lower is admitted first (the scheduler's order), then arrival
@@ -432,8 +457,8 @@ class InferenceEngine:
         tokens = prompt.ids if image is not None else (self.cfg.tokenizer.bos_id, *prompt.ids)
         future: asyncio.Future[Result] = loop.create_future()
         st = Stream(future, rid, self.cancel) if stream else None
-        sub = Submission(job, tuple(tokens), crops, tiling, digest, future, loop, st, arrival,
-                         None if deadline_s is None else arrival + deadline_s)
+        sub = Submission(job, tuple(tokens), crops, tiling, digest, future, loop, None if st is None else st.feed,
+                         arrival, None if deadline_s is None else arrival + deadline_s)
         return sub, st
 
     def _prepare_image(self, image: ImageInput) -> tuple[np.ndarray | CropPlan, tuple[int, int], bytes]:

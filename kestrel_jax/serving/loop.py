@@ -373,7 +373,7 @@ class EngineWorker:
                 text = dec.push_many(ids)
                 if text:
                     with contextlib.suppress(RuntimeError):  # caller's loop closed
-                        sub.loop.call_soon_threadsafe(stream._push, text)
+                        sub.loop.call_soon_threadsafe(stream.push, text)
 
             job.on_text = on_text
             sub.stream_decoder = dec  # type: ignore[attr-defined]
@@ -452,8 +452,8 @@ class EngineWorker:
                 dec = getattr(sub, "stream_decoder", None)
                 tail = dec.finish() if dec is not None else ""
                 if tail:
-                    sub.stream._push(tail)
-                sub.stream._push(None)
+                    sub.stream.push(tail)
+                sub.stream.push(None)
 
         with contextlib.suppress(RuntimeError):  # the caller's event loop closed: nobody waits any more
             sub.loop.call_soon_threadsafe(done)

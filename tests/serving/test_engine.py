@@ -422,6 +422,36 @@ def test_a_stream_left_early_is_cancelled(engine: InferenceEngine) -> None:
     _leak_free(engine)
 
 
+def test_a_stream_dropped_unfinished_is_cancelled(engine: InferenceEngine) -> None:
+    """A consumer that breaks out of `async for` and keeps no reference to the stream: once the
+    stream is collected its request is cancelled in the engine (pages freed), where before it
+    decoded on to max_tokens for nobody. A stream still referenced is not touched."""
+    stats = engine._worker.scheduler.stats
+    before = stats.cancelled
+    settings = {"max_tokens": 200, "ignore_eos": True}
+
+    async def run() -> tuple[Any, Any]:
+        stream = await engine.query(None, "Tell me everything", reasoning=False, stream=True, settings=settings)
+        kept = await engine.query(None, "Hi", reasoning=False, stream=True, settings={"max_tokens": 6})
+        assert isinstance(stream, Stream) and isinstance(kept, Stream)
+        future = stream._future  # the result, without holding the stream
+        async for _ in stream:
+            break
+        del stream
+        for _ in range(3):  # the abandoned iterator's aclose() runs on the loop
+            await asyncio.sleep(0)
+        gc.collect()
+        left = await asyncio.wait_for(future, timeout=60)
+        chunks = [c async for c in kept]
+        return left, (chunks, await kept.result())
+
+    left, (chunks, kept) = asyncio.run(run())
+    assert left.finish_reason == "cancelled" and left.metrics.output_tokens < 200
+    assert kept.finish_reason == "length" and "".join(chunks) == kept.output["answer"]
+    assert stats.cancelled == before + 1
+    _leak_free(engine)
+
+
 def test_priority_orders_admission(engine: InferenceEngine) -> None:
     """`priority`: with every running slot taken, a request of lower priority value that arrives
     after others is admitted before them (FIFO within a priority); a running request is never
