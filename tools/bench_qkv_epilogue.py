@@ -68,6 +68,7 @@ def run_case(model: str, M: int, layers: int, iters: int, warps: list[int]) -> l
     alpha = jax.random.normal(key[3], (layers, H), jnp.bfloat16)
     positions = jnp.arange(M, dtype=jnp.int32) + 800
     slots = jnp.arange(M, dtype=jnp.int32) * 7 + 3
+    pages = max(PAGES, -(-(7 * M + 3) // PAGE) + 1)
     ks, vs = jnp.float32(0.02), jnp.float32(0.03)
     kw: dict[str, Any] = dict(n_heads=H, rotary_dim=rot, theta=theta)
 
@@ -76,7 +77,7 @@ def run_case(model: str, M: int, layers: int, iters: int, warps: list[int]) -> l
 
     def body(step):
         def f(us, wq, wv, alpha):
-            kp = jnp.zeros((PAGES, hkv, PAGE, dh), pool_dtype)
+            kp = jnp.zeros((pages, hkv, PAGE, dh), pool_dtype)
             vp = jnp.zeros_like(kp)
             qs = []
             for i in range(layers):
@@ -94,9 +95,15 @@ def run_case(model: str, M: int, layers: int, iters: int, warps: list[int]) -> l
     def kernel_step(u, pos, sl, kp, vp, ks, vs, t, w):
         return qe.decode_qkv_kernel(u, pos, sl, kp, vp, ks, vs, t, num_warps=w or None, **kw)
 
+    def factors_step(u, pos, sl, kp, vp, ks, vs, t, w):  # XLA forms tau's factors, the kernel the rest
+        tq, tv, _ = qe.tau_factors(u, pos, t, ops.tau_gelu(), ops.tau_dots_fn())
+        return qe.decode_qkv_kernel(u, pos, sl, kp, vp, ks, vs, None, num_warps=w or None, factors=(tq, tv), **kw)
+
     rows = []
     outs = {}
-    variants = [("jnp", jnp_step)] + [(f"kernel/w{w}", functools.partial(kernel_step, w=w)) for w in warps]
+    many = tau_on and M > qe.MAX_TAU_ROWS  # the model's path past MAX_TAU_ROWS: factors from XLA
+    variants = [("jnp", jnp_step)] + [(f"kernel{'+factors' if many else ''}/w{w}",
+                                       functools.partial(factors_step if many else kernel_step, w=w)) for w in warps]
     for label, step in variants:
         f = body(step)
         outs[label] = jax.block_until_ready(f(us, wq, wv, alpha))
