@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # this folder: the bench's input builders
 
-from kestrel_jax.pallas.moe import ExpertWeights, quantize_experts  # noqa: E402
+from bench_moe import Dims, make_experts  # noqa: E402
+
 from kestrel_jax.pallas.moe_mgpu import MoEKernelConfig, default_config, moe_layer  # noqa: E402
-
-E, D, INNER, TOP_K = 64, 2048, 1024, 8
 
 
 def case_config(spec: str, num_ctas: int | None = None) -> tuple[int, MoEKernelConfig]:
@@ -35,7 +35,7 @@ def case_config(spec: str, num_ctas: int | None = None) -> tuple[int, MoEKernelC
     head, *parts = spec.split(":")
     T = int(head)
     cfg = default_config(T, num_ctas=num_ctas)
-    fields = {f.name: f.type for f in dataclasses.fields(MoEKernelConfig)}
+    fields = {f.name for f in dataclasses.fields(MoEKernelConfig)}
     over: dict[str, object] = {}
     for kv in parts:
         key, value = kv.split("=", 1)
@@ -47,37 +47,28 @@ def case_config(spec: str, num_ctas: int | None = None) -> tuple[int, MoEKernelC
     return T, dataclasses.replace(cfg, **over)  # type: ignore[arg-type]
 
 
-def experts(key: jax.Array, dim: int = D, inner: int = INNER, n: int = E) -> ExpertWeights:
-    k1, k2 = jax.random.split(key)
-    up = (jax.random.normal(k1, (n, 2 * inner, dim), jnp.float32) / math.sqrt(dim)).astype(jnp.bfloat16)
-    down = (jax.random.normal(k2, (n, dim, inner), jnp.float32) / math.sqrt(inner)).astype(jnp.bfloat16)
-    uq, us = quantize_experts(up)
-    dq, ds = quantize_experts(down)
-    return ExpertWeights(uq, dq, us, ds)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cases", nargs="+", help="T[:field=value...], e.g. 1480:block_tokens=64")
     ap.add_argument("--calls", type=int, default=1)
-    ap.add_argument("--small", action="store_true", help="D 256, I 128, 8 experts, interpreted (a CPU smoke run)")
+    ap.add_argument("--small", action="store_true", help="D 256, I 128, 8 experts, top-4, interpreted (CPU)")
     a = ap.parse_args(argv)
     key = jax.random.key(0)
-    dim, inner, n_exp, interpret = D, INNER, E, None
+    dims, interpret = Dims(), None  # MD3: 64 experts, D 2048, I 1024, top-8
     if a.small:
         from jax.experimental.pallas import mosaic_gpu as plgpu
 
-        dim, inner, n_exp, interpret = 256, 128, 8, plgpu.InterpretGPUParams()
-    ex = experts(jax.random.fold_in(key, 1), dim, inner, n_exp)
-    rw = jax.random.normal(jax.random.fold_in(key, 2), (dim, n_exp), jnp.float32) / math.sqrt(dim)
+        dims, interpret = Dims(E=8, D=256, I=128, k=4), plgpu.InterpretGPUParams()
+    ex = make_experts(jax.random.fold_in(key, 1), dims, True)
+    rw = jax.random.normal(jax.random.fold_in(key, 2), (dims.D, dims.E), jnp.float32) / math.sqrt(dims.D)
     rw = rw.astype(jnp.bfloat16)
-    rb = jnp.zeros((n_exp,), jnp.bfloat16)
+    rb = jnp.zeros((dims.E,), jnp.bfloat16)
     for spec in a.cases:
         T, cfg = case_config(spec, num_ctas=3 if a.small else None)
         if a.small:
             cfg = dataclasses.replace(cfg, max_stages=3)
-        x = jax.random.normal(jax.random.fold_in(key, T), (T, dim), jnp.bfloat16)
-        f = jax.jit(functools.partial(moe_layer, top_k=min(TOP_K, n_exp), config=cfg, interpret=interpret))
+        x = jax.random.normal(jax.random.fold_in(key, T), (T, dims.D), jnp.bfloat16)
+        f = jax.jit(functools.partial(moe_layer, top_k=dims.k, config=cfg, interpret=interpret))
         for _ in range(a.calls):
             jax.block_until_ready(f(x, rw, rb, ex))
         print(f"{spec}: {a.calls} calls done ({cfg})", flush=True)

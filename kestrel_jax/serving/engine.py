@@ -188,7 +188,7 @@ class Stream:
         self.request_id = request_id
         self._cancel = cancel
         if cancel is not None:  # the callback holds the future and the id, not the stream
-            weakref.finalize(self, _abandoned, future, cancel, request_id)
+            weakref.finalize(self, _abandoned, future, cancel, request_id).atexit = False
 
     def cancel(self) -> None:
         """End the request in the engine now (no-op once it finished)."""
