@@ -8,7 +8,6 @@ decoders read) and the updated KV cache; `logits()` applies `post_ln` + `lm_head
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import jax
@@ -22,7 +21,7 @@ from kestrel_jax.pallas.decode_residual import ExpertRows, combine_rows
 from kestrel_jax.pallas.moe import ExpertWeights
 from kestrel_jax.pallas.moe_route_mgpu import DenseRoute
 from kestrel_jax.pallas.qkv_epilogue import TauDots, TauWeights, qkv_heads_ref
-from kestrel_jax.switches import flag
+from kestrel_jax.switches import flag, integer
 
 # Decode rows up to which the attention projections of MoE layers use the decode GEMM kernel
 # (`kestrel_jax.pallas.gemv_mgpu`) instead of XLA's GEMM. H100, fifth session, 24 cold weights:
@@ -43,12 +42,7 @@ REGION_KERNEL_ROWS = 8
 
 
 def _kernel_rows(name: str, default: int) -> int:
-    value = os.environ.get(f"KESTREL_JAX_GEMV_{name}_ROWS")
-    if value is None:
-        return default
-    if not value.isdigit() or int(value) > 64:
-        raise ValueError(f"KESTREL_JAX_GEMV_{name}_ROWS must be an integer in [0, 64], got {value!r}")
-    return int(value)
+    return integer(f"KESTREL_JAX_GEMV_{name}_ROWS", default, high=64)
 
 
 def qkv_kernel_rows() -> int:

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any, Literal, get_args
 
 import jax
@@ -87,7 +86,7 @@ from kestrel_jax.pallas.moe_route_mgpu import DenseRoute, route_dense, route_den
 from kestrel_jax.pallas.moe_route_triton import route_tables, route_tables_supported
 from kestrel_jax.pallas.paged_attention_mgpu import own_buffer
 from kestrel_jax.pallas.quantize_triton import quantize_rows_kernel, quantize_rows_problem
-from kestrel_jax.switches import flag
+from kestrel_jax.switches import choice, flag, integer
 
 FP8 = jnp.float8_e4m3fn
 F16_MAX = 65504.0
@@ -171,19 +170,11 @@ def sorted_block_tokens(num_tokens: int) -> int:
     Nsight Compute on the T = 1480 layer: tensor pipe 42-48% busy (35% with 64), DRAM at 68-72%
     of its peak, one warpgroup per SM issuing (occupancy 6.25%). Two consumer warpgroups (sharing
     either the token tile or the weight tile) were no faster (BENCHMARKS.md)."""
-    value = os.environ.get("KESTREL_JAX_MOE_SORTED_NT", "")
-    if value:
-        if value not in ("64", "128"):
-            raise ValueError(f"KESTREL_JAX_MOE_SORTED_NT must be 64 or 128, got {value!r}")
-        return int(value)
-    return 64 if num_tokens <= 256 else 128
+    return int(choice("KESTREL_JAX_MOE_SORTED_NT", "64" if num_tokens <= 256 else "128", ("64", "128")))
 
 
 def _w8a8_min_tokens() -> int:
-    value = os.environ.get("KESTREL_JAX_W8A8_MIN_TOKENS", "1")
-    if not value.isdigit():
-        raise ValueError(f"KESTREL_JAX_W8A8_MIN_TOKENS must be a non-negative integer, got {value!r}")
-    return int(value)
+    return integer("KESTREL_JAX_W8A8_MIN_TOKENS", 1)
 
 
 def _device_sms() -> int:
@@ -653,7 +644,7 @@ def pdl_wanted() -> bool:
     kernel and the parameters, finished before the up GEMM began; only the activations come from
     the up GEMM or the quantisation after it). KESTREL_JAX_MOE_PDL=1 (read at trace time) turns it
     on for A/B runs."""
-    return os.environ.get("KESTREL_JAX_MOE_PDL", "0") == "1"
+    return flag("KESTREL_JAX_MOE_PDL", False)
 
 
 def quantize_kernel_wanted() -> bool:
@@ -662,7 +653,7 @@ def quantize_kernel_wanted() -> bool:
     switch read at trace time, KESTREL_JAX_QUANT_KERNEL=0 turns it off. H100, twelfth session: the
     decode step at 64 rows 203 us faster (80 fewer launches), the 2 x 740-token prefill step 378 us
     faster, W2 at 64 clients +2.4% (A/B/A/B, 6,434 -> 6,589 output tok/s)."""
-    return os.environ.get("KESTREL_JAX_QUANT_KERNEL", "1") != "0"
+    return flag("KESTREL_JAX_QUANT_KERNEL", True)
 
 
 def _quantize(x: jax.Array, idx: jax.Array | None, interpret: object) -> tuple[jax.Array, jax.Array]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
@@ -22,7 +21,7 @@ from kestrel_jax.pallas import moe as moe_ref_mod
 from kestrel_jax.pallas import paged_attention as attn_ref_mod
 from kestrel_jax.pallas.decode_residual import ExpertRows
 from kestrel_jax.pallas.moe import ExpertWeights, Routing
-from kestrel_jax.switches import flag
+from kestrel_jax.switches import choice, flag, integer
 
 Backend = Literal["auto", "reference", "kernel"]
 _state = threading.local()
@@ -158,15 +157,12 @@ def l2_prefetch_mask() -> int:
     time from KESTREL_JAX_L2_PREFETCH, a bit mask: 1 the output projection's weight, 2 the
     selected experts' up weights (MoE layers whose routing tables the QKV epilogue built); 4 asks
     once each CTA's own loads are consumed instead of at its start, 8 only the first half of each
-    expert's rows, 16 the selected experts' down weights as well (opt-in, not measured yet); 0
+    expert's rows, 16 the selected experts' down weights as well (measured slower: session 24, +31.8 us); 0
     asks nothing. Default 14, the experts' first halves, late (H100, batch-1 MD3
     step, twenty-second session: CUPTI 1,664.0 -> 1,621.7 us, the MoE GEMMs -59 us, attention
     +12; W1 706.7 -> 719.9 tok/s). The projection's weight did not pay (its GEMM -0.15 us per
     layer, attention +1.3 us)."""
-    value = os.environ.get("KESTREL_JAX_L2_PREFETCH", "14")
-    if not value.isdigit() or int(value) > 31:
-        raise ValueError(f"KESTREL_JAX_L2_PREFETCH must be a bit mask in 0..31, got {value!r}")
-    return int(value)
+    return integer("KESTREL_JAX_L2_PREFETCH", 14, high=31)
 
 
 def prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cu_q_lens: jax.Array,
@@ -282,7 +278,7 @@ def gemv_rows_wanted() -> bool:
     (finished bf16 rows read by the QKV epilogue and routing-table kernels as they are) rather than
     `gemv_pair` (split partials that XLA sums in two launches of its own before those kernels).
     KESTREL_JAX_GEMV_ROWS=0 (read at trace time) keeps `gemv_pair` for A/B runs."""
-    return os.environ.get("KESTREL_JAX_GEMV_ROWS", "1") != "0"
+    return flag("KESTREL_JAX_GEMV_ROWS", True)
 
 
 def split_dense_prefill_gemms() -> bool:
@@ -295,7 +291,7 @@ def split_dense_prefill_gemms() -> bool:
     A/B/A) and 2.9% (MD2, 24 dense layers) together with the polynomial tau GELU (twelfth
     session). On by default on the kernel path; KESTREL_JAX_SPLIT_DENSE_GEMMS=0 turns it off (an
     A/B switch, read at trace time)."""
-    return _want_kernel() and os.environ.get("KESTREL_JAX_SPLIT_DENSE_GEMMS", "1") != "0"
+    return _want_kernel() and flag("KESTREL_JAX_SPLIT_DENSE_GEMMS", True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,7 +327,7 @@ def decode_moe_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, exper
     (read at trace time: XLA's statistics and normalisation launches). (Session 21, H100: also
     writing the rows quantised for the W8A8 up GEMM, which then skipped its own quantisation, was
     no faster at batch 1: the kernel +0.33 us, the GEMMs -0.37 us per MoE layer; removed.)"""
-    if not _want_kernel() or os.environ.get("KESTREL_JAX_LN_KERNEL", "1") == "0":
+    if not _want_kernel() or not flag("KESTREL_JAX_LN_KERNEL", True):
         return None
     from kestrel_jax.pallas import layer_norm_triton as kern
     from kestrel_jax.pallas import moe_mgpu
@@ -363,7 +359,7 @@ def decode_residual_layer_norm(x: jax.Array, a: jax.Array, moe: Any, scale: jax.
     `pad_rows` rows, and the f16 copy the next layer's `experts` read where they run W8A16:
     (x', rows, f16 rows or None). None where `decode_moe_layer_norm` would be None, with
     KESTREL_JAX_RESIDUAL_LN=0, or for shapes the kernel does not take."""
-    if not _want_kernel() or os.environ.get("KESTREL_JAX_LN_KERNEL", "1") == "0" or not residual_layer_norm_wanted():
+    if not _want_kernel() or not flag("KESTREL_JAX_LN_KERNEL", True) or not residual_layer_norm_wanted():
         return None
     from kestrel_jax.pallas import layer_norm_triton as kern
     from kestrel_jax.pallas import moe_mgpu
@@ -401,7 +397,7 @@ def tau_gelu() -> Callable[[jax.Array], jax.Array]:
     layer at a 2048-token prefill on the H100 (eleventh session), and the polynomial made the
     whole step 338 us faster (-2.3%, twelfth session). KESTREL_JAX_TAU_GELU=exact (read at trace
     time) keeps XLA's erf there, as the reference path always does (`gelu_erf`)."""
-    if _want_kernel() and os.environ.get("KESTREL_JAX_TAU_GELU", "poly") != "exact":
+    if _want_kernel() and choice("KESTREL_JAX_TAU_GELU", "poly", ("poly", "exact")) != "exact":
         return _gelu_poly
     return gelu_erf
 
@@ -492,7 +488,7 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
                 route: tuple[jax.Array, jax.Array, int, int] | None, tau_dots: Any = None) -> tuple | None:
     """`decode_qkv`'s dispatch; with `route` (logits, num_valid, top_k, block_tokens) the routing
     tables come back fourth where the routed kernel takes the logits."""
-    if not _want_kernel() or os.environ.get("KESTREL_JAX_DECODE_QKV_KERNEL", "1") == "0":  # "0": A/B runs
+    if not _want_kernel() or not flag("KESTREL_JAX_DECODE_QKV_KERNEL", True):  # 0: A/B runs
         return None
     from kestrel_jax.pallas import qkv_epilogue as kern
 
@@ -514,7 +510,7 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
             u, k_pages, None, n_heads=n_heads, rotary_dim=rotary_dim, tau_dots=tau_dots) is None:
         return call(u, None, dots=tau_dots)
     if tau is not None and rows > kern.MAX_TAU_ROWS:
-        if os.environ.get("KESTREL_JAX_TAU_FACTORS", "1") == "0":
+        if not flag("KESTREL_JAX_TAU_FACTORS", True):
             return None
         u = u[:rows]
         # traced only: where the kernel refuses them, the unused factors leave the program
