@@ -366,7 +366,7 @@ def _batch_engine_config(args: argparse.Namespace) -> Any:
     cfg = _engine_config(args)
     return dataclasses.replace(cfg, decode_buckets=decode_buckets_up_to(args.max_batch_size),
                                prefill_token_buckets=type(cfg)().prefill_token_buckets,
-                               max_prefill_seqs=type(cfg)().max_prefill_seqs)
+                               max_prefill_seqs=type(cfg)().max_prefill_seqs, num_devices=args.num_devices)
 
 
 class BatchInputError(ValueError):
@@ -431,7 +431,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ecfg = engine_config(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size,
                              max_batch_size=args.max_batch_size, prefix_cache=not args.no_prefix_cache,
                              compile_cache=compile_cache_dir(args.compile_cache),
-                             max_queued=None if args.max_queued < 0 else args.max_queued)
+                             max_queued=None if args.max_queued < 0 else args.max_queued,
+                             num_devices=args.num_devices)
         scfg = ServerConfig(host=args.host, port=args.port, max_body_bytes=int(args.max_request_mb * 2**20),
                             request_timeout_s=args.request_timeout, shutdown_grace_s=args.shutdown_grace,
                             model_name=Path(args.model).name if args.model else None,
@@ -501,6 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue a job: skip requests --out has a result for")
     p.add_argument("--max-in-flight", type=int, default=256, help="requests submitted at a time")
     p.add_argument("--max-batch-size", type=int, default=64, help="largest decode bucket")
+    p.add_argument("--num-devices", type=int, default=1, help="local devices to run on, one engine each (0: all)")
     p.set_defaults(fn=cmd_batch, max_tokens=None, top_p=None, seed=None)
     p = sub.add_parser("convert", help="HF safetensors -> converted (orbax) checkpoint")
     p.add_argument("src")
@@ -523,6 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "unset: no key). The environment variable keeps the key off the process list")
     p.add_argument("--max-queued", type=int, default=1024,
                    help="requests held beyond those running before new ones get 503 overloaded (-1: no limit)")
+    p.add_argument("--num-devices", type=int, default=1,
+                   help="serve on this many local devices, one engine each (0: all of them)")
     p.add_argument("--max-request-mb", type=float, default=20.0, help="largest accepted request body")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before a request fails (504)")
     p.add_argument("--shutdown-grace", type=float, default=30.0,

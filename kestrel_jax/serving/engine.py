@@ -112,6 +112,10 @@ class EngineConfig:
     # 503 "overloaded"), so a burst cannot fill host memory with decoded images and queued crops.
     # None: no limit. `generate` and the batch command submit at most their max_in_flight at a time.
     max_queued: int | None = 1024
+    # Devices to serve on, one engine worker each (data parallel: each holds the whole model and its
+    # own KV pool; `serving.group` routes requests, an image's queries to one device for its prefix
+    # cache). 1: `runner.device` only; 0: every local device.
+    num_devices: int = 1
 
     def mixed_buckets(self) -> tuple[int, ...]:
         if self.mixed_decode_buckets is None:
@@ -241,8 +245,9 @@ class InferenceEngine:
         queued = worker.config.max_queued
         if queued is not None and queued < 0:
             raise ValueError(f"max_queued must be >= 0 or None, got {queued}")
-        # requests the engine may hold at once (running + queued); None: any number
-        self.max_requests: int | None = None if queued is None else worker.scheduler.config.running_limit + queued
+        # requests the engine may hold at once (running + queued, per device); None: any number
+        self.max_requests: int | None = None if queued is None else (
+            (worker.scheduler.config.running_limit + queued) * getattr(worker, "size", 1))
         self._preparing = 0  # requests between their arrival and the worker's inbox (image decoding)
         self._preparing_lock = threading.Lock()
 
@@ -254,9 +259,16 @@ class InferenceEngine:
         from kestrel_jax.serving.loop import EngineWorker
 
         config = config or EngineConfig()
-        worker = await asyncio.get_running_loop().run_in_executor(None, EngineWorker.start, config, model,
-                                                                  tokenizer)
-        return cls(worker, worker.tokenizer, worker.model.cfg)
+        devices = _devices(config)
+        if len(devices) == 1:
+            if devices[0] != config.runner.device:
+                config = dataclasses.replace(config, runner=dataclasses.replace(config.runner, device=devices[0]))
+            worker = await asyncio.get_running_loop().run_in_executor(None, EngineWorker.start, config, model,
+                                                                      tokenizer)
+            return cls(worker, worker.tokenizer, worker.model.cfg)
+        group = await asyncio.get_running_loop().run_in_executor(None, _start_group, config, devices, model,
+                                                                 tokenizer)
+        return cls(group, group.tokenizer, group.model.cfg)
 
     @property
     def stats(self) -> dict[str, Any]:
@@ -485,6 +497,45 @@ class InferenceEngine:
         # an image takes depends only on its size, so an image always gets the same key.
         keyed = pixels if isinstance(crops, CropPlan) else crops
         return crops, (int(tiling[0]), int(tiling[1])), pixels_digest(keyed)
+
+
+def _devices(config: EngineConfig) -> list[int]:
+    """The local device indices `config` serves on (`num_devices`: 1 -> `runner.device`)."""
+    import jax
+
+    count = len(jax.local_devices())
+    n = config.num_devices
+    if n < 0 or n > count:
+        raise ValueError(f"num_devices={n}: this process has {count} local device(s) (0 = all of them)")
+    if n == 1:
+        return [config.runner.device]
+    return list(range(count if n == 0 else n))
+
+
+def _start_group(config: EngineConfig, devices: list[int], model: Any, tokenizer: Any) -> Any:
+    """One started worker per device, sharing one loaded model (each runner copies its params to
+    its own device) and one tokenizer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kestrel_jax.serving.group import WorkerGroup
+    from kestrel_jax.serving.loop import EngineWorker, load_engine_model
+
+    model, tokenizer = load_engine_model(config, model, tokenizer)
+
+    def start(device: int) -> Any:
+        cfg = dataclasses.replace(config, num_devices=1, runner=dataclasses.replace(config.runner, device=device))
+        return EngineWorker.start(cfg, model, tokenizer)
+
+    workers: list[Any] = []
+    try:
+        with ThreadPoolExecutor(len(devices), thread_name_prefix="kestrel-jax-start") as pool:
+            for fut in [pool.submit(start, d) for d in devices]:
+                workers.append(fut.result())
+    except BaseException:
+        for w in workers:
+            w.stop()
+        raise
+    return WorkerGroup(workers)
 
 
 def model_path_or_demo(path: str | Path | None) -> Path:

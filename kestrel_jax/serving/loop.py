@@ -48,6 +48,22 @@ def compile_groups(calls: list[tuple[str, tuple[Any, ...]]], threads: int,
     return [(g, n) for g, n in ((decode, 1), (rest, threads)) if g]
 
 
+def load_engine_model(config: EngineConfig, model: Any = None, tokenizer: Tokenizer | None = None
+                      ) -> tuple[Any, Tokenizer]:
+    """(model, tokenizer): the checkpoint at `config.model_path` (or the demo model) unless a model is
+    given; the checkpoint's tokenizer, else a synthetic one of the model's vocabulary."""
+    if model is None:
+        path = model_path_or_demo(config.model_path)
+        dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[config.dtype]
+        model = load_model(path, dtype=dtype, fp8_experts=config.fp8_experts, progress=False)
+        tokenizer = tokenizer or Tokenizer.from_dir(path)
+    if tokenizer is None:
+        from kestrel_jax.tokenizer import build_synthetic_tokenizer
+
+        tokenizer = Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size))
+    return model, tokenizer
+
+
 class EngineWorker:
     def __init__(self, config: EngineConfig, model: Any, tokenizer: Tokenizer):
         counts = {"decode_steps": config.decode_steps, "multi_step_max_batch": config.multi_step_max_batch,
@@ -101,15 +117,7 @@ class EngineWorker:
         """Load the checkpoint (or take an in-memory model, e.g. `random_model` for benchmarks),
         compile, and start the worker thread."""
         t0 = time.perf_counter()
-        if model is None:
-            path = model_path_or_demo(config.model_path)
-            dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[config.dtype]
-            model = load_model(path, dtype=dtype, fp8_experts=config.fp8_experts, progress=False)
-            tokenizer = tokenizer or Tokenizer.from_dir(path)
-        if tokenizer is None:
-            from kestrel_jax.tokenizer import build_synthetic_tokenizer
-
-            tokenizer = Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size))
+        model, tokenizer = load_engine_model(config, model, tokenizer)
         worker = cls(config, model, tokenizer)
         worker.load_s = time.perf_counter() - t0
         if config.warmup:

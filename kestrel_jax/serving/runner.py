@@ -96,6 +96,9 @@ class RunnerConfig:
     # With a compilation cache directory: keep the lowered decode and prefill steps there too
     # (`export_cache`), so a restart skips tracing and lowering them.
     export_steps: bool = True
+    # The device this runner's params, KV pool and steps live on: an index into jax.local_devices()
+    # (one engine per device; `EngineConfig.num_devices` starts one per device).
+    device: int = 0
 
 
 class StepOutputs(NamedTuple):
@@ -400,6 +403,11 @@ class Runner:
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
         self.model = model
         self.cfg = model.cfg
+        devices = jax.local_devices()
+        if not 0 <= self.config.device < len(devices):
+            raise ValueError(f"device {self.config.device} does not exist: this process has {len(devices)} local "
+                             f"device(s)")
+        self.device = devices[self.config.device]
         t = self.cfg.text
         self.max_seq_len = self.config.max_seq_len or t.max_context
         self.page_size = self.config.page_size
@@ -424,9 +432,9 @@ class Runner:
         # through `own_buffer`, since Mosaic kernels require 256-byte aligned operands).
         scales = jnp.asarray(model.text.kv_scales[...], jnp.float32)
         self.cache = _committed(KVCache(tuple(k for k, _ in pool), tuple(v for _, v in pool), scales[:, 0],
-                                        scales[:, 1]))
-        self.lm_params = _committed(self.lm_params)
-        self.vision_params = _committed(self.vision_params)
+                                        scales[:, 1]), self.device)
+        self.lm_params = _committed(self.lm_params, self.device)
+        self.vision_params = _committed(self.vision_params, self.device)
         backend = self.config.backend
         self._backend = backend
         self._decode: dict[int, Any] = {}  # iterations per launch -> jitted step
@@ -438,8 +446,11 @@ class Runner:
                                                                 out_rows=out_rows))
         self._mixed = self._step("mixed", functools.partial(_mixed_step, self._parts, backend=backend,
                                                             out_rows=out_rows))
-        self._copy = jax.jit(_copy_pages, donate_argnums=(0,))
-        self.no_outputs = _committed(jnp.zeros((out_rows, 6), jnp.float32))
+        # Each runner jits its own callable (a fresh partial): jit shares one executable cache among
+        # wrappers of the same function, and `freeze` counts a step's variants in that cache, so two
+        # runners (one per device) of a module-level function would see each other's compiles.
+        self._copy = jax.jit(functools.partial(_copy_pages), donate_argnums=(0,))
+        self.no_outputs = _committed(jnp.zeros((out_rows, 6), jnp.float32), self.device)
         attn = _vision_attention(self.config.vision_attention, model.dtype)
         self._vision = jax.jit(functools.partial(_vision_step, vision_gd, vision_treedef, model.dtype, attn))
         self._vision_images = jax.jit(functools.partial(_vision_images_step, vision_gd, vision_treedef,
@@ -448,7 +459,7 @@ class Runner:
             raise ValueError(f"device_crops must be auto, on or off; got {self.config.device_crops!r}")
         self.device_crops = (self.config.device_crops == "on"
                              or (self.config.device_crops == "auto" and jax.default_backend() == "gpu"))
-        self._crops = jax.jit(make_crops)
+        self._crops = jax.jit(functools.partial(make_crops))
         self.images = {"device_crops": 0, "host_crops": 0}  # images encoded, by where their crops were made
         self._frozen: dict[str, int] | None = None
 
@@ -457,11 +468,15 @@ class Runner:
     # in these share the exported steps. Any other field, including one added later, is in the salt.
     _NOT_IN_STEPS = frozenset({"num_pages", "kv_memory_fraction", "vision_buckets", "compilation_cache_dir",
                                "vision_attention", "device_crops", "crop_canvas", "export_steps",
-                               "vision_image_batches"})
+                               "vision_image_batches", "device"})
+
+    def _on(self, x: Any) -> Any:
+        """Host arrays (or a tuple of them) onto this runner's device, committed."""
+        return jax.device_put(x, self.device)
 
     def _export_salt(self) -> str:
         """Everything besides input shapes and code that shapes a step's program (see export_cache)."""
-        dev = jax.devices()[0]
+        dev = self.device
         fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)
                   if f.name not in self._NOT_IN_STEPS}
         # the KESTREL_JAX_* switches that pick kernels at trace time (A/B runs) shape the programs too
@@ -485,7 +500,7 @@ class Runner:
         return 2 * t.n_layers * t.n_kv_heads * t.head_dim * self.page_size * jnp.dtype(self.kv_dtype).itemsize
 
     def _pages_from_memory(self) -> int:
-        dev = jax.devices()[0]
+        dev = self.device
         # What is in use must not depend on timing: computations still running (random weights
         # made on the device hold their temporaries until done) and unreachable arrays awaiting
         # the garbage collector made two processes size 5056 vs 4800 pages (tenth session), and
@@ -544,12 +559,12 @@ class Runner:
             raise ValueError(f"an image of {n} crops exceeds the largest vision bucket "
                              f"({self.vision_buckets[-1]}); extend RunnerConfig.vision_buckets")
         if isinstance(crops, CropPlan):
-            batch = self._guarded("crops", self._crops, *crops.padded(bucket))
+            batch = self._guarded("crops", self._crops, *self._on(crops.padded(bucket)))
             self.images["device_crops"] += 1
         else:
             self.images["host_crops"] += 1
             pad = np.zeros((bucket - n, *crops.shape[1:]), np.uint8)
-            batch = jnp.asarray(np.concatenate([crops, pad]))
+            batch = self._on(np.concatenate([crops, pad]))
         # bucket 1: the global crop is also the one tile (`VisionEncoder.encode_padded`)
         rows, cols = tile_pool_matrices(tiling, self.cfg.vision, max(1, bucket - 1))
         return self._guarded("vision", self._vision, self.vision_params, batch, rows, cols)
@@ -588,13 +603,13 @@ class Runner:
         batch: list[jax.Array] = []
         for c in crops:  # device arrays either way (one jit signature for both)
             if isinstance(c, CropPlan):
-                batch.append(self._guarded("crops", self._crops, *c.padded(1)))
+                batch.append(self._guarded("crops", self._crops, *self._on(c.padded(1))))
                 self.images["device_crops"] += 1
             else:
-                batch.append(jnp.asarray(c))
+                batch.append(self._on(c))
                 self.images["host_crops"] += 1
         vis = self.cfg.vision
-        batch += [jnp.zeros((1, vis.crop_size, vis.crop_size, 3), jnp.uint8)] * (count - len(crops))
+        batch += [self._on(np.zeros((1, vis.crop_size, vis.crop_size, 3), np.uint8))] * (count - len(crops))
         rows, cols = tile_pool_matrices((1, 1), vis, 1)
         return self._guarded("vision_images", self._vision_images, self.vision_params, tuple(batch), rows, cols)
 
@@ -676,8 +691,8 @@ class Runner:
             return False
         t = self.cfg.text
         pool = init_kv_pool(t.n_layers, self.num_pages, self.page_size, t.n_kv_heads, t.head_dim, self.kv_dtype)
-        self.cache = KVCache(_committed(tuple(k for k, _ in pool)), _committed(tuple(v for _, v in pool)),
-                             self.cache.k_scale, self.cache.v_scale)
+        self.cache = KVCache(_committed(tuple(k for k, _ in pool), self.device),
+                             _committed(tuple(v for _, v in pool), self.device), self.cache.k_scale, self.cache.v_scale)
         return True
 
     # ------------------------------------------------------------------------------- guard
@@ -711,12 +726,13 @@ with contextlib.suppress(ValueError):
     export.register_namedtuple_serialization(KVCache, serialized_name="kestrel_jax.models.text.KVCache")
 
 
-def _committed(tree: Any) -> Any:
-    """Device arrays committed to the default device. jit keys its cache on committedness, and a
+def _committed(tree: Any, device: Any) -> Any:
+    """Device arrays committed to the runner's device. jit keys its cache on committedness, and a
     step's outputs come back committed when any input was or when its computation pins an output's
     memory kind (a stream-annotated call does; seventh session): feeding them back into a step
-    compiled with uncommitted inputs would compile it again while serving."""
-    return jax.device_put(tree, jax.devices()[0])
+    compiled with uncommitted inputs would compile it again while serving. Committed params also
+    put each step on that device (host inputs follow them)."""
+    return jax.device_put(tree, device)
 
 
 def _same_crops(crops: np.ndarray | CropPlan) -> bool:

@@ -56,7 +56,7 @@ class Stepper:
         model = runner.model
         # committed like the vision step's outputs, so the image block is committed whatever it holds
         self._zero_image = jax.device_put(jnp.zeros((prefix_len - 1, model.cfg.text.dim), model.dtype),
-                                          jax.devices()[0])
+                                          runner.device)
         # decode_iterations: decode launches times the iterations each ran (multi-step launches run K)
         # mixed: prefill steps that also ran a decode iteration (counted in prefill, not in decode)
         self.steps = {"prefill": 0, "mixed": 0, "decode": 0, "decode_multi": 0, "decode_iterations": 0}

@@ -3,6 +3,8 @@ copy exactly those pages (every layer, K and V); padding rows (-1) copy nothing.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -83,12 +85,12 @@ def test_pool_size_from_memory_is_stable_and_quantised(runner: Runner, monkeypat
     limit = params + 1000 * page
     counts = set()
     for jitter in (0, 1, 3, 7):
-        monkeypatch.setattr(runner_mod.jax, "devices", lambda j=jitter: [_FakeDevice(limit, params + j * page)])
+        monkeypatch.setattr(runner, "device", _FakeDevice(limit, params + jitter * page))
         counts.add(runner._pages_from_memory())
     monkeypatch.undo()
     assert counts == {int(1000 * runner.config.kv_memory_fraction) // runner_mod.PAGE_QUANTUM * runner_mod.PAGE_QUANTUM}
     # something else holding most of the memory: the pool shrinks to what is really free
-    monkeypatch.setattr(runner_mod.jax, "devices", lambda: [_FakeDevice(limit, params + 700 * page)])
+    monkeypatch.setattr(runner, "device", _FakeDevice(limit, params + 700 * page))
     n = runner._pages_from_memory()
     monkeypatch.undo()
     assert n * page <= 300 * page * runner.config.kv_memory_fraction and n % runner_mod.PAGE_QUANTUM == 0
@@ -121,10 +123,21 @@ def test_pool_size_ignores_memory_held_by_unreachable_objects(runner: Runner, mo
     gc.disable()  # no automatic collection between here and the sizing
     try:
         assert alive() is not None
-        monkeypatch.setattr(runner_mod.jax, "devices", lambda: [Device()])
+        monkeypatch.setattr(runner, "device", Device())
         n = runner._pages_from_memory()
     finally:
         gc.enable()
         monkeypatch.undo()
     assert alive() is None
     assert n == int(1000 * runner.config.kv_memory_fraction) // runner_mod.PAGE_QUANTUM * runner_mod.PAGE_QUANTUM
+
+
+def test_runners_keep_their_own_step_caches(runner: Runner) -> None:
+    """Two runners (one per device in a multi-device engine) must not share a jitted step's cache:
+    `freeze` counts each step's variants there, and the other runner's compiles would read as a
+    recompile while serving. A copy step compiled by a second runner leaves the first's count alone."""
+    other = Runner(runner.model, dataclasses.replace(runner.config), out_rows=runner.out_rows)
+    before = {name: fn._cache_size() for name, fn in runner._fns().items() if name in ("copy", "crops")}
+    other.copy_pages(np.zeros((1, 2), np.int32))
+    assert other._copy._cache_size() == 1
+    assert {name: fn._cache_size() for name, fn in runner._fns().items() if name in ("copy", "crops")} == before
