@@ -261,8 +261,7 @@ class InferenceEngine:
         config = config or EngineConfig()
         devices = _devices(config)
         if len(devices) == 1:
-            if devices[0] != config.runner.device:
-                config = dataclasses.replace(config, runner=dataclasses.replace(config.runner, device=devices[0]))
+            config = dataclasses.replace(config, runner=dataclasses.replace(config.runner, device=devices[0]))
             worker = await asyncio.get_running_loop().run_in_executor(None, EngineWorker.start, config, model,
                                                                       tokenizer)
             return cls(worker, worker.tokenizer, worker.model.cfg)
@@ -526,16 +525,15 @@ def _start_group(config: EngineConfig, devices: list[int], model: Any, tokenizer
         cfg = dataclasses.replace(config, num_devices=1, runner=dataclasses.replace(config.runner, device=device))
         return EngineWorker.start(cfg, model, tokenizer)
 
-    workers: list[Any] = []
-    try:
-        with ThreadPoolExecutor(len(devices), thread_name_prefix="kestrel-jax-start") as pool:
-            for fut in [pool.submit(start, d) for d in devices]:
-                workers.append(fut.result())
-    except BaseException:
-        for w in workers:
-            w.stop()
-        raise
-    return WorkerGroup(workers)
+    with ThreadPoolExecutor(len(devices), thread_name_prefix="kestrel-jax-start") as pool:
+        futures = [pool.submit(start, d) for d in devices]
+    failed = next((f.exception() for f in futures if f.exception() is not None), None)
+    if failed is not None:  # stop the devices that did start, then report the first failure
+        for f in futures:
+            if f.exception() is None:
+                f.result().stop()
+        raise failed
+    return WorkerGroup([f.result() for f in futures])
 
 
 def model_path_or_demo(path: str | Path | None) -> Path:

@@ -71,7 +71,12 @@ def test_routing_by_image_then_load_and_cancel_reaches_the_holder() -> None:
         loop.run_until_complete(asyncio.sleep(0))  # done callbacks run on the loop
         g.cancel(10)  # finished: no longer routed
         assert other.cancelled == [10]
-        assert g.held() == 4 and g.size == 2 and g.alive
+        subs[1].future.cancel()  # the caller gave up: its device is told, then the request forgotten
+        loop.run_until_complete(asyncio.sleep(0))
+        assert g.workers[home].cancelled == [1]
+        g.cancel(1)
+        assert g.workers[home].cancelled == [1]
+        assert g.held() == 4 and g.size == 2 and g.alive  # (stand-ins keep what they were given)
         st = g.stats()
         assert st["live"] == 4 and st["scheduler"] == {"admitted": 4, "hits": 0}
         assert st["kv_dtype"] == "float8_e4m3fn" and st["steps"] == {"prefill": 1} and len(st["devices"]) == 2

@@ -139,5 +139,5 @@ def test_runners_keep_their_own_step_caches(runner: Runner) -> None:
     other = Runner(runner.model, dataclasses.replace(runner.config), out_rows=runner.out_rows)
     before = {name: fn._cache_size() for name, fn in runner._fns().items() if name in ("copy", "crops")}
     other.copy_pages(np.zeros((1, 2), np.int32))
-    assert other._copy._cache_size() == 1
+    assert other._fns()["copy"]._cache_size() == 1
     assert {name: fn._cache_size() for name, fn in runner._fns().items() if name in ("copy", "crops")} == before
