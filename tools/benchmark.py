@@ -428,7 +428,9 @@ class Bench:
         if self.a.host_profile:
             from tools.host_sampler import ThreadSampler
 
-            sampler = ThreadSampler(self.engine._worker._thread)
+            worker = self.engine._worker
+            # a multi-device engine: the first device's engine thread (the others run alike)
+            sampler = ThreadSampler(getattr(worker, "workers", [worker])[0]._thread)
         with sampler or contextlib.nullcontext():
             yield out
         out["engine_host_s"] = {k: rnd(v - host0.get(k, 0.0), 3) for k, v in self.engine.stats["host_s"].items()}

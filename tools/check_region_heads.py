@@ -27,11 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kestrel_jax.models.config import md2_config, md3_config, tiny_config  # noqa: E402
 from kestrel_jax.models.region import RegionModel  # noqa: E402
+from kestrel_jax.pallas import ops  # noqa: E402
 
 
 def _heads(region: RegionModel, h: jax.Array, v: jax.Array, kernel_rows: int,
            gate: jax.Array | None = None) -> tuple[jax.Array, ...]:
-    g = None if gate is None else (gate, 0, 0)
+    g = None if gate is None else ops.gate(gate, 0, 0)
     coord, size = region.decode_heads(h, kernel_rows=kernel_rows, gate=g)
     return (coord, size, region.encode_coordinate(v[:, :1], jnp.bfloat16, kernel_rows=kernel_rows, gate=g),
             region.encode_size(v, jnp.bfloat16, kernel_rows=kernel_rows, gate=g))

@@ -29,6 +29,7 @@ seventeenth session: an MoE layer's QKV + router product at batch 1 in one launc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -50,6 +51,19 @@ _SMEM_LIMIT = 232448  # bytes of dynamic SMEM per block on H100/H200 (what Mosai
 _SWIZZLE = 128
 # mypy sees these transforms' abstract base; they are concrete at runtime.
 _TRANSFORMS = (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))  # type: ignore[abstract]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """A decode GEMM's gate: where `table[row, column]` is 0 the kernel streams nothing and the
+    product is zero (just the bias): a product the step does not need this time, decided on the
+    device without a host round trip. `table` is traced; row and column are static (part of the
+    pytree's structure, so a jitted caller keys its cache on them)."""
+
+    table: jax.Array  # 2-D int32
+    row: int = dataclasses.field(metadata={"static": True})
+    column: int = dataclasses.field(metadata={"static": True})
 
 
 def gemv_supported(x: jax.Array, w: jax.Array) -> bool:
@@ -143,16 +157,15 @@ def gemv_partials(
     splits: int | None = None,
     stages: int = 4,
     merge: tuple[jax.Array, jax.Array, int] | None = None,
-    gate: tuple[jax.Array, int, int] | None = None,
+    gate: Gate | None = None,
     interpret: bool = False,
     detect_races: bool = False,
 ) -> jax.Array:  # [splits, N (+ N2), Mp] f32 partials of y^T (columns >= M are zero)
     """`merge` = (o, lse, M): x is split-KV attention's output, formed here (`merge_supported`:
     each CTA merges the heads of its K range from the [8, H, S, 64] partials and their [8, H, S]
     log2-sum-exp2, rows >= M zero, into SMEM tiles that stay resident) instead of read from HBM:
-    the merge and the pad to 8 rows need no launch of their own. `gate` = (a 2-D int32 array, row,
-    column): where that element is 0 the CTAs stream nothing and the partials are zero (a product
-    the step does not need this time, decided on the device without a host round trip)."""
+    the merge and the pad to 8 rows need no launch of their own. `gate` (`Gate`): where its element
+    is 0 the CTAs stream nothing and the partials are zero."""
     if merge is not None:
         o, lse, M = merge
         if x is not None or w2 is not None or gate is not None or not merge_supported(o, lse, w) or not 1 <= M <= 8:
@@ -216,7 +229,7 @@ def gemv_partials(
                 _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages)
             else:  # gated off: the accumulator stays zero
                 assert gate is not None
-                pl.when(gate_ref[gate[1], gate[2]] != 0)(
+                pl.when(gate_ref[gate.row, gate.column] != 0)(
                     lambda: _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages))
             o_smem[...] = acc_ref[...]
 
@@ -242,7 +255,7 @@ def gemv_partials(
     )
     if merge is not None:
         return kern(merge[0], merge[1], w)
-    return kern(x, w, *([] if w2 is None else [w2]), *([] if gate is None else [gate[0]]))
+    return kern(x, w, *([] if w2 is None else [w2]), *([] if gate is None else [gate.table]))
 
 
 # `gemv_rows`: weight-tile ring depth (9 KB per slot at 8 rows: 64 x 64 bf16 weights + the x tile).
@@ -433,18 +446,13 @@ def _finish(y: jax.Array, bias: jax.Array | None, dtype: jnp.dtype) -> jax.Array
     return y if bias is None else y + bias.astype(dtype)  # bf16 add, as the jnp path rounds it
 
 
-def _gate(gate: jax.Array | None, gate_at: tuple[int, int] | None) -> tuple[jax.Array, int, int] | None:
-    return None if gate is None or gate_at is None else (gate, *gate_at)
-
-
 def gemv_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None, *,
               splits: int | None = None, interpret: bool = False, rows: int | None = None,
-              gate: jax.Array | None = None, gate_at: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array]:
+              gate: Gate | None = None) -> tuple[jax.Array, jax.Array]:
     """(x @ w1 + b1, x @ w2 + b2) from one launch: two products of the same rows (an MoE layer's
     QKV and router, which read the same LayerNorm output). `rows`: the real rows of x when x
-    arrives padded (products of the first `rows` only). `gate` / `gate_at`: `gemv_partials`'
-    gate (array, (row, column))."""
-    y = _summed(gemv_partials(x, w1, w2, splits=splits, gate=_gate(gate, gate_at), interpret=interpret),
+    arrives padded (products of the first `rows` only). `gate`: `gemv_partials`'."""
+    y = _summed(gemv_partials(x, w1, w2, splits=splits, gate=gate, interpret=interpret),
                 rows or x.shape[0])
     n1 = w1.shape[1]
     return _finish(y[:, :n1], b1, x.dtype), _finish(y[:, n1:], b2, x.dtype)
@@ -459,9 +467,8 @@ def gemv_merged(o: jax.Array, lse: jax.Array, w: jax.Array, bias: jax.Array | No
 
 
 def gemv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, splits: int | None = None,
-         interpret: bool = False, rows: int | None = None, gate: jax.Array | None = None,
-         gate_at: tuple[int, int] | None = None) -> jax.Array:
+         interpret: bool = False, rows: int | None = None, gate: Gate | None = None) -> jax.Array:
     """x [M, K] @ w [K, N] (+ bias) in x.dtype, f32 accumulation; the first `rows` rows (default M).
-    `gate` / `gate_at`: `gemv_partials`' gate (array, (row, column)): 0 there gives just the bias."""
-    parts = gemv_partials(x, w, splits=splits, gate=_gate(gate, gate_at), interpret=interpret)
+    `gate`: `gemv_partials`' (closed: just the bias)."""
+    parts = gemv_partials(x, w, splits=splits, gate=gate, interpret=interpret)
     return _finish(_summed(parts, rows or x.shape[0]), bias, x.dtype)

@@ -11,7 +11,7 @@ import contextlib
 import functools
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,9 @@ from kestrel_jax.pallas import paged_attention as attn_ref_mod
 from kestrel_jax.pallas.decode_residual import ExpertRows
 from kestrel_jax.pallas.moe import ExpertWeights, Routing
 from kestrel_jax.switches import choice, flag, integer
+
+if TYPE_CHECKING:  # the kernel modules load Mosaic GPU: imported where used
+    from kestrel_jax.pallas.gemv_mgpu import Gate
 
 Backend = Literal["auto", "reference", "kernel"]
 _state = threading.local()
@@ -190,7 +193,11 @@ def _gemv_usable(x: jax.Array, max_rows: int, *ws: jax.Array, rows: int | None =
     return all(kern.gemv_supported(x, w.astype(x.dtype)) for w in ws)
 
 
-Gate = tuple[jax.Array, int, int]  # (2-D int32 array, row, column): 0 there skips a decode GEMM's work
+def gate(table: jax.Array, row: int, column: int) -> Gate:
+    """A decode GEMM's gate (`gemv_mgpu.Gate`): 0 at table[row, column] skips its product."""
+    from kestrel_jax.pallas import gemv_mgpu  # imported when used: the kernel module loads Mosaic GPU
+
+    return gemv_mgpu.Gate(table, row, column)
 
 
 def small_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_rows: int,
@@ -204,16 +211,7 @@ def small_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_rows: i
         return None
     from kestrel_jax.pallas import gemv_mgpu as kern
 
-    return _jitted(kern.gemv, ("rows", "gate_at"))(x, w.astype(x.dtype), b, rows=rows, gate=_gate_array(gate),
-                                                   gate_at=_gate_at(gate))
-
-
-def _gate_array(gate: Gate | None) -> jax.Array | None:
-    return None if gate is None else gate[0]
-
-
-def _gate_at(gate: Gate | None) -> tuple[int, int] | None:
-    return None if gate is None else (gate[1], gate[2])
+    return _jitted(kern.gemv, ("rows",))(x, w.astype(x.dtype), b, rows=rows, gate=gate)
 
 
 def region_gate_wanted() -> bool:
@@ -261,8 +259,7 @@ def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax
             return y1, y2, TauDots(dots, tau.alpha)
         y1, y2 = _jitted(kern.gemv_rows)(x, w1c, b1, w2c, b2)
         return y1, y2, None
-    y1, y2 = _jitted(kern.gemv_pair, ("rows", "gate_at"))(x, w1c, b1, w2c, b2, rows=rows, gate=_gate_array(gate),
-                                                          gate_at=_gate_at(gate))
+    y1, y2 = _jitted(kern.gemv_pair, ("rows",))(x, w1c, b1, w2c, b2, rows=rows, gate=gate)
     return y1, y2, None
 
 

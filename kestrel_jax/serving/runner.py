@@ -143,7 +143,7 @@ def _lm(parts: _Parts, params: list[jax.Array]) -> LM:
 
 def _region_gate(ints: jax.Array, col: int) -> ops.Gate | None:
     """The region heads' gate (`ops.region_gate_wanted`): the step's "any row needs them" column."""
-    return (ints, 0, col) if ops.region_gate_wanted() else None
+    return ops.gate(ints, 0, col) if ops.region_gate_wanted() else None
 
 
 def _embed(model: LM, kind: jax.Array, token: jax.Array, value: jax.Array,

@@ -34,7 +34,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
         xp = jnp.pad(x, ((0, mp - x.shape[0]), (0, 0))).astype(jnp.float32)
         h = x.shape[1] // 2
         out = jnp.stack([(xp[:, :h] @ ww[:h].astype(jnp.float32)).T, (xp[:, h:] @ ww[h:].astype(jnp.float32)).T])
-        return out if gate is None else jnp.where(gate[0][gate[1], gate[2]] != 0, out, 0.0)  # the kernel's gate
+        return out if gate is None else jnp.where(gate.table[gate.row, gate.column] != 0, out, 0.0)  # the kernel's gate
 
     monkeypatch.setattr(gemv_mgpu, "gemv_partials", partials)
     monkeypatch.setattr(gemv_mgpu, "gemv_supported", lambda x, w: x.shape[0] <= 64)
@@ -157,7 +157,7 @@ def test_region_gate_skips_the_products_unless_a_row_needs_them(launches: list[t
     h = jnp.asarray(rng.standard_normal((2, region.cfg.dim)), jnp.bfloat16)
     v = jnp.asarray(rng.uniform(size=(2, 2)), jnp.float32)
     for on in (1, 0):
-        gate = (jnp.zeros((3, 5), jnp.int32).at[0, 4].set(on), 0, 4)
+        gate = ops.gate(jnp.zeros((3, 5), jnp.int32).at[0, 4].set(on), 0, 4)
         launches.clear()
         with ops.use_backend("kernel"):
             coord, size = region.decode_heads(h, kernel_rows=8, gate=gate)

@@ -173,11 +173,11 @@ def test_gemv_merged_is_the_merge_then_the_product(M: int, H: int, S: int):
     with pytest.raises(ValueError, match="merged-input gemv"):
         g.gemv_partials(None, w, merge=(o[:, :, :, :32], lse, M))
     with pytest.raises(ValueError, match="merged-input gemv"):  # a gate would be ignored: refused
-        g.gemv_partials(None, w, merge=(o, lse, M), gate=(jnp.ones((1, 1), jnp.int32), 0, 0))
+        g.gemv_partials(None, w, merge=(o, lse, M), gate=g.Gate(jnp.ones((1, 1), jnp.int32), 0, 0))
 
 
 def test_gemv_gate_skips_the_product_where_its_element_is_zero():
-    """`gate` = (array, row, column): 0 there and the product is skipped (just the bias, for the
+    """`gate` = Gate(array, row, column): 0 there and the product is skipped (just the bias, for the
     pair too); any other value and it is the ungated product bit for bit (interpreted)."""
     rng = fresh_rng()
     x = jnp.asarray(rng.standard_normal((3, 256)), BF16)
@@ -189,8 +189,8 @@ def test_gemv_gate_skips_the_product_where_its_element_is_zero():
     plain_pair = g.gemv_pair(x, w1, b1, w2, b2, interpret=True)
     for value in (0, 1, 7):
         arr = jnp.zeros((2, 5), jnp.int32).at[1, 3].set(value)
-        got = g.gemv(x, w1, b1, gate=arr, gate_at=(1, 3), interpret=True)
-        pair = g.gemv_pair(x, w1, b1, w2, b2, gate=arr, gate_at=(1, 3), interpret=True)
+        got = g.gemv(x, w1, b1, gate=g.Gate(arr, 1, 3), interpret=True)
+        pair = g.gemv_pair(x, w1, b1, w2, b2, gate=g.Gate(arr, 1, 3), interpret=True)
         if value:
             np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(plain, np.float32))
             for a, b in zip(pair, plain_pair, strict=True):
@@ -272,9 +272,10 @@ def test_gemv_lowers_at_decoder_shapes():
         assert "kestrel_gemv_rows" in text
     # a gated product (the region heads': MD3's paired decoders, gated on a step's int column)
     with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(functools.partial(g.gemv_pair, gate_at=(0, 15))).trace(
+        text = jax.jit(g.gemv_pair).trace(
             _SDS((1, 2048), BF16), _SDS((2048, 1024), BF16), _SDS((1024,), BF16), _SDS((2048, 2048), BF16),
-            _SDS((2048,), BF16), gate=_SDS((1, 40), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+            _SDS((2048,), BF16), gate=g.Gate(_SDS((1, 40), jnp.int32), 0, 15)).lower(  # type: ignore[arg-type]
+                lowering_platforms=("cuda",)).as_text()
     assert "kestrel_gemv" in text
     # the output projection with split-KV attention's merge inside (MD3: 32 heads, 4 splits at 1 row)
     for M in (1, 8):

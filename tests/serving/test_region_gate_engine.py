@@ -26,7 +26,7 @@ _GATES: list[int] = []  # the gate element each gated product saw, at run time
 
 
 def _gated(x, w, b, gate):
-    on = gate[0][gate[1], gate[2]]
+    on = gate.table[gate.row, gate.column]
     jax.debug.callback(lambda v: _GATES.append(int(v)), on)
     y = jnp.where(on != 0, jnp.dot(x, w.astype(x.dtype)), 0.0).astype(x.dtype)
     return y if b is None else y + b.astype(x.dtype)
