@@ -96,7 +96,7 @@ def run_case(model: str, M: int, layers: int, iters: int, warps: list[int]) -> l
         return qe.decode_qkv_kernel(u, pos, sl, kp, vp, ks, vs, t, num_warps=w or None, **kw)
 
     def factors_step(u, pos, sl, kp, vp, ks, vs, t, w):  # XLA forms tau's factors, the kernel the rest
-        tq, tv, _ = qe.tau_factors(u, pos, t, ops.tau_gelu(), ops.tau_dots_fn())
+        tq, tv, _ = qe.tau_factors(u, pos, t, ops.tau_gelu())
         return qe.decode_qkv_kernel(u, pos, sl, kp, vp, ks, vs, None, num_warps=w or None, factors=(tq, tv), **kw)
 
     rows = []

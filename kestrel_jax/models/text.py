@@ -188,8 +188,7 @@ class Attention(nnx.Module):
         else:
             u = u[:t]  # the decode GEMM's rows may come padded (`ops.small_linear_pair`)
             q, k, v = qkv_heads_ref(u, batch.positions, tau, n_heads=h, n_kv_heads=hkv, rotary_dim=rot, theta=theta,
-                                    aux=aux, gelu=ops.tau_gelu() if aux is None else gelu_erf,
-                                    dots=ops.tau_dots_fn() if aux is None else None)
+                                    aux=aux, gelu=ops.tau_gelu() if aux is None else gelu_erf)
             if aux is not None:
                 aux.update(k=k, v=v)
             k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, batch.slots, k_scale, v_scale)

@@ -160,8 +160,8 @@ def l2_prefetch_mask() -> int:
     time from KESTREL_JAX_L2_PREFETCH, a bit mask: 1 the output projection's weight, 2 the
     selected experts' up weights (MoE layers whose routing tables the QKV epilogue built); 4 asks
     once each CTA's own loads are consumed instead of at its start, 8 only the first half of each
-    expert's rows, 16 the selected experts' down weights as well (measured slower: session 24, +31.8 us); 0
-    asks nothing. Default 14, the experts' first halves, late (H100, batch-1 MD3
+    expert's rows, 16 the selected experts' down weights as well (measured slower: session 24,
+    +31.8 us); 0 asks nothing. Default 14, the experts' first halves, late (H100, batch-1 MD3
     step, twenty-second session: CUPTI 1,664.0 -> 1,621.7 us, the MoE GEMMs -59 us, attention
     +12; W1 706.7 -> 719.9 tok/s). The projection's weight did not pay (its GEMM -0.15 us per
     layer, attention +1.3 us)."""
@@ -218,9 +218,9 @@ def region_gate_wanted() -> bool:
     """Whether the steps gate the region heads' decode GEMMs on the host's "any row needs them"
     column (`batch.D_REGION` / `T_REGION`): a step of text rows only then skips their weight
     streams (MD3: four products, ~16 MB; MD2: its two decoder MLPs, ~117 MB, which then run on
-    the decode GEMM kernel too). On by default (H100, session 24: batch-1
-    step -8.9 us; with the heads barrier MD3 W1 +1.4%, W2 C=64 +3.5%, MD2 W1 +3.5%); KESTREL_JAX_REGION_GATE=0 (read
-    at trace time) turns it off."""
+    the decode GEMM kernel too). On by default (H100, session 24: batch-1 step -8.9 us; with the
+    heads barrier MD3 W1 +1.4%, W2 C=64 +3.5%, MD2 W1 +3.5%); KESTREL_JAX_REGION_GATE=0 (read at
+    trace time) turns it off."""
     return flag("KESTREL_JAX_REGION_GATE", True)
 
 
@@ -399,29 +399,6 @@ def tau_gelu() -> Callable[[jax.Array], jax.Array]:
     return gelu_erf
 
 
-def tau_dots_fn() -> Callable[[jax.Array, Any], tuple[jax.Array, jax.Array] | None] | None:
-    """How MD3's tau dots are formed where the decode epilogue kernel does not form them (prefill
-    and mixed steps, decode batches without the QKV GEMM's dots): on the kernel path with
-    KESTREL_JAX_TAU_DOTS_KERNEL=1 (read at trace time), one Pallas Triton launch reads u once and
-    forms GELU and both dots (`tau_dots_triton`) instead of XLA's GELU pass, run-time weight
-    concatenation and split-K product; None: XLA's path. Off: measured slower on the H100
-    (twenty-fourth session: 122.7 us per layer at a 1,536-token prefill against XLA's ~26; no
-    tiling swept came near). The returned function gives None for shapes the kernel does not
-    tile (XLA's path then)."""
-    if not (_want_kernel() and flag("KESTREL_JAX_TAU_DOTS_KERNEL", False)):
-        return None
-    return _tau_dots_kernel
-
-
-def _tau_dots_kernel(u: jax.Array, tau: Any) -> tuple[jax.Array, jax.Array] | None:
-    from kestrel_jax.pallas import tau_dots_triton as td
-
-    if not td.tau_dots_supported(u.shape[0], u.shape[1], tau.wq.shape[0], u.dtype):
-        return None
-    pq, pv = td.tau_dots(u, tau.wq, tau.wv)
-    return pq.sum(0), pv.sum(0)
-
-
 def _gelu_poly(u: jax.Array) -> jax.Array:
     return moe_ref_mod.gelu_erf_poly(u.astype(jnp.float32)).astype(u.dtype)
 
@@ -511,7 +488,7 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
             return None
         u = u[:rows]
         # traced only: where the kernel refuses them, the unused factors leave the program
-        tau_q, tau_v, _ = kern.tau_factors(u, positions, tau, tau_gelu(), tau_dots_fn())
+        tau_q, tau_v, _ = kern.tau_factors(u, positions, tau, tau_gelu())
         if kern.decode_qkv_problem(u, k_pages, None, n_heads=n_heads, rotary_dim=rotary_dim,
                                    factors=(tau_q, tau_v)) is not None:
             return None

@@ -77,24 +77,12 @@ def split_heads(u: jax.Array, n_heads: int, n_kv_heads: int, head_dim: int) -> t
             u[:, hq + hk:].reshape(t, n_kv_heads, head_dim))
 
 
-TauDotsFn = Callable[[jax.Array, TauWeights], tuple[jax.Array, jax.Array] | None]
-
-
 def tau_factors(u: jax.Array, positions: jax.Array, tau: TauWeights,
-                gelu: Callable[[jax.Array], jax.Array] = gelu_erf,
-                dots: TauDotsFn | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """MD3's tau factors of each row and head: (tau_q, tau_v, the position term), f32 [T, H].
-    `dots` (`ops.tau_dots_fn`): forms GELU(u) . wq / wv itself (f32, GELU as the kernels form
-    it), or returns None for shapes it does not take; the dots are then rounded to u's dtype as
-    the product in u's dtype is."""
-    formed = dots(u, tau) if dots is not None else None
-    if formed is not None:
-        dq, dv = (d.astype(u.dtype).astype(jnp.float32) for d in formed)
-        tok_q, tok_v = jnp.tanh(dq), jnp.tanh(dv)
-    else:
-        g = gelu(u)
-        tok_q = jnp.tanh(jnp.dot(g, tau.wq.astype(u.dtype).T).astype(jnp.float32))
-        tok_v = jnp.tanh(jnp.dot(g, tau.wv.astype(u.dtype).T).astype(jnp.float32))
+                gelu: Callable[[jax.Array], jax.Array] = gelu_erf) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """MD3's tau factors of each row and head: (tau_q, tau_v, the position term), f32 [T, H]."""
+    g = gelu(u)
+    tok_q = jnp.tanh(jnp.dot(g, tau.wq.astype(u.dtype).T).astype(jnp.float32))
+    tok_v = jnp.tanh(jnp.dot(g, tau.wv.astype(u.dtype).T).astype(jnp.float32))
     pos = tau_position_term(positions, tau.alpha)
     return tok_q + pos, tok_v + pos, pos
 
@@ -110,13 +98,12 @@ def qkv_heads_ref(
     theta: float,
     aux: dict[str, jax.Array] | None = None,  # filled with tau_q, tau_v, tau_pos (f32 [T, H]) when tau
     gelu: Callable[[jax.Array], jax.Array] = gelu_erf,  # tau's GELU (`ops.tau_gelu`: an A/B switch)
-    dots: TauDotsFn | None = None,  # tau's dots formed in one kernel (`ops.tau_dots_fn`)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """-> q [T, H, Dh], k [T, Hkv, Dh] (post-rotary), v [T, Hkv, Dh] (post-tau), all u.dtype."""
     head_dim = u.shape[1] // (n_heads + 2 * n_kv_heads)
     q, k, v = split_heads(u, n_heads, n_kv_heads, head_dim)
     if tau is not None:
-        tau_q, tau_v, pos = tau_factors(u, positions, tau, gelu, dots)
+        tau_q, tau_v, pos = tau_factors(u, positions, tau, gelu)
         q = q * tau_q[:, :, None].astype(q.dtype)
         v = v * tau_v[:, :, None].astype(v.dtype)
         if aux is not None:

@@ -188,7 +188,6 @@ class Stream:
     def __init__(self, future: asyncio.Future[Result], request_id: int = 0,
                  cancel: Callable[[int], None] | None = None):
         self.feed = StreamFeed(future)
-        self._future = future
         self.request_id = request_id
         self._cancel = cancel
         if cancel is not None:  # the callback holds the future and the id, not the stream
@@ -196,7 +195,7 @@ class Stream:
 
     def cancel(self) -> None:
         """End the request in the engine now (no-op once it finished)."""
-        if self._cancel is not None and not self._future.done():
+        if self._cancel is not None and not self.feed.future.done():
             self._cancel(self.request_id)
 
     async def __aenter__(self) -> Stream:
@@ -205,14 +204,11 @@ class Stream:
     async def __aexit__(self, *exc: object) -> None:
         self.cancel()
 
-    def _push(self, chunk: str | None) -> None:
-        self.feed.push(chunk)
-
     def __aiter__(self) -> AsyncIterator[str]:
         return _chunks(self.feed.queue)  # the iterator holds the queue, not the stream
 
     async def result(self) -> Result:
-        return await self._future
+        return await self.feed.future
 
 
 @dataclass
@@ -437,17 +433,18 @@ class InferenceEngine:
         try:
             sub, st = await self._prepare(skill, image, prompt, settings, reasoning, stream, deadline_s)
             sub.priority = priority
+            if st is None:
+                # A caller that stops waiting (its task cancelled: a timeout, a client gone) ends the
+                # request in the engine too, instead of leaving it to decode for nobody. Registered
+                # before the worker sees the request, so it runs before the worker's own callbacks
+                # (a multi-device group forgets which device holds a request when it ends).
+                rid = sub.job.request_id
+                sub.future.add_done_callback(lambda f: self._worker.cancel(rid) if f.cancelled() else None)
             self._worker.submit(sub)
         finally:
             with self._preparing_lock:
                 self._preparing -= 1
-        if st is not None:
-            return st
-        # A caller that stops waiting (its task cancelled: a timeout, a client gone) ends the request
-        # in the engine too, instead of leaving it to decode for nobody.
-        rid = sub.job.request_id
-        sub.future.add_done_callback(lambda f: self._worker.cancel(rid) if f.cancelled() else None)
-        return await sub.future
+        return st if st is not None else await sub.future
 
     async def _prepare(self, skill: Skill, image: ImageInput | None, prompt: Prompt, settings: Settings,
                        reasoning: bool, stream: bool, deadline_s: float | None) -> tuple[Submission, Stream | None]:

@@ -65,19 +65,12 @@ class WorkerGroup:
         rid = sub.job.request_id
         with self._lock:
             self._owner[rid] = worker
-        sub.future.add_done_callback(lambda f: self._done(rid, f))
+        sub.future.add_done_callback(lambda _f: self._forget(rid))
         try:
             worker.submit(sub)
         except BaseException:
             self._forget(rid)
             raise
-
-    def _done(self, rid: int, future: Any) -> None:
-        """The request's future ended: a cancelled one (its caller gave up) is cancelled on its
-        device first, whatever order the future's callbacks run in."""
-        if future.cancelled():
-            self.cancel(rid)
-        self._forget(rid)
 
     def _forget(self, rid: int) -> None:
         with self._lock:

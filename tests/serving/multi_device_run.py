@@ -9,6 +9,7 @@ import os
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 
 import asyncio  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 from typing import Any  # noqa: E402
@@ -43,6 +44,11 @@ async def serve(engine: InferenceEngine, images: list[str]) -> dict[str, Any]:
         long.cancel()
         break
     cancelled = await long.result()
+    # a caller that stops waiting (a timeout cancels its task): the request ends on its device too
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(engine.query(None, "Go on and on", reasoning=False,
+                                            settings={"max_tokens": 300, "ignore_eos": True}), 0.5)
+    await asyncio.sleep(1.0)  # the cancellation reaches the device's engine thread
     return {"outputs": [r.output for r in results], "cancelled": cancelled.finish_reason}
 
 
@@ -55,6 +61,7 @@ def main() -> None:
         out[name] = asyncio.run(serve(engine, images))
         stats = engine.stats
         out[name]["devices"] = [{"admitted": d["scheduler"].admitted, "live": d["live"],
+                                 "cancelled": d["scheduler"].cancelled,
                                  "hits": d["prefix_cache"].hits,
                                  "platform_device": str(w.runner.device),
                                  "params_on": sorted({str(d_) for a in w.runner.lm_params for d_ in a.devices()})}

@@ -434,7 +434,7 @@ def test_a_stream_dropped_unfinished_is_cancelled(engine: InferenceEngine) -> No
         stream = await engine.query(None, "Tell me everything", reasoning=False, stream=True, settings=settings)
         kept = await engine.query(None, "Hi", reasoning=False, stream=True, settings={"max_tokens": 6})
         assert isinstance(stream, Stream) and isinstance(kept, Stream)
-        future = stream._future  # the result, without holding the stream
+        future = stream.feed.future  # the result, without holding the stream
         async for _ in stream:
             break
         del stream

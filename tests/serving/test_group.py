@@ -71,10 +71,7 @@ def test_routing_by_image_then_load_and_cancel_reaches_the_holder() -> None:
         loop.run_until_complete(asyncio.sleep(0))  # done callbacks run on the loop
         g.cancel(10)  # finished: no longer routed
         assert other.cancelled == [10]
-        subs[1].future.cancel()  # the caller gave up: its device is told, then the request forgotten
-        loop.run_until_complete(asyncio.sleep(0))
-        assert g.workers[home].cancelled == [1]
-        g.cancel(1)
+        g.cancel(1)  # still running: reaches its device
         assert g.workers[home].cancelled == [1]
         assert g.held() == 4 and g.size == 2 and g.alive  # (stand-ins keep what they were given)
         st = g.stats()

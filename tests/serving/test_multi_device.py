@@ -37,7 +37,9 @@ def test_two_devices_serve_like_one(ckpt: Path, tmp_path: Path) -> None:
     assert [d["params_on"] for d in two["devices"]] == [["cpu:0"], ["cpu:1"]]
     assert [d["params_on"] for d in one["devices"]] == [["cpu:1"]]
     assert all(d["admitted"] > 0 for d in two["devices"]), two["devices"]  # both devices served
-    assert sum(d["admitted"] for d in two["devices"]) == 7
+    assert sum(d["admitted"] for d in two["devices"]) == 8
+    # the stream's cancel() and the timed-out caller's request, each on the device that held it
+    assert sum(d["cancelled"] for d in two["devices"]) == 2 == one["devices"][0]["cancelled"]
     assert sum(d["hits"] for d in two["devices"]) >= 1  # image 0's second query found its prefix
     assert two["live"] == 0 and all(d["live"] == 0 for d in two["devices"])
     assert two["max_requests"] == 2 * one["max_requests"]

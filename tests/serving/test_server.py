@@ -374,11 +374,11 @@ class _BrokenStreamEngine(_FailingEngine):
         assert kwargs["stream"] is True
         stream = Stream(asyncio.get_running_loop().create_future())
         for chunk in ("a", "b"):
-            stream._push(chunk)
+            stream.feed.push(chunk)
 
         def fail() -> None:
-            stream._future.set_exception(self.exc)
-            stream._push(None)
+            stream.feed.future.set_exception(self.exc)
+            stream.feed.push(None)
 
         asyncio.get_running_loop().call_later(0.05, fail)
         return stream
