@@ -44,11 +44,19 @@ async def serve(engine: InferenceEngine, images: list[str]) -> dict[str, Any]:
         long.cancel()
         break
     cancelled = await long.result()
-    # a caller that stops waiting (a timeout cancels its task): the request ends on its device too
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(engine.query(None, "Go on and on", reasoning=False,
-                                            settings={"max_tokens": 300, "ignore_eos": True}), 0.5)
-    await asyncio.sleep(1.0)  # the cancellation reaches the device's engine thread
+    # a caller that stops waiting (its task cancelled, as a timeout does) once its request runs:
+    # the request ends on its device too
+    workers = getattr(engine._worker, "workers", [engine._worker])
+    admitted = sum(w.scheduler.stats.admitted for w in workers)
+    task = asyncio.ensure_future(engine.query(None, "Go on and on", reasoning=False,
+                                              settings={"max_tokens": 300, "ignore_eos": True}))
+    while sum(w.scheduler.stats.admitted for w in workers) == admitted:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    while any(w.held() for w in workers):  # the cancellation reaches the device's engine thread
+        await asyncio.sleep(0.01)
     return {"outputs": [r.output for r in results], "cancelled": cancelled.finish_reason}
 
 
