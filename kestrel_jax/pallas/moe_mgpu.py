@@ -92,6 +92,8 @@ FP8 = jnp.float8_e4m3fn
 F16_MAX = 65504.0
 ROWS = 64  # weight rows per tile: the wgmma M of one warpgroup
 SMEM_LIMIT = 232448  # bytes of dynamic SMEM per block on H100/H200 (what Mosaic checks)
+# Per CTA where two share an SM: 228 KiB per SM, 1 KiB of it reserved per resident CTA.
+SMEM_LIMIT_TWO_PER_SM = 228 * 1024 // 2 - 1024
 H100_SMS = 132
 # Register layout of an [8, 128] slice of 16-bit token rows for the in-GEMM quantisation: each warp
 # holds two rows and reduces them along the 128 columns (a per-row max), the vector the TMA-ready
@@ -134,6 +136,14 @@ class MoEKernelConfig:
     # quantize_b) instead of in two launches of their own, where the rows fit in SMEM beside the
     # ring (`quant_in_gemm_fits`). `default_config` takes it from KESTREL_JAX_MOE_GEMM_QUANT.
     quant_in_gemm: bool = True
+    # Sorted regime: a CTA's round-robin units go output slice fastest (the CTAs running at one
+    # time cover a few blocks, all slices of each, so a block's token rows are read from DRAM once
+    # and its expert's weight tiles are shared by the expert's blocks through L2) instead of block
+    # fastest (each pass over the blocks, one per output slice, re-reads every block's rows).
+    slices_fastest: bool = False
+    # Dynamic SMEM budget per CTA: `SMEM_LIMIT_TWO_PER_SM` with a grid of two CTAs per SM (a
+    # shallower ring each, so that one CTA's epilogue overlaps the other's MMAs).
+    smem_limit: int = SMEM_LIMIT
 
 
 def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelConfig:
@@ -159,7 +169,11 @@ def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelCon
         nt = max(ROW_ALIGN, -(-num_tokens // ROW_ALIGN) * ROW_ALIGN)
         return MoEKernelConfig(block_tokens=nt, dense=True, w8a8=num_tokens >= _w8a8_min_tokens(), num_ctas=ctas,
                                quant_in_gemm=quant_in_gemm_wanted())
-    return MoEKernelConfig(block_tokens=sorted_block_tokens(num_tokens), w8a8=True, num_ctas=ctas)
+    per_sm = integer("KESTREL_JAX_MOE_SORTED_CTAS_PER_SM", 1, low=1, high=2)
+    return MoEKernelConfig(block_tokens=sorted_block_tokens(num_tokens), w8a8=True, num_ctas=ctas * per_sm,
+                           smem_limit=SMEM_LIMIT if per_sm == 1 else SMEM_LIMIT_TWO_PER_SM,
+                           slices_fastest=choice("KESTREL_JAX_MOE_SORTED_ORDER", "blocks",
+                                                 ("blocks", "slices")) == "slices")
 
 
 def sorted_block_tokens(num_tokens: int) -> int:
@@ -240,6 +254,8 @@ def _grouped_gemm(
     # `shared_rows`: every block reads the same rows (dense up projection), quantised once per CTA.
     quantize_b: bool = False,
     shared_rows: bool = False,
+    slices_fastest: bool = False,  # round-robin units in (block, slice) order, slice fastest
+    smem_limit: int = SMEM_LIMIT,  # dynamic SMEM per CTA the ring may fill
     interpret: object = None,
 ) -> jax.Array:  # [NB * Nt, N or N/2] out_dtype
     E, N, K = w.shape
@@ -266,7 +282,7 @@ def _grouped_gemm(
     n_stage = staging_buffers if convert else 0
     out_bytes = (n_tiles_out * nt * ROWS * 2 + n_stage * nparts * ROWS * tk * 2 + meta.size * 4
                  + (_quant_bytes(nt, K) if quantize_b else 0))
-    stages = min(max_stages, (SMEM_LIMIT - out_bytes - 2048) // (a_bytes + b_bytes))
+    stages = min(max_stages, (smem_limit - out_bytes - 2048) // (a_bytes + b_bytes))
     if stages < 2:
         raise MoEKernelError(f"block_tokens={nt} leaves no room for a 2-stage pipeline in SMEM")
     has_w_scale, has_b_scale = w_scale is not None, b_scale is not None
@@ -349,6 +365,8 @@ def _grouped_gemm(
                 u = first + i
                 return lax.div(u, nj), lax.rem(u, nj)
             u = cta + i * num_ctas
+            if slices_fastest:
+                return lax.div(u, nj), lax.rem(u, nj)
             return lax.rem(u, nb), lax.div(u, nb)
 
         def fetch(s, weights=True, tokens=True):  # issue the TMA loads of global step s into its ring slot
@@ -603,7 +621,8 @@ def _expert_gemms(
 ) -> jax.Array:  # [NB * Nt, D] bf16 expert outputs (block rows)
     gemm = functools.partial(_grouped_gemm, block_tokens=cfg.block_tokens, num_out_rows=n_blocks * cfg.block_tokens,
                              num_ctas=cfg.num_ctas, max_stages=cfg.max_stages,
-                             staging_buffers=cfg.staging_buffers, interpret=interpret)
+                             staging_buffers=cfg.staging_buffers, slices_fastest=cfg.slices_fastest and not cfg.dense,
+                             smem_limit=cfg.smem_limit, interpret=interpret)
     if pdl_wanted():  # the down GEMM may launch while the up GEMM runs and prefetch its weights
         up_gemm = functools.partial(gemm, pdl_trigger=True)
         gemm = functools.partial(gemm, pdl_wait=True)
