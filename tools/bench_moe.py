@@ -272,12 +272,9 @@ def run(args) -> dict[str, Any]:
                                                                    staging_buffers=staging)))
             if args.sorted_ab and not cfg.dense:  # unit order x grid (two CTAs per SM, smaller rings)
                 two = dataclasses.replace(cfg, num_ctas=2 * cfg.num_ctas, smem_limit=SMEM_LIMIT_TWO_PER_SM)
-                for nt in (128, 64):
-                    for base in (cfg, two):
-                        for order in (False, True):
-                            v = dataclasses.replace(base, block_tokens=nt, slices_fastest=order)
-                            if v != cfg:
-                                phases[1].append((T, prec, v))
+                variants = [dataclasses.replace(base, block_tokens=nt, slices_fastest=order)
+                            for nt in (128, 64) for base in (cfg, two) for order in (False, True)]
+                phases[1] += [(T, prec, v) for v in variants if v != cfg]
                 continue
             if cfg.dense and T in (1, 64) and not args.cta_ab:  # the routing tables program's warp count
                 phases[1] += [(T, prec, dataclasses.replace(cfg, route_warps=w)) for w in (4, 16)]
