@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout, installed or not
 
 from kestrel_jax.pallas.moe import ExpertWeights, moe_layer_ref, moe_ref, quantize_experts, route_ref  # noqa: E402
-from kestrel_jax.pallas.moe_mgpu import SMEM_LIMIT_TWO_PER_SM, MoEKernelConfig, default_config, moe_layer  # noqa: E402
+from kestrel_jax.pallas.moe_mgpu import MoEKernelConfig, default_config, moe_layer  # noqa: E402
 
 FP8 = jnp.float8_e4m3fn
 KESTREL_H100_FP8_US = {1: 29.0, 4: 79.0, 16: 146.0, 740: 245.0}
@@ -270,10 +270,9 @@ def run(args) -> dict[str, Any]:
                         continue
                     phases[1].append((T, prec, dataclasses.replace(cfg, num_ctas=ctas, max_stages=stages,
                                                                    staging_buffers=staging)))
-            if args.sorted_ab and not cfg.dense:  # unit order x grid (two CTAs per SM, smaller rings)
-                two = dataclasses.replace(cfg, num_ctas=2 * cfg.num_ctas, smem_limit=SMEM_LIMIT_TWO_PER_SM)
-                variants = [dataclasses.replace(base, block_tokens=nt, slices_fastest=order)
-                            for nt in (128, 64) for base in (cfg, two) for order in (False, True)]
+            if args.sorted_ab and not cfg.dense:  # block size x unit order
+                variants = [dataclasses.replace(cfg, block_tokens=nt, slices_fastest=order)
+                            for nt in (128, 64) for order in (True, False)]
                 phases[1] += [(T, prec, v) for v in variants if v != cfg]
                 continue
             if cfg.dense and T in (1, 64) and not args.cta_ab:  # the routing tables program's warp count
@@ -318,8 +317,7 @@ def bench_case(T, prec, cfg: MoEKernelConfig, dims, xs, rw, rb, exs, hit, flops,
         + (f"/down{cfg.down_row_tiles}" if cfg.down_row_tiles != 2 else "") \
         + ("/sepq" if cfg.w8a8 and cfg.dense and not cfg.quant_in_gemm else "") \
         + (f"/ctas{cfg.num_ctas}x{cfg.max_stages}" if cfg.num_ctas > default_config(T).num_ctas else "") \
-        + ("/2perSM" if cfg.smem_limit == SMEM_LIMIT_TWO_PER_SM else "") \
-        + ("/slices" if cfg.slices_fastest and not cfg.dense else "")
+        + ("/blocks" if not cfg.slices_fastest and not cfg.dense else "")
     row: dict[str, Any] = {"T": T, "precision": prec, "mode": mode, "variant": variant,
                            "block_tokens": cfg.block_tokens, "config": dataclasses.asdict(cfg),
                            "experts_hit": float(np.mean(hit))}
@@ -415,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
                         "separate launches (vs inside the GEMMs)")
     p.add_argument("--cta-ab", action="store_true", help="dense regime with two CTAs per SM (half the ring)")
     p.add_argument("--sorted-ab", action="store_true",
-                   help="sorted regime: 64 / 128-token blocks x unit order (slices fastest) x two CTAs per SM")
+                   help="sorted regime: 64 / 128-token blocks x unit order (slices or blocks fastest)")
     p.add_argument("--no-routing-ab", action="store_true", help="skip the mosaic and xla dense routings")
     p.add_argument("--no-baselines", action="store_true", help="skip XLA ragged_dot and ragged_dot_mgpu")
     p.add_argument("--precisions", default="", help="comma-separated subset of fp8,bf16")

@@ -7,8 +7,8 @@ One layer (`moe_layer`, T static), two regimes chosen by `default_config(T)`:
   sorted (T > 64, prefill):  route_ref + group_by_expert (jnp: ranks by counting, no sort;
                              block table, compact rows) -> gather (+ FP8 quantise; rows moved
                              as 32-bit words) -> UP -> (W8A8: quantise act) -> DOWN -> combine
-                             (jnp). H100, FP8, per layer: T=740 270 us, T=1544 396 us, of
-                             which the two GEMM kernels 200 / 289 (tenth session)
+                             (jnp). H100, FP8, per layer: T=740 239.5 us, T=1480 319.2 us
+                             (twenty-sixth session)
 
   UP:   act[row, I] = GELU_erf(h) * (g + 1), [h; g] = up_w[e] @ x[row]   (f32 epilogue, bf16 out)
   DOWN: y[row, D]   = down_w[e] @ act[row]                                  (bf16 out)
@@ -22,9 +22,11 @@ Both GEMMs are one kernel, `_grouped_gemm`, "swap-AB" oriented: expert weight ro
 wgmma M side (64 rows per tile) and a block of Nt tokens is the N side (8..256), so one decode
 token wastes nothing and a wide block still feeds wgmma. Weights are [E, out, in] and token
 rows [rows, K]: both K-major, as FP8 wgmma requires. A work unit is (block b, 64-row output
-slice j); units go round-robin to a persistent grid of `num_ctas` CTAs with b fastest, so the
-blocks of one expert run side by side and share each weight tile through L2 (a GEMM quantising
-its rows per block takes contiguous ranges, j fastest, instead: see FP8 W8A8 below). Each CTA
+slice j); units go round-robin to a persistent grid of `num_ctas` CTAs. Dense regime: b fastest,
+so the blocks of the active experts stream side by side (a GEMM quantising its rows per block
+takes contiguous ranges, j fastest, instead: see FP8 W8A8 below). Sorted regime: j fastest, so
+the CTAs running at one time cover a few consecutive blocks, all slices of each: each block's
+token rows come from DRAM once and an expert's blocks share its weight tiles through L2. Each CTA
 runs one continuous TMA -> SMEM ring across all its units (weight streaming never drains between
 units); the accumulator is re-scoped per unit; the block table is copied to SMEM once.
 
@@ -92,8 +94,6 @@ FP8 = jnp.float8_e4m3fn
 F16_MAX = 65504.0
 ROWS = 64  # weight rows per tile: the wgmma M of one warpgroup
 SMEM_LIMIT = 232448  # bytes of dynamic SMEM per block on H100/H200 (what Mosaic checks)
-# Per CTA where two share an SM: 228 KiB per SM, 1 KiB of it reserved per resident CTA.
-SMEM_LIMIT_TWO_PER_SM = 228 * 1024 // 2 - 1024
 H100_SMS = 132
 # Register layout of an [8, 128] slice of 16-bit token rows for the in-GEMM quantisation: each warp
 # holds two rows and reduces them along the 128 columns (a per-row max), the vector the TMA-ready
@@ -139,11 +139,10 @@ class MoEKernelConfig:
     # Sorted regime: a CTA's round-robin units go output slice fastest (the CTAs running at one
     # time cover a few blocks, all slices of each, so a block's token rows are read from DRAM once
     # and its expert's weight tiles are shared by the expert's blocks through L2) instead of block
-    # fastest (each pass over the blocks, one per output slice, re-reads every block's rows).
-    slices_fastest: bool = False
-    # Dynamic SMEM budget per CTA: `SMEM_LIMIT_TWO_PER_SM` with a grid of two CTAs per SM (a
-    # shallower ring each, so that one CTA's epilogue overlaps the other's MMAs).
-    smem_limit: int = SMEM_LIMIT
+    # fastest (each pass over the blocks, one per output slice, re-reads every block's rows: at
+    # T = 1480 ~1.6x the layer's ideal DRAM bytes). `default_config` takes it from
+    # KESTREL_JAX_MOE_SORTED_ORDER (see `sorted_slices_fastest`).
+    slices_fastest: bool = True
 
 
 def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelConfig:
@@ -169,11 +168,18 @@ def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelCon
         nt = max(ROW_ALIGN, -(-num_tokens // ROW_ALIGN) * ROW_ALIGN)
         return MoEKernelConfig(block_tokens=nt, dense=True, w8a8=num_tokens >= _w8a8_min_tokens(), num_ctas=ctas,
                                quant_in_gemm=quant_in_gemm_wanted())
-    per_sm = integer("KESTREL_JAX_MOE_SORTED_CTAS_PER_SM", 1, low=1, high=2)
-    return MoEKernelConfig(block_tokens=sorted_block_tokens(num_tokens), w8a8=True, num_ctas=ctas * per_sm,
-                           smem_limit=SMEM_LIMIT if per_sm == 1 else SMEM_LIMIT_TWO_PER_SM,
-                           slices_fastest=choice("KESTREL_JAX_MOE_SORTED_ORDER", "blocks",
-                                                 ("blocks", "slices")) == "slices")
+    return MoEKernelConfig(block_tokens=sorted_block_tokens(num_tokens), w8a8=True, num_ctas=ctas,
+                           slices_fastest=sorted_slices_fastest())
+
+
+def sorted_slices_fastest() -> bool:
+    """The sorted regime's unit order, read at trace time: KESTREL_JAX_MOE_SORTED_ORDER=slices
+    (default) or blocks (the order before the twenty-sixth session, for A/B runs). H100, twenty-
+    sixth session, FP8 layer (128-token blocks): T = 740 262.6 -> 239.5 us (Kestrel 245), T = 1480
+    385.1 -> 319.2; the W2 prefill step's grouped GEMMs 5,610 -> 4,733 us. Also measured then and
+    not kept: two CTAs per SM with half the SMEM ring each (T = 1480 423.6 us block order, 367.4
+    slices order)."""
+    return choice("KESTREL_JAX_MOE_SORTED_ORDER", "slices", ("blocks", "slices")) == "slices"
 
 
 def sorted_block_tokens(num_tokens: int) -> int:
@@ -183,7 +189,9 @@ def sorted_block_tokens(num_tokens: int) -> int:
     64 computes ~25% fewer padded rows (each expert's ~185 rows take 3 x 64 instead of 2 x 128).
     Nsight Compute on the T = 1480 layer: tensor pipe 42-48% busy (35% with 64), DRAM at 68-72%
     of its peak, one warpgroup per SM issuing (occupancy 6.25%). Two consumer warpgroups (sharing
-    either the token tile or the weight tile) were no faster (BENCHMARKS.md)."""
+    either the token tile or the weight tile) were no faster (BENCHMARKS.md). All of that was with
+    the units in block-fastest order; in slice-fastest order (twenty-sixth session) 128 stays ahead:
+    T = 740 239.5 vs 261.7 us, T = 1480 319.2 vs 337.6."""
     return int(choice("KESTREL_JAX_MOE_SORTED_NT", "64" if num_tokens <= 256 else "128", ("64", "128")))
 
 
@@ -255,7 +263,6 @@ def _grouped_gemm(
     quantize_b: bool = False,
     shared_rows: bool = False,
     slices_fastest: bool = False,  # round-robin units in (block, slice) order, slice fastest
-    smem_limit: int = SMEM_LIMIT,  # dynamic SMEM per CTA the ring may fill
     interpret: object = None,
 ) -> jax.Array:  # [NB * Nt, N or N/2] out_dtype
     E, N, K = w.shape
@@ -282,7 +289,7 @@ def _grouped_gemm(
     n_stage = staging_buffers if convert else 0
     out_bytes = (n_tiles_out * nt * ROWS * 2 + n_stage * nparts * ROWS * tk * 2 + meta.size * 4
                  + (_quant_bytes(nt, K) if quantize_b else 0))
-    stages = min(max_stages, (smem_limit - out_bytes - 2048) // (a_bytes + b_bytes))
+    stages = min(max_stages, (SMEM_LIMIT - out_bytes - 2048) // (a_bytes + b_bytes))
     if stages < 2:
         raise MoEKernelError(f"block_tokens={nt} leaves no room for a 2-stage pipeline in SMEM")
     has_w_scale, has_b_scale = w_scale is not None, b_scale is not None
@@ -622,7 +629,7 @@ def _expert_gemms(
     gemm = functools.partial(_grouped_gemm, block_tokens=cfg.block_tokens, num_out_rows=n_blocks * cfg.block_tokens,
                              num_ctas=cfg.num_ctas, max_stages=cfg.max_stages,
                              staging_buffers=cfg.staging_buffers, slices_fastest=cfg.slices_fastest and not cfg.dense,
-                             smem_limit=cfg.smem_limit, interpret=interpret)
+                             interpret=interpret)
     if pdl_wanted():  # the down GEMM may launch while the up GEMM runs and prefetch its weights
         up_gemm = functools.partial(gemm, pdl_trigger=True)
         gemm = functools.partial(gemm, pdl_wait=True)
