@@ -828,3 +828,56 @@ def test_sorted_order_switch(monkeypatch):
     monkeypatch.setenv("KESTREL_JAX_MOE_SORTED_ORDER", "rows")
     with pytest.raises(ValueError, match="KESTREL_JAX_MOE_SORTED_ORDER"):
         default_config(1536)
+
+
+@pytest.mark.parametrize("fp8,row_tiles,slices", [(True, 2, True), (True, 1, False), (False, 1, True)],
+                         ids=["fp8-down2-slices", "fp8-down1-blocks", "bf16-slices"])
+def test_wide_grouped_gemm_equals_the_one_warpgroup_kernel(rng, fp8, row_tiles, slices, monkeypatch):
+    """The sorted regime's two-consumer GEMM (`wide`, opt-in): the same wgmma shapes and K order per
+    output tile as the one-warpgroup kernel, so the layer's output is bit-identical to it (and
+    within the oracle's bound); ragged expert counts, several units per CTA in either unit order
+    and a ring that wraps. Run with the interpreter's race detection: the producer refills a slot
+    only after both consumers released it."""
+    from kestrel_jax.pallas.paged_attention_mgpu import interpret_races_found
+
+    T, k = 150, 2
+    ex = make_experts(rng, fp8)
+    x = jnp.asarray(rng.standard_normal((T, dim(fp8))), jnp.bfloat16)
+    experts = np.stack([rng.permutation(E)[:k] for _ in range(T)])
+    experts[: T // 3, 0] = 5  # one expert with many rows (several blocks), others ragged
+    routing = random_routing(rng, T, k, experts)
+    cfg = small_config(T, down_row_tiles=row_tiles, slices_fastest=slices)
+    assert not cfg.dense and cfg.block_tokens == 64
+    narrow = run_kernel(x, routing, ex, cfg)
+    wide_cfg = dataclasses.replace(cfg, wide=True)
+    jaxpr = str(jax.make_jaxpr(lambda x: moe(x, routing, ex, config=wide_cfg, interpret=INTERPRET))(x))
+    assert jaxpr.count("name=kestrel_moe_gemm_wide") == 2, jaxpr.count("name=kestrel_moe_gemm_wide")
+    f = jax.jit(lambda x, r, e: moe(x, r, e, config=wide_cfg, interpret=plgpu.InterpretGPUParams(detect_races=True)))
+    wide = np.asarray(f(x, routing, ex).astype(jnp.float32), np.float64)
+    assert not interpret_races_found()
+    np.testing.assert_array_equal(wide, narrow)
+    assert rel_err(wide, oracle(x, routing, ex, w8a8=fp8)) <= (TOL_W8A8_EMULATED if fp8 else TOL_BF16)
+    monkeypatch.setenv("KESTREL_JAX_MOE_WIDE", "1")
+    assert default_config(T).wide and not default_config(8).wide  # the sorted regime only
+    monkeypatch.delenv("KESTREL_JAX_MOE_WIDE")
+    assert not default_config(T).wide
+
+
+def test_wide_gemm_lowers_for_h100():
+    """The two-consumer GEMMs (both products of the sorted regime) lower at production shapes for an
+    H100, FP8 W8A8 and bf16."""
+    S = jax.ShapeDtypeStruct
+    Ep, Dp, Ip, k, T = 64, 2048, 1024, 8, 1536
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=H100)
+    cfg = dataclasses.replace(default_config(T, num_ctas=132), wide=True)
+    routing = Routing(S((T, k), jnp.float32), S((T, k), jnp.int32), S((T, Ep), jnp.float32))  # type: ignore[arg-type]
+    for wd in (FP8, jnp.bfloat16):
+        fp8 = wd == FP8
+        ex = ExpertWeights(S((Ep, 2 * Ip, Dp), wd), S((Ep, Dp, Ip), wd),  # type: ignore[arg-type]
+                           S((Ep, 2 * Ip), jnp.float32) if fp8 else None,  # type: ignore[arg-type]
+                           S((Ep, Dp), jnp.float32) if fp8 else None)  # type: ignore[arg-type]
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(lambda x, r, e: moe(x, r, e, config=cfg)).trace(
+                S((T, Dp), jnp.bfloat16), routing, ex).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
+        assert text.count("kestrel_moe_gemm_wide") >= 2
