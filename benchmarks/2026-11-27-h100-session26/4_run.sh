@@ -9,9 +9,9 @@ i=0
 for o in blocks slices; do
   i=$((i+1))
   KESTREL_JAX_MOE_SORTED_ORDER=$o timeout 285 python3 tools/benchmark.py --model md3 \
-    --random-weights --compile-cache /tmp/cc_w4_$o --workloads w2 --concurrency 64 --requests-per-client 16 \
+    --random-weights --compile-cache /tmp/cc_w2_$o --workloads w2 --concurrency 64 --requests-per-client 16 \
     --engine-args decode_buckets=1,64 prefill_token_buckets=768,1536,2048 runner.vision_buckets=1 \
-    --out $OUT/x/4_w4_${i}_$o.json 2>&1 | grep -v "$FILT" > $OUT/x/4_w4_${i}_$o.log
-  echo "run $i order=$o ($SECONDS s): $(grep "output tok/s\|rror" $OUT/x/4_w4_${i}_$o.log | head -3 | tr '\n' ' ')"
+    --out $OUT/x/4_w2_${i}_$o.json 2>&1 | grep -v "$FILT" > $OUT/x/4_w2_${i}_$o.log
+  echo "run $i order=$o ($SECONDS s): $(grep "output tok/s\|rror" $OUT/x/4_w2_${i}_$o.log | head -3 | tr '\n' ' ')"
 done
 cd $OUT && tar czf 4_all.tgz x && rm -rf x
