@@ -270,10 +270,6 @@ def run(args) -> dict[str, Any]:
                         continue
                     phases[1].append((T, prec, dataclasses.replace(cfg, num_ctas=ctas, max_stages=stages,
                                                                    staging_buffers=staging)))
-            if args.wide_ab and not cfg.dense:  # the sorted regime's GEMMs with two consumer warpgroups
-                phases[1] += [(T, prec, dataclasses.replace(cfg, wide=not cfg.wide, slices_fastest=o))
-                              for o in (True, False)]
-                continue
             if args.sorted_ab and not cfg.dense:  # block size x unit order
                 variants = [dataclasses.replace(cfg, block_tokens=nt, slices_fastest=order)
                             for nt in (128, 64) for order in (True, False)]
@@ -315,8 +311,7 @@ def run(args) -> dict[str, Any]:
 def bench_case(T, prec, cfg: MoEKernelConfig, dims, xs, rw, rb, exs, hit, flops, bpe, ceil, iters,
                use_cupti, interpret) -> dict[str, Any]:
     mode = "bf16" if prec == "bf16" else ("fp8-w8a8" if cfg.w8a8 else "fp8-w8a16")
-    variant = ("dense/" + cfg.routing if cfg.dense else "sorted" + ("/wide" if cfg.wide else "")) \
-        + ("/stage1" if cfg.staging_buffers == 1 else "") \
+    variant = ("dense/" + cfg.routing if cfg.dense else "sorted") + ("/stage1" if cfg.staging_buffers == 1 else "") \
         + ("/bf16ops" if not cfg.f16_operands and not cfg.w8a8 else "") \
         + (f"/w{cfg.route_warps}" if cfg.route_warps else "") \
         + (f"/down{cfg.down_row_tiles}" if cfg.down_row_tiles != 2 else "") \
@@ -416,8 +411,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quant-ab", action="store_true",
                    help="alternatives: only the other dense FP8 mode and dense W8A8 with the quantisation in "
                         "separate launches (vs inside the GEMMs)")
-    p.add_argument("--wide-ab", action="store_true",
-                   help="sorted regime: the two-consumer GEMM kernel (both unit orders) against the one-warpgroup one")
     p.add_argument("--cta-ab", action="store_true", help="dense regime with two CTAs per SM (half the ring)")
     p.add_argument("--sorted-ab", action="store_true",
                    help="sorted regime: 64 / 128-token blocks x unit order (slices or blocks fastest)")

@@ -143,9 +143,6 @@ class MoEKernelConfig:
     # T = 1480 ~1.6x the layer's ideal DRAM bytes). `default_config` takes it from
     # KESTREL_JAX_MOE_SORTED_ORDER (see `sorted_slices_fastest`).
     slices_fastest: bool = True
-    # Sorted regime: `_grouped_gemm_wide` (two consumer warpgroups sharing each token tile) where it
-    # takes the product. `default_config` takes it from KESTREL_JAX_MOE_WIDE.
-    wide: bool = False
 
 
 def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelConfig:
@@ -172,15 +169,7 @@ def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelCon
         return MoEKernelConfig(block_tokens=nt, dense=True, w8a8=num_tokens >= _w8a8_min_tokens(), num_ctas=ctas,
                                quant_in_gemm=quant_in_gemm_wanted())
     return MoEKernelConfig(block_tokens=sorted_block_tokens(num_tokens), w8a8=True, num_ctas=ctas,
-                           slices_fastest=sorted_slices_fastest(), wide=wide_wanted())
-
-
-def wide_wanted() -> bool:
-    """`default_config`'s `wide` for the sorted regime, read at trace time from KESTREL_JAX_MOE_WIDE
-    (0 / 1; opt-in). H100, twenty-fifth session, with the units block fastest: 5.85 vs 5.63 ms of
-    grouped GEMMs per W2 prefill step (not kept then); brought back to measure it in slice-fastest
-    order, where each block's token rows no longer come from DRAM once per slice pass."""
-    return flag("KESTREL_JAX_MOE_WIDE", False)
+                           slices_fastest=sorted_slices_fastest())
 
 
 def sorted_slices_fastest() -> bool:
@@ -539,221 +528,6 @@ def _grouped_gemm(
     return kernel(*args)
 
 
-WIDE_CONSUMERS = 2  # consumer warpgroups of `_grouped_gemm_wide`, each with its own 64-row weight slice
-_WIDE_REGISTERS = (232, 40)  # setmaxnreg split (consumer, producer) of its 3 warpgroups
-
-
-def wide_supported(w: jax.Array | jax.ShapeDtypeStruct, b: jax.Array | jax.ShapeDtypeStruct, *, glu: bool,
-                   row_tiles: int = 1) -> bool:
-    """Whether `_grouped_gemm_wide` takes this product: plain operands (bf16 x bf16 or e4m3 x
-    e4m3: no upcast, no in-kernel quantisation) and an even number of per-warpgroup output slices."""
-    _, N, K = w.shape
-    nparts = 2 if glu else row_tiles
-    slices = (N // 2) // ROWS if glu else N // (ROWS * nparts)
-    plain = (w.dtype == b.dtype == FP8) or (w.dtype == b.dtype == jnp.bfloat16)
-    return bool(plain and slices % WIDE_CONSUMERS == 0 and slices > 0
-                and (N // 2 if glu else N) % (ROWS * (1 if glu else nparts)) == 0
-                and K % (128 // jnp.dtype(w.dtype).itemsize) == 0)
-
-
-def _grouped_gemm_wide(
-    meta: jax.Array,  # [chunks, 3, CH] int32, as `_grouped_gemm`'s
-    w: jax.Array,  # [E, N, K] bf16 | e4m3
-    w_scale: jax.Array | None,  # [E, N] f32 (e4m3 weights)
-    b: jax.Array,  # [R, K] token rows, w's dtype
-    b_scale: jax.Array | None,  # [R] f32 (e4m3 token rows)
-    *,
-    glu: bool,
-    block_tokens: int,
-    num_out_rows: int,
-    num_ctas: int,
-    max_stages: int,
-    row_tiles: int = 1,
-    out_dtype: jnp.dtype = jnp.bfloat16,
-    slices_fastest: bool = True,
-    interpret: object = None,
-) -> jax.Array:  # [NB * Nt, N or N/2] out_dtype, the same values as `_grouped_gemm`'s
-    """`_grouped_gemm` for the sorted (prefill) regime with two consumer warpgroups and a producer.
-
-    One warpgroup per CTA streams each [Nt, tk] token tile from L2 for a single 64-row weight
-    slice: ~131 FLOP per byte moved into SMEM, so at prefill sizes the kernel is bound by that
-    traffic, not by the tensor cores (H100, twenty-fifth session: the 2 x 740-token step took the
-    same 5.6 ms of grouped GEMMs with 64- and 128-token blocks, ~25% fewer FLOPs in the first).
-    Here a unit is one block and two adjacent output slices; the producer warpgroup TMA-loads
-    each step's token tile once and both consumers' weight tiles (one `bar` phase per step), each
-    consumer multiplies its own slice by the shared token tile and arrives on `consumed` once
-    its MMAs of that step are done; the producer refills a slot after both arrived. Per step
-    2 * nparts weight tiles and one token tile: ~175 FLOP per byte (nparts = 2). Each consumer's
-    accumulation is `_grouped_gemm`'s (same wgmma shapes and K order), so the outputs are equal.
-    """
-    E, N, K = w.shape
-    nt = block_tokens
-    nc = WIDE_CONSUMERS
-    if not wide_supported(w, b, glu=glu, row_tiles=row_tiles):
-        raise MoEKernelError(f"wide grouped GEMM does not take w {w.shape} {w.dtype}, rows {b.dtype}")
-    nparts = 2 if glu else row_tiles
-    n_out = N // 2 if glu else N
-    nj = n_out // ROWS if glu else N // (ROWS * nparts)  # per-warpgroup output slices
-    n_pairs = nj // nc
-    n_tiles_out = 1 if glu else nparts
-
-    def w_row(p, j):  # first weight row of part p of output slice j (as `_grouped_gemm`)
-        return p * n_out + j * ROWS if glu else (j * nparts + p) * ROWS
-    tk = 128 // jnp.dtype(w.dtype).itemsize
-    ks = K // tk
-    a_bytes = nc * nparts * ROWS * tk * jnp.dtype(w.dtype).itemsize
-    b_bytes = nt * tk * jnp.dtype(b.dtype).itemsize
-    out_bytes = nc * n_tiles_out * nt * ROWS * jnp.dtype(out_dtype).itemsize + meta.size * 4
-    stages = min(max_stages, (SMEM_LIMIT - out_bytes - 2048) // (a_bytes + b_bytes))
-    if stages < 2:
-        raise MoEKernelError(f"block_tokens={nt} leaves no room for a 2-stage pipeline in SMEM")
-    has_w_scale, has_b_scale = w_scale is not None, b_scale is not None
-    a_tr, b_tr, o_tr = (_tile_transforms(tk, w.dtype), _tile_transforms(tk, b.dtype),
-                        _tile_transforms(ROWS, out_dtype))
-    n_chunks, _, chunk = meta.shape
-    registers = None if interpret else _WIDE_REGISTERS
-
-    def body(*refs):
-        meta_gmem, w_ref, *rest = refs
-        ws_ref = rest.pop(0) if has_w_scale else None
-        b_ref = rest.pop(0)
-        bs_ref = rest.pop(0) if has_b_scale else None
-        out_ref, a_buf, b_buf, o_smem, meta_ref, bar, consumed, meta_bar = rest
-        wg = lax.axis_index("wg")
-        cta = lax.axis_index("cta")
-
-        @pl.when(wg == nc)
-        def _table():  # the block table, issued once (every warpgroup waits for it)
-            for c in range(n_chunks):
-                plgpu.copy_gmem_to_smem(meta_gmem.at[c], meta_ref.at[c], meta_bar)
-        plgpu.barrier_wait(meta_bar)
-
-        def block_info(blk, field):  # field 0: expert, 1: first B row
-            if n_chunks == 1:
-                return meta_ref[0, field, blk]
-            return meta_ref[lax.div(blk, chunk), field, lax.rem(blk, chunk)]
-
-        nb = meta_ref[0, 2, 0]
-        units = nb * n_pairs
-        mine = lax.div(jnp.maximum(units - cta + num_ctas - 1, 0), num_ctas)
-        total = mine * ks
-
-        def unit(i):  # i-th unit of this CTA -> (block, slice pair), in `_grouped_gemm`'s orders
-            u = cta + i * num_ctas
-            if slices_fastest:
-                return lax.div(u, n_pairs), lax.rem(u, n_pairs)
-            return lax.rem(u, nb), lax.div(u, nb)
-
-        if registers is not None:  # always release (the consumers' increase waits for it)
-            pl.when(wg == nc)(functools.partial(plgpu.set_max_registers, registers[1], action="decrease"))
-
-        @pl.when(wg == nc)
-        def _producer():
-            def fetch(s):
-                slot = lax.rem(s, stages)
-                blk, pair = unit(lax.div(s, ks))
-                k = lax.rem(s, ks)
-                e = block_info(blk, 0)
-                for c in range(nc):
-                    for p in range(nparts):
-                        plgpu.copy_gmem_to_smem(
-                            w_ref.at[e, pl.ds(w_row(p, pair * nc + c), ROWS), pl.ds(k * tk, tk)],
-                            a_buf.at[slot, c * nparts + p], bar.at[slot])
-                row = pl.multiple_of(block_info(blk, 1), ROW_ALIGN)
-                plgpu.copy_gmem_to_smem(b_ref.at[pl.ds(row, nt), pl.ds(k * tk, tk)], b_buf.at[slot], bar.at[slot])
-
-            @pl.loop(0, total)
-            def _issue(s):
-                pl.when(s >= stages)(lambda: plgpu.barrier_wait(consumed.at[lax.rem(s, stages)]))
-                fetch(s)
-
-            # Observe the last releases too (a waiter waits on every phase).
-            @pl.loop(jnp.maximum(total - stages, 0), total)
-            def _drain(s):
-                plgpu.barrier_wait(consumed.at[lax.rem(s, stages)])
-
-        @pl.when(wg < nc)
-        def _consumer():
-            if registers is not None:
-                plgpu.set_max_registers(registers[0], action="increase")
-
-            @pl.loop(0, mine)
-            def _unit_loop(i):
-                blk, pair = unit(i)
-                j = pair * nc + wg
-                e = block_info(blk, 0)
-                row = pl.multiple_of(block_info(blk, 1), ROW_ALIGN)
-                row_scales = [
-                    plgpu.load(ws_ref.at[e, pl.ds(w_row(p, j), ROWS)], layout=plgpu.Layout.WGMMA.reduce(1),
-                               optimized=False)
-                    for p in range(nparts)
-                ] if ws_ref is not None else []
-                col_scale = None if bs_ref is None else plgpu.load(
-                    bs_ref.at[pl.ds(row, nt)], layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
-
-                def acc_scope(*accs):
-                    @pl.loop(0, ks)
-                    def _k_loop(k):
-                        s = i * ks + k
-                        slot = lax.rem(s, stages)
-                        plgpu.barrier_wait(bar.at[slot])
-                        for p in range(nparts):
-                            plgpu.wgmma(accs[p], a_buf.at[slot, wg * nparts + p], b_buf.at[slot].T)
-                        plgpu.wgmma_wait(nparts)  # step s-1's MMAs are done: release its slot
-
-                        @pl.when(k >= 1)
-                        def _release():
-                            plgpu.barrier_arrive(consumed.at[lax.rem(s - 1, stages)])
-
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(consumed.at[lax.rem(i * ks + ks - 1, stages)])
-                    vals = []
-                    for p in range(nparts):
-                        v = accs[p][...]
-                        if row_scales:
-                            v = v * lax.broadcast_in_dim(row_scales[p], (ROWS, nt), [0])
-                        if col_scale is not None:
-                            v = v * lax.broadcast_in_dim(col_scale, (ROWS, nt), [1])
-                        vals.append(v)
-                    res = [gelu_erf_poly(vals[0]) * (vals[1] + 1.0)] if glu else vals
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # this warpgroup's previous store
-                    for p, r in enumerate(res):
-                        o_smem.at[wg, p].T[...] = r.astype(out_dtype)
-                    plgpu.commit_smem()
-                    for p in range(n_tiles_out):
-                        col = j * ROWS if glu else w_row(p, j)
-                        plgpu.copy_smem_to_gmem(o_smem.at[wg, p], out_ref.at[pl.ds(blk * nt, nt), pl.ds(col, ROWS)])
-
-                pl.run_scoped(acc_scope, *[plgpu.ACC((ROWS, nt), jnp.float32) for _ in range(nparts)])
-
-            plgpu.wait_smem_to_gmem(0)
-
-    kernel = plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((num_out_rows, n_out), out_dtype),
-        scratch_types=[
-            plgpu.SMEM((stages, nc * nparts, ROWS, tk), w.dtype, transforms=a_tr),
-            plgpu.SMEM((stages, nt, tk), b.dtype, transforms=b_tr),
-            plgpu.SMEM((nc, n_tiles_out, nt, ROWS), out_dtype, transforms=o_tr),
-            plgpu.SMEM(meta.shape, jnp.int32),
-            plgpu.Barrier(num_arrivals=nc * nparts + 1, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=nc, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=n_chunks),
-        ],
-        grid=(num_ctas,),
-        grid_names=("cta",),
-        num_threads=nc + 1,
-        thread_name="wg",
-        kernel_name="kestrel_moe_gemm_wide",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret,
-    )
-    args = [meta, w] + ([w_scale] if has_w_scale else []) + [b] + ([b_scale] if has_b_scale else [])
-    return kernel(*args)
-
-
-
-
 def _quant_bytes(nt: int, k: int) -> int:
     """SMEM of `_grouped_gemm`'s in-kernel quantisation: bf16 rows, their e4m3 copy, scales, and the
     ring's (then unused) one-slot token tile."""
@@ -856,14 +630,11 @@ def _expert_gemms(
                              num_ctas=cfg.num_ctas, max_stages=cfg.max_stages,
                              staging_buffers=cfg.staging_buffers, slices_fastest=cfg.slices_fastest and not cfg.dense,
                              interpret=interpret)
-    pdl = pdl_wanted()
-    if pdl:  # the down GEMM may launch while the up GEMM runs and prefetch its weights
+    if pdl_wanted():  # the down GEMM may launch while the up GEMM runs and prefetch its weights
         up_gemm = functools.partial(gemm, pdl_trigger=True)
         gemm = functools.partial(gemm, pdl_wait=True)
     else:
         up_gemm = gemm
-    if cfg.wide and not cfg.dense and not pdl:
-        up_gemm, gemm = _wide_or(up_gemm, cfg, n_blocks, interpret), _wide_or(gemm, cfg, n_blocks, interpret)
     if experts.is_fp8 and cfg.w8a8:
         nt, (_, two_i, dim) = cfg.block_tokens, experts.up_w.shape
         in_gemm = cfg.quant_in_gemm and cfg.dense and row_token is None and compact_act is None
@@ -890,20 +661,6 @@ def _expert_gemms(
     act = up_gemm(meta_up, experts.up_w, experts.up_scale, b, None, glu=True,
                   out_dtype=jnp.float16 if f16 else jnp.bfloat16)
     return gemm(meta_down, experts.down_w, experts.down_scale, act, None, glu=False, row_tiles=cfg.down_row_tiles)
-
-
-def _wide_or(gemm, cfg: MoEKernelConfig, n_blocks: int, interpret: object):
-    """`gemm` (a `_grouped_gemm` partial), with the products `_grouped_gemm_wide` takes sent there."""
-    def run(meta, w, w_scale, b, b_scale, *, glu: bool, row_tiles: int = 1, out_dtype=jnp.bfloat16, **kw):
-        if not kw.get("quantize_b") and wide_supported(w, b, glu=glu, row_tiles=row_tiles):
-            return _grouped_gemm_wide(meta, w, w_scale, b, b_scale, glu=glu, block_tokens=cfg.block_tokens,
-                                      num_out_rows=n_blocks * cfg.block_tokens, num_ctas=cfg.num_ctas,
-                                      max_stages=cfg.max_stages, row_tiles=row_tiles, out_dtype=out_dtype,
-                                      slices_fastest=cfg.slices_fastest, interpret=interpret)
-        return gemm(meta, w, w_scale, b, b_scale, glu=glu, row_tiles=row_tiles, out_dtype=out_dtype, **kw)
-    return run
-
-
 
 
 def pdl_wanted() -> bool:
