@@ -103,6 +103,27 @@ class EncodeAhead:
         image prefix: the image is prefilled, so the encoding leaves the window, also for other
         requests on the image (they find its KV pages in the prefix cache; one that misses it gets
         None and is encoded in place). An error raised on the worker is raised here."""
+        entry = self._wanted(sub)
+        if entry is None:
+            return None
+        fut = entry[0]
+        try:
+            return fut.result()
+        finally:
+            if last:
+                entry[1].clear()
+                self._release(sub.job.request_id, sub.digest)
+
+    def ready(self, sub: Any) -> bool:
+        """Whether `take` would return at once for this request: its encoding is done, or it has
+        none here (`take` returns None). Otherwise its encoding is asked for now, as `take` would
+        (a waiting request is started out of turn; a queued image's call starts without waiting for
+        a fuller batch), and False."""
+        entry = self._wanted(sub)
+        return entry is None or entry[0].done()
+
+    def _wanted(self, sub: Any) -> tuple[Future[Any], set[int]] | None:
+        """The request's entry (None: not encoded here), its encoding started and demanded."""
         rid = sub.job.request_id
         if self._waiting.pop(rid, None) is not None:  # reached its prefill before its turn came:
             entry = self._entries.get(sub.digest)  # started now, out of turn (over the window
@@ -119,12 +140,7 @@ class EncodeAhead:
                 if any(f is fut for _, f, _ in self._queue):
                     self._demanded.add(id(fut))
                     self._cv.notify()
-        try:
-            return fut.result()
-        finally:
-            if last:
-                entry[1].clear()
-                self._release(rid, sub.digest)
+        return entry
 
     def drop(self, sub: Any) -> None:
         """The request ended (finished, failed or cancelled): it holds nothing any more."""

@@ -107,6 +107,12 @@ class EngineConfig:
     # (H100, MD3, 64 clients: mostly 4 images per call with 30 ms, TTFT p50 -20 ms; BENCHMARKS.md,
     # thirteenth session). 0: encode at once whatever is queued.
     vision_batch_wait_ms: float = 30.0
+    # With the vision thread: a prefill whose image encoding is not done yet is held back and the
+    # step launched without it (a one-iteration decode step when nothing else prefills), instead of
+    # the engine thread waiting for the encoding while the device runs dry. A 2 s trace of 64
+    # concurrent image queries on the H100 (BENCHMARKS.md, twenty-sixth session) had the device idle
+    # 21-33% of the window, mostly in gaps of ~5 ms before steps. Off until measured on the GPU.
+    defer_unready_images: bool = False
     # Requests held beyond those running (waiting for KV pages or a batch slot, in the inbox, or
     # having their image decoded): a request past it fails at once with EngineBusy (a server answers
     # 503 "overloaded"), so a burst cannot fill host memory with decoded images and queued crops.

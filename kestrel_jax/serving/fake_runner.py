@@ -299,12 +299,13 @@ def submit(scheduler: Scheduler, runner: FakeRunner, req: Request) -> None:
 
 def run_step(
     scheduler: Scheduler, runner: FakeRunner, stop: Callable[[Hashable, int], bool] | None = None,
-    decode_steps: int = 1,
+    decode_steps: int = 1, ready: Callable[[Hashable], bool] | None = None,
 ) -> StepOutcome | None:
     """One engine iteration: schedule -> run -> commit. `stop(request_id, token)` marks a sampled
     token as the end of its request (reason "stop"). Ended requests are forgotten by the runner
-    (cancels and deadline expiries from schedule() included) and returned."""
-    plan = scheduler.schedule(decode_steps)
+    (cancels and deadline expiries from schedule() included) and returned. `ready`: the
+    scheduler's image-readiness predicate (`Scheduler.schedule`)."""
+    plan = scheduler.schedule(decode_steps, ready=ready)
     ended = scheduler.take_finished()  # cancels since the last step and deadline expiries
     for f in ended:
         runner.forget(f.request_id)  # before run: their pages may already be someone else's

@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Hashable
 from typing import Any
 
 import jax
@@ -93,6 +94,7 @@ class EngineWorker:
         self._inbox: queue.Queue[Submission | tuple[str, int] | None] = queue.Queue()
         self._live: dict[int, Submission] = {}
         batches = self.runner.image_batches
+        self._ready = self._image_ready if config.defer_unready_images and config.vision_thread else None
         self._ahead = (EncodeAhead(self._encode, self.scheduler.image_cached, config.vision_ahead,
                                    self._encode_many if batches else None, batches[-1] if batches else 1,
                                    config.vision_batch_wait_ms / 1e3)
@@ -258,7 +260,7 @@ class EngineWorker:
                 t0 = time.perf_counter()
                 if not idle:  # admitting new requests while there is work (not waiting for any)
                     self.host_s["inbox"] += t0 - t_in
-                plan = self.scheduler.schedule(self._decode_steps(pending))
+                plan = self.scheduler.schedule(self._decode_steps(pending), ready=self._ready)
                 t1 = time.perf_counter()
                 self.host_s["schedule"] += t1 - t0
                 if plan is None:
@@ -391,6 +393,14 @@ class EngineWorker:
 
     def _prompt_total(self, sub: Submission) -> int:
         return len(sub.tokens) + (self.prefix_len if sub.crops is not None else 0)
+
+    def _image_ready(self, request_id: Hashable) -> bool:
+        """The scheduler's `ready` (EngineConfig.defer_unready_images): whether the request's
+        image encoding is at hand for its prefill (asked for now if not)."""
+        sub = self._live.get(request_id)  # type: ignore[call-overload]
+        if sub is None or self._ahead is None or sub.digest is None:
+            return True
+        return self._ahead.ready(sub)
 
     def _image_tokens(self, sub: Submission, last: bool) -> jax.Array:
         """The request's image encoding for a prefill chunk (`last`: the chunk ends its image)."""

@@ -215,10 +215,15 @@ class Scheduler:
 
     # -- step --------------------------------------------------------------------------------
 
-    def schedule(self, decode_steps: int = 1) -> StepPlan | None:
+    def schedule(self, decode_steps: int = 1, ready: Callable[[Hashable], bool] | None = None) -> StepPlan | None:
         """Admits what fits and returns the next step's plan, or None when nothing can run.
         `decode_steps` > 1: a decode plan advances each sequence by up to that many positions
-        in one launch (the engine asks for it only when every row can run ahead)."""
+        in one launch (the engine asks for it only when every row can run ahead).
+        `ready(request_id)`: whether a sequence whose next prefill chunk holds its image prefix has
+        that image's encoding at hand. One that has not is held back this step (the sequences after
+        it may prefill); if nothing else prefills, a one-iteration decode step runs instead so that
+        the held-back prefill starts one short step later, and only with nothing to decode either
+        is it scheduled anyway (the step's launch then waits for the encoding)."""
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         if self._in_flight is not None:
@@ -226,7 +231,13 @@ class Scheduler:
         now = self.clock()
         self._expire(now)
         self._admit(now)
-        plan = self._build_prefill() or self._build_decode(decode_steps)
+        held: list[Hashable] = []
+        plan: StepPlan | None = self._build_prefill(ready, held)
+        if plan is None and held:
+            plan = self._build_decode(1) or self._build_prefill()
+            self.stats.deferred_prefills += isinstance(plan, DecodePlan)
+        elif plan is None:
+            plan = self._build_decode(decode_steps)
         self._in_flight = plan
         return plan
 
@@ -372,7 +383,9 @@ class Scheduler:
             out[: len(pairs)] = pairs
         return out, len(pairs)
 
-    def _build_prefill(self) -> PrefillPlan | None:
+    def _build_prefill(self, ready: Callable[[Hashable], bool] | None = None,
+                       held: list[Hashable] | None = None) -> PrefillPlan | None:
+        """`ready` / `held`: see `schedule`; the ids of the sequences held back go to `held`."""
         cfg = self.config
         budget = cfg.token_budget
         chosen: list[tuple[_Seq, int]] = []
@@ -384,6 +397,10 @@ class Scheduler:
             n = min(seq.req.prompt_total - seq.computed, budget)
             if seq.computed < seq.req.prefix_len and seq.computed + n < seq.req.prefix_len:
                 continue  # the bidirectional prefix cannot be split; wait for a fuller budget
+            if ready is not None and seq.computed < seq.req.prefix_len and not ready(seq.req.request_id):
+                if held is not None:
+                    held.append(seq.req.request_id)
+                continue  # its image encoding is not at hand yet
             chosen.append((seq, n))
             budget -= n
         if not chosen:

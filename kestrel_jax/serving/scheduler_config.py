@@ -105,3 +105,6 @@ class SchedulerStats:
     cancelled: int = 0
     expired: int = 0
     rejected: int = 0
+    # schedule() calls that held back an image prefill whose encoding was not ready (`ready`) and
+    # launched a one-iteration decode step instead
+    deferred_prefills: int = 0

@@ -249,3 +249,33 @@ def test_with_a_wait_images_gather_until_a_full_call_the_engine_asks_or_the_wait
     assert [r for r, _ in rec.calls] == [5] and rec.many == []
     with pytest.raises(ValueError, match="max_wait_s"):
         rec.ahead(2, max_wait_s=-1.0)
+
+
+def test_ready_says_whether_take_would_wait_and_asks_for_the_encoding() -> None:
+    """`ready` never blocks: False while the request's encoding is queued or running (a queued
+    image's call then starts at once instead of waiting for a fuller batch; a request still waiting
+    for the window is started out of turn, as `take` would), True once it is done or when the
+    request has no encoding here (cached, or unknown: `take` returns None)."""
+    import time
+
+    rec = BatchRecorder()
+    rec.cached = {9}
+    ea = rec.ahead(1, max_batch=3, max_wait_s=30.0)
+    a, b, c = Sub(0, b"a"), Sub(1, b"b"), Sub(9, b"c")
+    ea.add(a)
+    ea.add(b)  # the window (1) is full: b waits
+    ea.add(c)  # cached: nothing to encode
+    assert ea.waiting == 1 and ea.ready(c)
+    t0 = time.monotonic()
+    assert not ea.ready(a)  # queued alone behind a 30 s batch wait: asked for, so its call starts now
+    while not ea.ready(a) and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    assert ea.ready(a) and time.monotonic() - t0 < 10 and [r for r, _ in rec.calls] == [0]
+    rec.gate.clear()
+    rec.entered.clear()
+    assert not ea.ready(b) and ea.waiting == 0 and ea.holds(b)  # started out of turn
+    assert rec.entered.wait(10) and not ea.ready(b)  # running, not done
+    rec.gate.set()
+    assert ea.take(b, last=True) == "enc-b" and ea.ready(b)  # taken: nothing held for it any more
+    assert ea.take(a, last=True) == "enc-a"
+    ea.shutdown()

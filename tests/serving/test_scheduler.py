@@ -462,3 +462,42 @@ def test_multi_step_decode_runs_ahead_within_each_budget(make: Make) -> None:
     assert out is not None and out.plan.steps_of(0) == 3  # type: ignore[union-attr]
     assert [(f.request_id, f.reason, f.metrics.generated_tokens) for f in out.finished] == [("a", "length", 20)]
     assert s.stats.decode_rows == 8 + 3 + 8 + 3
+
+
+def test_prefill_of_an_image_not_at_hand_is_held_back(make: Make) -> None:
+    """`ready` says whether an image prefix's encoding is at hand: a sequence without it is held back
+    while others prefill; with nothing else to prefill a one-iteration decode step runs (even where
+    multi-step decode was asked for); with nothing to decode either it is scheduled anyway. Only
+    sequences whose next chunk holds their image prefix are asked."""
+    s, r, _ = make(mixed_decode_buckets=(2, 4))
+    asked: list[Hashable] = []
+    at_hand = {"c": False}
+
+    def ready(rid: Hashable) -> bool:
+        asked.append(rid)
+        return at_hand[rid]  # type: ignore[index]
+
+    submit(s, r, text("a", 30, max_new=20))
+    run_step(s, r, ready=ready)
+    submit(s, r, image("c", "cat", max_new=3))
+    submit(s, r, text("d", 12, max_new=3))
+    out = run_step(s, r, decode_steps=8, ready=ready)
+    assert out is not None and isinstance(out.plan, PrefillPlan) and out.plan.decode is not None
+    assert out.plan.seq_ids[: out.plan.num_seqs] == ("d",) and asked == ["c"]
+    out = run_step(s, r, decode_steps=8, ready=ready)  # c alone left to prefill, still not at hand
+    assert out is not None and isinstance(out.plan, DecodePlan) and out.plan.steps == 1
+    assert out.plan.seq_ids[: out.plan.num_seqs] == ("a", "d") and s.stats.deferred_prefills == 1
+    at_hand["c"] = True
+    out = run_step(s, r, decode_steps=8, ready=ready)
+    assert out is not None and isinstance(out.plan, PrefillPlan) and out.plan.seq_ids[0] == "c"
+    assert out.plan.kv_lens[0] == PRE + 10 and set(asked) == {"c"}
+    got = sampled(out.plan, out.tokens)
+    assert got["c"] == [r.token_for("c", PRE + 9)]
+    run_until_idle(s, r)
+
+    s2, r2, _ = make()  # nothing decodes: the held-back prefill runs (its launch waits for the image)
+    submit(s2, r2, image("x", "dog"))
+    out = run_step(s2, r2, decode_steps=8, ready=lambda rid: False)
+    assert out is not None and isinstance(out.plan, PrefillPlan) and out.plan.seq_ids[0] == "x"
+    assert s2.stats.deferred_prefills == 0
+    run_until_idle(s2, r2)
