@@ -136,7 +136,7 @@ class MoEKernelConfig:
     # quantize_b) instead of in two launches of their own, where the rows fit in SMEM beside the
     # ring (`quant_in_gemm_fits`). `default_config` takes it from KESTREL_JAX_MOE_GEMM_QUANT.
     quant_in_gemm: bool = True
-    # Sorted regime: a CTA's round-robin units go output slice fastest (the CTAs running at one
+    # Sorted regime only: a CTA's round-robin units go output slice fastest (the CTAs running at one
     # time cover a few blocks, all slices of each, so a block's token rows are read from DRAM once
     # and its expert's weight tiles are shared by the expert's blocks through L2) instead of block
     # fastest (each pass over the blocks, one per output slice, re-reads every block's rows: at
@@ -190,8 +190,9 @@ def sorted_block_tokens(num_tokens: int) -> int:
     Nsight Compute on the T = 1480 layer: tensor pipe 42-48% busy (35% with 64), DRAM at 68-72%
     of its peak, one warpgroup per SM issuing (occupancy 6.25%). Two consumer warpgroups (sharing
     either the token tile or the weight tile) were no faster (BENCHMARKS.md). All of that was with
-    the units in block-fastest order; in slice-fastest order (twenty-sixth session) 128 stays ahead:
-    T = 740 239.5 vs 261.7 us, T = 1480 319.2 vs 337.6."""
+    the units in block-fastest order; in slice-fastest order (twenty-sixth session) 128 stays ahead
+    (T = 740 239.5 vs 261.7 us, T = 1480 319.2 vs 337.6), and the token-sharing two-consumer kernel
+    stays behind (T = 740 248.5 vs 239.3, T = 1480 331.3 vs 324.0; history: afc66de)."""
     return int(choice("KESTREL_JAX_MOE_SORTED_NT", "64" if num_tokens <= 256 else "128", ("64", "128")))
 
 
