@@ -546,6 +546,7 @@ def summarize_trace(trace_dir: str, steps: dict[str, int]) -> dict[str, Any]:
     by_module: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])  # (module, family)
     spans: list[tuple[int, int]] = []
     names: dict[tuple[int, int], str] = {}
+    modules: dict[tuple[int, int], str] = {}  # each event's XLA module ("None": copies, memsets)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # jaxlib's event_stats type, harmless
         for plane in gpu or [p for p in data.planes if p.name == "/host:CPU"]:
@@ -569,6 +570,7 @@ def summarize_trace(trace_dir: str, steps: dict[str, int]) -> dict[str, Any]:
                     km[1] += ev.duration_ns / 1e3
                     spans.append((ev.start_ns, ev.end_ns))
                     names[(ev.start_ns, ev.end_ns)] = ev.name[:100]
+                    modules[(ev.start_ns, ev.end_ns)] = str(stats.get("hlo_module"))
     out: dict[str, Any] = {"file": str(files[-1]), "file_bytes": files[-1].stat().st_size, "events": len(spans),
                            "device_planes": [p.name for p in gpu]}
     busy = 0
@@ -582,7 +584,7 @@ def summarize_trace(trace_dir: str, steps: dict[str, int]) -> dict[str, Any]:
                 cur_e = max(cur_e, e0)
         busy += cur_e - cur_s
         out["device_busy_fraction"] = rnd(busy / max(1, cur_e - start), 3)
-        out["idle_gaps"] = idle_gaps(spans, names)
+        out["idle_gaps"] = idle_gaps(spans, names, modules)
     n_steps = steps.get("decode", 0) + steps.get("prefill", 0)
     if n_steps:
         out["events_per_step"] = rnd(len(spans) / n_steps, 1)
@@ -625,13 +627,17 @@ def summarize_trace(trace_dir: str, steps: dict[str, int]) -> dict[str, Any]:
     return out
 
 
-def idle_gaps(spans: list[tuple[int, int]], names: dict[tuple[int, int], str]) -> dict[str, Any]:
+def idle_gaps(spans: list[tuple[int, int]], names: dict[tuple[int, int], str],
+              modules: dict[tuple[int, int], str] | None = None) -> dict[str, Any]:
     """Where the device idles (`spans` sorted): idle time and count by gap length, and the kernel
     families that end and follow the longest gaps. Many short gaps between kernels mean the host
-    launches them too slowly; a few long ones, that the device waits between steps."""
+    launches them too slowly; a few long ones, that the device waits between steps. With
+    `modules` (each span's XLA module), gaps of 1 ms or more also by the modules around them: the
+    same module on both sides means the device waited inside a step (or between two runs of it)."""
     edges = ((2, "<2us"), (10, "<10us"), (50, "<50us"), (200, "<200us"), (1000, "<1000us"), (float("inf"), ">=1000us"))
     by_len = {label: [0, 0.0] for _, label in edges}
     around: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    long_modules: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     before: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])  # family: kernels, gaps, idle us
     end, last = spans[0][1], spans[0]
     for span in spans[1:]:
@@ -646,6 +652,10 @@ def idle_gaps(spans: list[tuple[int, int]], names: dict[tuple[int, int], str]) -
                 a = around[f"{_family(names.get(last, '?'))} -> {_family(names.get(span, '?'))}"]
                 a[0] += 1
                 a[1] += gap
+                if gap >= 1000 and modules is not None:
+                    m = long_modules[f"{modules.get(last, '?')} -> {modules.get(span, '?')}"]
+                    m[0] += 1
+                    m[1] += gap
             else:
                 nxt[1] += 1
                 nxt[2] += gap
@@ -656,7 +666,10 @@ def idle_gaps(spans: list[tuple[int, int]], names: dict[tuple[int, int], str]) -
                                      for k, v in sorted(around.items(), key=lambda kv: -kv[1][1])[:12]],
             # gaps under 10 us by the kernel family that follows them: spread evenly, or bunched
             "short_before": [{"family": k, "kernels": int(v[0]), "gaps": int(v[1]), "idle_us": rnd(v[2], 1)}
-                             for k, v in sorted(before.items(), key=lambda kv: -kv[1][2])[:15]]}
+                             for k, v in sorted(before.items(), key=lambda kv: -kv[1][2])[:15]],
+            **({"long_by_module": [{"between": k, "count": int(v[0]), "idle_us": rnd(v[1], 1)}
+                                   for k, v in sorted(long_modules.items(), key=lambda kv: -kv[1][1])[:12]]}
+               if modules is not None else {})}
 
 
 def _family(kernel: str) -> str:

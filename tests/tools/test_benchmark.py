@@ -70,6 +70,7 @@ def test_quick_run_reports_every_workload(quick_run: tuple[dict[str, Any], str, 
     for tr in (res["w1"]["trace"], res["w2"]["trace"]):
         assert "error" not in tr, tr
         assert tr["events"] > 0 and Path(tr["file"]).is_file() and str(tmp) in tr["file"]
+        assert isinstance(tr["idle_gaps"]["long_by_module"], list)  # the gaps' modules are known
     tr = res["w1"]["trace"]
     assert tr["engine_steps"]["decode"] == 0 or tr["kernels_per_decode_step"] > 0
     mf = res["w2"]["trace"]["module_families"]  # per module: its kernel families, summing to its time
@@ -186,3 +187,12 @@ def test_idle_gaps_by_length_and_neighbours(bench: ModuleType) -> None:
     # the short gap (1 us) counts before the kernel that follows it
     assert g["short_before"][0] == {"family": "fusion", "kernels": 2, "gaps": 1, "idle_us": 1.0}
     assert {f["family"]: f["gaps"] for f in g["short_before"]} == {"fusion": 1, "gemm": 0, "attn": 0}
+    assert "long_by_module" not in g
+    # with each span's module: the 1.5 ms gap sits between two modules; a 2 ms gap inside one
+    spans.append((3630 * us, 3640 * us))
+    names[spans[5]] = "fusion_10"
+    modules = {spans[0]: "jit_a", spans[1]: "jit_a", spans[2]: "jit_a", spans[3]: "jit_a", spans[4]: "jit_b",
+               spans[5]: "jit_b"}
+    g = bench.idle_gaps(spans, names, modules)
+    assert g["long_by_module"] == [{"between": "jit_b -> jit_b", "count": 1, "idle_us": 2000.0},
+                                   {"between": "jit_a -> jit_b", "count": 1, "idle_us": 1500.0}]
