@@ -421,23 +421,29 @@ class Bench:
     def _engine_thread(self) -> Iterator[dict[str, Any]]:
         """The engine thread over the block: its time by loop phase (`engine_host_s`, seconds;
         wait_outputs: blocked on the device, the rest is host work the device must hide) and, with
-        --host-profile, a sample of its Python stack (`host_profile`), filled in on exit."""
+        --host-profile, a sample of its Python stack (`host_profile`) and of the vision thread's
+        where the engine has one (`vision_thread_profile`: it shares the GIL and the device with
+        the engine thread), filled in on exit."""
         host0 = dict(self.engine.stats["host_s"])
         out: dict[str, Any] = {}
-        sampler = None
+        samplers: dict[str, Any] = {}
         if self.a.host_profile:
             from tools.host_sampler import ThreadSampler
 
-            worker = self.engine._worker
-            # a multi-device engine: the first device's engine thread (the others run alike)
-            sampler = ThreadSampler(getattr(worker, "workers", [worker])[0]._thread)
-        with sampler or contextlib.nullcontext():
+            # a multi-device engine: the first device's threads (the others run alike)
+            worker = getattr(self.engine._worker, "workers", [self.engine._worker])[0]
+            samplers["host_profile"] = ThreadSampler(worker._thread)
+            if worker._ahead is not None:
+                samplers["vision_thread_profile"] = ThreadSampler(worker._ahead._thread)
+        with contextlib.ExitStack() as stack:
+            for sampler in samplers.values():
+                stack.enter_context(sampler)
             yield out
         out["engine_host_s"] = {k: rnd(v - host0.get(k, 0.0), 3) for k, v in self.engine.stats["host_s"].items()}
-        if sampler is not None:
-            prof = out["host_profile"] = sampler.summary()
-            log(f"engine thread samples ({sampler.samples}): innermost in package "
-                f"{prof['innermost_in_package'][:12]}; innermost {prof['innermost'][:12]}")
+        for key, sampler in samplers.items():
+            prof = out[key] = sampler.summary()
+            log(f"{'vision' if key.startswith('vision') else 'engine'} thread samples ({sampler.samples}): "
+                f"innermost in package {prof['innermost_in_package'][:12]}; innermost {prof['innermost'][:12]}")
 
     async def _level(self, c: int, n: int, max_tokens: int) -> dict[str, Any]:
         st = self.settings(max_tokens)

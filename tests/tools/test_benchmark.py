@@ -66,6 +66,8 @@ def test_quick_run_reports_every_workload(quick_run: tuple[dict[str, Any], str, 
     # the engine thread over the measured requests: its loop phases and a sample of its stack
     assert w1["wall_s"] > 0 and 0 < w1["engine_host_s"]["dispatch"] < w1["wall_s"]
     assert w1["host_profile"]["samples"] > 0
+    # and of the vision thread (its samples: the thread exists, idle or encoding)
+    assert w1["vision_thread_profile"]["samples"] > 0
     assert w1["bytes_per_step"]["experts_active"] > 0 and w1["achieved_gbs"] > 0 and w1["fraction_of_copy_bw"] > 0
     for tr in (res["w1"]["trace"], res["w2"]["trace"]):
         assert "error" not in tr, tr
