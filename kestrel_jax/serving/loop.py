@@ -397,10 +397,9 @@ class EngineWorker:
     def _image_ready(self, request_id: Hashable) -> bool:
         """The scheduler's `ready` (EngineConfig.defer_unready_images): whether the request's
         image encoding is at hand for its prefill (asked for now if not)."""
+        assert self._ahead is not None  # only installed with the vision thread
         sub = self._live.get(request_id)  # type: ignore[call-overload]
-        if sub is None or self._ahead is None or sub.digest is None:
-            return True
-        return self._ahead.ready(sub)
+        return sub is None or sub.digest is None or self._ahead.ready(sub)
 
     def _image_tokens(self, sub: Submission, last: bool) -> jax.Array:
         """The request's image encoding for a prefill chunk (`last`: the chunk ends its image)."""

@@ -45,7 +45,7 @@ def test_decoding_goes_on_while_an_image_encodes(setup: tuple[InferenceEngine, R
 
     runner.encode_image = gated
     img = np.random.default_rng(5).integers(0, 255, (300, 340, 3), dtype=np.uint8)
-    text_settings = {"temperature": 0.0, "max_tokens": 60}
+    text_settings = {"temperature": 0.0, "max_tokens": 200}  # still decoding through the gated second
     iterations = 0
 
     async def run() -> tuple[object, object]:
@@ -76,8 +76,8 @@ def test_decoding_goes_on_while_an_image_encodes(setup: tuple[InferenceEngine, R
         assert iterations == 0 and deferred == 0, (iterations, deferred)
     s = SamplingSettings(temperature=0.0, max_tokens=4)
     assert i.output["answer"] == ref.query(img, "What is this?", reasoning=False, settings=s).output
-    s60 = SamplingSettings(temperature=0.0, max_tokens=60)
-    assert t.output["answer"] == ref.query(None, "Tell me a story.", reasoning=False, settings=s60).output
+    s200 = SamplingSettings(temperature=0.0, max_tokens=200)
+    assert t.output["answer"] == ref.query(None, "Tell me a story.", reasoning=False, settings=s200).output
     w = eng._worker
     assert w._live == {} and w._ahead is not None and w._ahead.pending == 0
     w.scheduler.check_invariants()
