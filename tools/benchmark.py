@@ -591,6 +591,8 @@ def summarize_trace(trace_dir: str, steps: dict[str, int]) -> dict[str, Any]:
         busy += cur_e - cur_s
         out["device_busy_fraction"] = rnd(busy / max(1, cur_e - start), 3)
         out["idle_gaps"] = idle_gaps(spans, names, modules)
+        if gpu:
+            out["engine_thread_in_long_gaps"] = engine_thread_in_gaps(data, long_gaps(spans))
     n_steps = steps.get("decode", 0) + steps.get("prefill", 0)
     if n_steps:
         out["events_per_step"] = rnd(len(spans) / n_steps, 1)
@@ -676,6 +678,56 @@ def idle_gaps(spans: list[tuple[int, int]], names: dict[tuple[int, int], str],
             **({"long_by_module": [{"between": k, "count": int(v[0]), "idle_us": rnd(v[1], 1)}
                                    for k, v in sorted(long_modules.items(), key=lambda kv: -kv[1][1])[:12]]}
                if modules is not None else {})}
+
+
+def long_gaps(spans: list[tuple[int, int]], min_ns: int = 1_000_000) -> list[tuple[int, int]]:
+    """The device's idle intervals of at least `min_ns` between `spans` (sorted by start)."""
+    out: list[tuple[int, int]] = []
+    end = spans[0][1]
+    for s0, e0 in spans[1:]:
+        if s0 - end >= min_ns:
+            out.append((end, s0))
+        end = max(end, e0)
+    return out
+
+
+def engine_thread_in_gaps(data: Any, gaps: list[tuple[int, int]]) -> dict[str, Any]:
+    """What the engine thread did while the device idled in `gaps`: the host trace line that holds
+    the engine's `kestrel_jax.*` ranges (stepper.py), its events' overlap with the gaps by name
+    (nested events each count: read it as a profile's inclusive times), and the gap time covered by
+    none of them (Python between ranges: scheduling, bookkeeping, or waiting for the GIL)."""
+    total = sum(e - s for s, e in gaps)
+    best: Any = None
+    for plane in data.planes:
+        if not plane.name.startswith("/host"):
+            continue
+        for line in plane.lines:
+            evs = [(ev.start_ns, ev.end_ns, ev.name) for ev in line.events]
+            n = sum(name.startswith("kestrel_jax.") for _, _, name in evs)
+            if n and (best is None or n > best[0]):
+                best = (n, line.name, evs)
+    if best is None:
+        return {"gaps": len(gaps), "idle_us": rnd(total / 1e3, 1), "error": "no kestrel_jax ranges in the trace"}
+    _, line_name, evs = best
+    by_name: dict[str, float] = defaultdict(float)
+    covered = 0
+    for g0, g1 in gaps:
+        ivs = []
+        for s0, e0, name in evs:
+            lo, hi = max(s0, g0), min(e0, g1)
+            if hi > lo:
+                by_name[name[:80]] += hi - lo
+                ivs.append((lo, hi))
+        ivs.sort()
+        cur = g0
+        for lo, hi in ivs:  # union of the events' overlaps
+            if hi > cur:
+                covered += hi - max(lo, cur)
+                cur = hi
+    return {"line": line_name, "gaps": len(gaps), "idle_us": rnd(total / 1e3, 1),
+            "outside_any_event_us": rnd((total - covered) / 1e3, 1),
+            "by_event": [{"name": k, "us": rnd(v / 1e3, 1)} for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])
+                         [:25]]}
 
 
 def _family(kernel: str) -> str:

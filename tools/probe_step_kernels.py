@@ -197,19 +197,24 @@ def interleaved(fns: list[Any], args: tuple[Any, ...], iters: int,
     return runs, how
 
 
-def wall_times(fns: list[Any], args: tuple[Any, ...], rounds: int) -> list[float]:
-    """Host-timed wall clock of one blocking call of each variant (us, median of `rounds`, taken in
-    turn as `interleaved`): what the CUPTI sum cannot show (launch gaps, work that overlaps). A
-    call includes its dispatch and the probe's undonated KV-pool copy, alike for every variant."""
+def wall_times(fns: list[Any], args: tuple[Any, ...], rounds: int) -> list[tuple[float, float]]:
+    """Host-timed (wall, launch) of one blocking call of each variant (us, medians of `rounds`,
+    taken in turn as `interleaved`). Wall: what the CUPTI sum cannot show (launch gaps, work that
+    overlaps); a call includes its dispatch and the probe's undonated KV-pool copy, alike for every
+    variant. Launch: until the call returns, before its outputs are ready: the host time a pipelined
+    engine must hide under the previous step (steps that launch slower than the device runs them
+    leave it idle)."""
     for fn in fns:  # warm: the first call of a compiled step allocates
         jax.block_until_ready(fn(*args))
-    times: list[list[float]] = [[] for _ in fns]
+    times: list[list[tuple[float, float]]] = [[] for _ in fns]
     for _ in range(rounds):
         for i, fn in enumerate(fns):
             t0 = time.perf_counter()
-            jax.block_until_ready(fn(*args))
-            times[i].append((time.perf_counter() - t0) * 1e6)
-    return [float(np.median(t)) for t in times]
+            out = fn(*args)
+            t1 = time.perf_counter()
+            jax.block_until_ready(out)
+            times[i].append(((time.perf_counter() - t0) * 1e6, (t1 - t0) * 1e6))
+    return [(float(np.median([w for w, _ in t])), float(np.median([x for _, x in t]))) for t in times]
 
 
 def main() -> int:
@@ -309,10 +314,10 @@ def main() -> int:
         walls = wall_times(compiled_v, args, a.wall_rounds) if a.wall_rounds else [None] * len(labels)
         for label, compiled, runs, wall in zip(labels, compiled_v, runs_v, walls, strict=True):
             if label is None:
-                report(kind, compiled, aggregate_runs(runs), how, res, a, out_dir, wall_us=wall)
+                report(kind, compiled, aggregate_runs(runs), how, res, a, out_dir, wall=wall)
             else:
                 report(kind, compiled, aggregate_runs(runs), how, variants[label], a, out_dir,
-                       label=f"[{label}] ", wall_us=wall)
+                       label=f"[{label}] ", wall=wall)
     if ab:
         first = variants[ab[0][0]]
         for label, _ in ab[1:]:
@@ -331,9 +336,9 @@ def main() -> int:
 
 
 def report(kind: str, compiled: Any, kernels: list[dict[str, Any]], how: str, res: dict[str, Any], a: Any,
-           out_dir: Path | None, label: str = "", wall_us: float | None = None) -> None:
+           out_dir: Path | None, label: str = "", wall: tuple[float, float] | None = None) -> None:
     """One step's kernels into `res["steps"][kind]` (with the HLO beside them in `out_dir`), printed
-    by family and by kernel; `label` names the --ab variant; `wall_us`: `wall_times`' figure."""
+    by family and by kernel; `label` names the --ab variant; `wall`: `wall_times`' figures."""
     if out_dir is not None:
         tag = label.strip(" []").replace("=", "_")
         with gzip.open(out_dir / f"step_{kind}{'_' + tag if tag else ''}.hlo.txt.gz", "wt") as f:
@@ -350,11 +355,13 @@ def report(kind: str, compiled: Any, kernels: list[dict[str, Any]], how: str, re
                                   sorted(fam.items(), key=lambda kv: -kv[1][1])]
     step: dict[str, Any] = {"timing": how, "total_us": round(total, 1),
                             "launches": sum(r["launches"] for r in kernels), "families": fams, "kernels": kernels}
-    if wall_us is not None:
-        step["wall_us"] = round(wall_us, 1)
+    said = ""
+    if wall is not None:
+        step["wall_us"], step["launch_us"] = round(wall[0], 1), round(wall[1], 1)
+        said = (f"; wall {wall[0]:.1f} us per blocking call, of which {wall[1]:.1f} us until the call "
+                f"returned (host-timed medians)")
     res["steps"][kind] = step
-    wall = "" if wall_us is None else f"; wall {wall_us:.1f} us per blocking call (host-timed median)"
-    print(f"{label}{kind}: {total:.1f} us in {step['launches']} launches ({how}){wall}", flush=True)
+    print(f"{label}{kind}: {total:.1f} us in {step['launches']} launches ({how}){said}", flush=True)
     for f_ in fams[:a.top]:
         print(f"   {f_['us']:9.1f} us  x{f_['launches']:<4d} {f_['family'][:100]}", flush=True)
     print(f"  {kind}: kernels by time (us per launch, launches, the HLO's output shape and op)", flush=True)

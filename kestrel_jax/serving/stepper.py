@@ -9,8 +9,9 @@ takes its input from that output on the device.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,11 +62,17 @@ class Stepper:
         # mixed: prefill steps that also ran a decode iteration (counted in prefill, not in decode)
         self.steps = {"prefill": 0, "mixed": 0, "decode": 0, "decode_multi": 0, "decode_iterations": 0}
         self.wait_s = 0.0  # time spent blocked on step outputs (device not done yet)
+        # host seconds inside the dispatch phase: the step calls by kind until they return (launching
+        # the step's work on the device; launches slower than the device runs the previous step leave
+        # it idle), the image encodings taken (waiting for the vision thread) and the page copies
+        self.launch_s = {"launch_decode": 0.0, "launch_prefill": 0.0, "launch_mixed": 0.0, "image_wait": 0.0,
+                         "copy_pages": 0.0}
 
     # ------------------------------------------------------------------------------ launch
     def dispatch(self, plan: PrefillPlan | DecodePlan, pending: Pending | None) -> Pending:
         if plan.num_copies:
-            self.runner.copy_pages(plan.copies, plan.num_copies)
+            with self._timed("copy_pages"):
+                self.runner.copy_pages(plan.copies, plan.num_copies)
         if isinstance(plan, DecodePlan):
             self.steps["decode"] += 1
             self.steps["decode_multi"] += plan.steps > 1
@@ -77,7 +84,8 @@ class Stepper:
 
     def _decode(self, plan: DecodePlan, pending: Pending | None) -> Pending:
         ints, floats, rows, row_steps = self._decode_rows(plan, pending)
-        outs, last = self.runner.decode(ints, floats, pending.feed if pending is not None else None, plan.steps)
+        with self._timed("launch_decode"):
+            outs, last = self.runner.decode(ints, floats, pending.feed if pending is not None else None, plan.steps)
         return Pending(plan, outs, rows, last, row_steps)
 
     def _decode_rows(self, plan: DecodePlan,
@@ -138,7 +146,8 @@ class Stepper:
                 kind[lo:hi][in_img] = IN_IMAGE
                 img_row[lo:hi][in_img] = len(images) * (pre - 1) + pos[in_img] - 1
                 token[lo:hi][pos == 0] = self.bos_id
-                images.append(self.image_tokens(sub, int(pos[-1]) >= pre - 1))  # last chunk of it?
+                with self._timed("image_wait"):
+                    images.append(self.image_tokens(sub, int(pos[-1]) >= pre - 1))  # last chunk of it?
             ptok = pos >= pre
             token[lo:hi][ptok] = np.asarray(sub.tokens, np.int32)[pos[ptok] - pre]
             offset = 0 if sub.crops is not None else 1  # text-only: BOS leads the token list
@@ -156,12 +165,25 @@ class Stepper:
         block = self.image_block(images)
         tok_ints[:, bt.T_REGION] = bt.needs_region(seq_ints[:, bt.S_FLAGS], kind)
         if plan.decode is None:
-            return Pending(plan, self.runner.prefill(tok_ints, tok_floats, seq_ints, seq_floats, block), rows)
+            with self._timed("launch_prefill"):
+                out = self.runner.prefill(tok_ints, tok_floats, seq_ints, seq_floats, block)
+            return Pending(plan, out, rows)
         ints, floats, drows, _ = self._decode_rows(plan.decode, pending)
         tok_ints[:, bt.T_REGION] |= ints[0, bt.D_REGION]  # the mixed step's gate covers its decode rows
-        out = self.runner.mixed(ints, floats, pending.feed if pending is not None else None, tok_ints, tok_floats,
-                                seq_ints, seq_floats, block)
+        with self._timed("launch_mixed"):
+            out = self.runner.mixed(ints, floats, pending.feed if pending is not None else None, tok_ints,
+                                    tok_floats, seq_ints, seq_floats, block)
         return Pending(plan, out, {**drows, **rows})
+
+    @contextlib.contextmanager
+    def _timed(self, key: str) -> Iterator[None]:
+        """Adds the block's host time to launch_s[key]; a named range in a profiler trace."""
+        t0 = time.perf_counter()
+        try:
+            with jax.profiler.TraceAnnotation(f"kestrel_jax.{key}"):
+                yield
+        finally:
+            self.launch_s[key] += time.perf_counter() - t0
 
     def image_block(self, images: list[jax.Array]) -> jax.Array:
         """The prefill step's image input [max_images, 729, D]: these images, then zero rows.
@@ -174,7 +196,8 @@ class Stepper:
         """Read a launched step's outputs (waits for it) and advance its jobs. Returns the jobs
         that finished: request id -> reason."""
         t0 = time.perf_counter()
-        raw = np.asarray(jax.device_get(pending.out))
+        with jax.profiler.TraceAnnotation("kestrel_jax.wait_outputs"):
+            raw = np.asarray(jax.device_get(pending.out))
         self.wait_s += time.perf_counter() - t0
         raw = raw[None] if raw.ndim == 2 else raw  # [steps, out_rows, 6]
         now = time.monotonic()

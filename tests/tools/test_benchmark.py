@@ -65,6 +65,11 @@ def test_quick_run_reports_every_workload(quick_run: tuple[dict[str, Any], str, 
     assert w1["decode_tok_s_per_seq_p50"] > 0 and w1["ms_per_token"] > 0
     # the engine thread over the measured requests: its loop phases and a sample of its stack
     assert w1["wall_s"] > 0 and 0 < w1["engine_host_s"]["dispatch"] < w1["wall_s"]
+    # inside the dispatch phase: the step calls until they return, image waits, page copies
+    host = w1["engine_host_s"]
+    inside = ("launch_decode", "launch_prefill", "launch_mixed", "image_wait", "copy_pages")
+    assert host["launch_decode"] > 0 and host["launch_prefill"] + host["launch_mixed"] > 0
+    assert sum(host[k] for k in inside) <= host["dispatch"] + 1e-3
     assert w1["host_profile"]["samples"] > 0
     # and of the vision thread (its samples: the thread exists, idle or encoding)
     assert w1["vision_thread_profile"]["samples"] > 0
@@ -198,3 +203,27 @@ def test_idle_gaps_by_length_and_neighbours(bench: ModuleType) -> None:
     g = bench.idle_gaps(spans, names, modules)
     assert g["long_by_module"] == [{"between": "jit_b -> jit_b", "count": 1, "idle_us": 2000.0},
                                    {"between": "jit_a -> jit_b", "count": 1, "idle_us": 1500.0}]
+
+
+def test_engine_thread_in_long_gaps(bench: ModuleType) -> None:
+    from types import SimpleNamespace as NS
+
+    ms = 1_000_000  # ns
+    spans = [(0, 1 * ms), (1 * ms + 500, 2 * ms), (5 * ms, 6 * ms), (6 * ms, 7 * ms), (9 * ms, 10 * ms)]
+    gaps = bench.long_gaps(spans)
+    assert gaps == [(2 * ms, 5 * ms), (7 * ms, 9 * ms)]  # the 0.5 us gap is not one
+
+    def ev(s0: int, e0: int, name: str) -> NS:
+        return NS(start_ns=s0, end_ns=e0, name=name)
+
+    engine = NS(name="kestrel-jax-engine", events=[
+        ev(1 * ms, 4 * ms, "kestrel_jax.launch_mixed"), ev(3 * ms, 4 * ms, "Execute"),  # nested
+        ev(8 * ms, 8 * ms + ms // 2, "kestrel_jax.wait_outputs")])
+    other = NS(name="vision", events=[ev(0, 10 * ms, "kestrel_jax.image_wait")])  # fewer ranges: not it
+    data = NS(planes=[NS(name="/device:GPU:0", lines=[]), NS(name="/host:CPU", lines=[other, engine])])
+    r = bench.engine_thread_in_gaps(data, gaps)
+    assert r["line"] == "kestrel-jax-engine" and r["gaps"] == 2 and r["idle_us"] == 5000.0
+    assert {e["name"]: e["us"] for e in r["by_event"]} == {"kestrel_jax.launch_mixed": 2000.0, "Execute": 1000.0,
+                                                           "kestrel_jax.wait_outputs": 500.0}
+    assert r["outside_any_event_us"] == 2500.0  # 4-5 ms and 7-8, 8.5-9 ms
+    assert "error" in bench.engine_thread_in_gaps(NS(planes=[]), gaps)

@@ -112,4 +112,17 @@ def test_wall_clock_is_taken_in_turn_after_a_warm_call():
 
     walls = wall_times([variant("a"), variant("b")], (np.zeros(2),), 3)
     assert calls == ["a", "b"] + ["a", "b"] * 3  # one warm call each, then in turn
-    assert len(walls) == 2 and all(w >= 0.0 for w in walls)
+    assert len(walls) == 2 and all(0.0 <= launch <= wall for wall, launch in walls)
+
+
+def test_launch_time_is_until_the_call_returns():
+    """A call that returns at once and whose outputs take 30 ms: launch ~0, wall >= 30 ms."""
+    import time as _time
+
+    class Slow:
+        def block_until_ready(self):
+            _time.sleep(0.03)
+            return self
+
+    (wall, launch), = wall_times([lambda x: Slow()], (0,), 2)
+    assert wall >= 30e3 and launch < 10e3
