@@ -217,6 +217,51 @@ def wall_times(fns: list[Any], args: tuple[Any, ...], rounds: int) -> list[tuple
     return [(float(np.median([w for w, _ in t])), float(np.median([x for _, x in t]))) for t in times]
 
 
+def host_trace(fn: Any, args: tuple[Any, ...], where: Path, calls: int = 3) -> dict[str, Any]:
+    """Profile `calls` blocking calls of `fn` (host tracer on, Python tracer off) into `where` and
+    summarize the host threads' events: for the busiest threads, each event name's inclusive time
+    and count per call (nested events each count)."""
+    jax.block_until_ready(fn(*args))
+    opts = jax.profiler.ProfileOptions()
+    opts.python_tracer_level = 0
+    opts.host_tracer_level = 2
+    opts.enable_hlo_proto = False
+    jax.profiler.start_trace(str(where), profiler_options=opts)
+    try:
+        for _ in range(calls):
+            jax.block_until_ready(fn(*args))
+    finally:
+        jax.profiler.stop_trace()
+    files = sorted(where.rglob("*.xplane.pb"), key=lambda f: f.stat().st_mtime)
+    if not files:
+        return {"calls": calls, "lines": [], "error": f"no .xplane.pb under {where}"}
+    from jax.profiler import ProfileData
+
+    return summarize_host_lines(ProfileData.from_file(str(files[-1])), calls) | {"file": str(files[-1])}
+
+
+def summarize_host_lines(data: Any, calls: int, lines: int = 3, top: int = 30) -> dict[str, Any]:
+    """The `lines` host threads with the most event time: per event name, time and count per call."""
+    found = []
+    for plane in data.planes:
+        if not plane.name.startswith("/host"):
+            continue
+        for line in plane.lines:
+            by: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+            for ev in line.events:
+                b = by[ev.name[:90]]
+                b[0] += 1
+                b[1] += ev.duration_ns / 1e3
+            if by:
+                found.append((sum(v[0] for v in by.values()), line.name, by))
+    found.sort(key=lambda t: -t[0])
+    return {"calls": calls, "lines": [
+        {"line": name, "events_per_call": round(n / calls, 1),
+         "top": [{"name": k, "per_call": round(v[0] / calls, 1), "us_per_call": round(v[1] / calls, 1)}
+                 for k, v in sorted(by.items(), key=lambda kv: -kv[1][1])[:top]]}
+        for n, name, by in found[:lines]]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="md3", choices=["md2", "md3"])
@@ -247,6 +292,12 @@ def main() -> int:
     ap.add_argument("--sets", nargs="+", default=None, metavar="SPEC",
                     help="as --ab, with variants of several switches each: default, or "
                          "KESTREL_JAX_A=V[+KESTREL_JAX_B=V...] (e.g. default KESTREL_JAX_MERGED_PROJ=1)")
+    ap.add_argument("--device-inputs", action="store_true",
+                    help="the step inputs put on the device once and passed again each call (default: host "
+                         "numpy arrays, copied each call, as the engine sends them)")
+    ap.add_argument("--host-trace", default=None, metavar="DIR",
+                    help="profile a few blocking calls of each step into DIR and print the host threads' "
+                         "events per call by inclusive time (what the launch spends its host time on)")
     a = ap.parse_args()
     ab = variant_sets(parse_ab(a.ab), parse_sets(a.sets))
     names = {n for _, env in ab or [] for n in env}
@@ -301,6 +352,8 @@ def main() -> int:
             args = (runner.vision_params, singles, *map(jnp.asarray, tile_pool_matrices((1, 1), vc, 1)))
         else:
             raise SystemExit(f"unknown step kind {kind!r}")
+        if a.device_inputs:
+            args = tuple(jax.device_put(x, runner.device) if isinstance(x, np.ndarray) else x for x in args)
         # the runner's step donates the KV pool; the probe runs it again and again on the same pool
         labels: list[str | None] = [label for label, _ in ab] if ab else [None]
         compiled_v = []
@@ -312,6 +365,17 @@ def main() -> int:
             compiled_v.append(jax.jit(getattr(step_fn, "__wrapped__", step_fn)).lower(*args).compile())
         runs_v, how = interleaved(compiled_v, args, a.iters)
         walls = wall_times(compiled_v, args, a.wall_rounds) if a.wall_rounds else [None] * len(labels)
+        if a.host_trace:
+            for label, compiled in zip(labels, compiled_v, strict=True):
+                where = Path(a.host_trace) / f"{kind}{'' if label is None else '_' + label}"
+                summary = host_trace(compiled, args, where)
+                (variants[label] if label is not None else res).setdefault("host_trace", {})[kind] = summary
+                print(f"{'' if label is None else f'[{label}] '}{kind}: host events per call ({summary['calls']} "
+                      f"calls traced, {where}):", flush=True)
+                for line in summary["lines"]:
+                    print(f"  thread {line['line']!r}: {line['events_per_call']} events per call", flush=True)
+                    for e in line["top"][:a.top]:
+                        print(f"    {e['us_per_call']:9.1f} us  x{e['per_call']:<7} {e['name']}", flush=True)
         for label, compiled, runs, wall in zip(labels, compiled_v, runs_v, walls, strict=True):
             if label is None:
                 report(kind, compiled, aggregate_runs(runs), how, res, a, out_dir, wall=wall)

@@ -126,3 +126,22 @@ def test_launch_time_is_until_the_call_returns():
 
     (wall, launch), = wall_times([lambda x: Slow()], (0,), 2)
     assert wall >= 30e3 and launch < 10e3
+
+
+def test_host_lines_per_call_busiest_first():
+    from types import SimpleNamespace as NS
+
+    from tools.probe_step_kernels import summarize_host_lines
+
+    def ev(name, us):
+        return NS(name=name, duration_ns=int(us * 1000))
+
+    busy = NS(name="launcher", events=[ev("Execute", 300), ev("Launch", 10), ev("Launch", 20), ev("Execute", 300)])
+    quiet = NS(name="idle", events=[ev("Wait", 1)])
+    data = NS(planes=[NS(name="/device:GPU:0", lines=[NS(name="stream", events=[ev("k", 5)] * 9)]),
+                      NS(name="/host:CPU", lines=[quiet, busy])])
+    r = summarize_host_lines(data, calls=2)
+    assert [ln["line"] for ln in r["lines"]] == ["launcher", "idle"]  # device planes are not host threads
+    assert r["lines"][0]["events_per_call"] == 2.0
+    assert r["lines"][0]["top"] == [{"name": "Execute", "per_call": 1.0, "us_per_call": 300.0},
+                                    {"name": "Launch", "per_call": 1.0, "us_per_call": 15.0}]
