@@ -128,6 +128,54 @@ class PrefixCacheStats:
     evicted_pages: int = 0
 
 
+class _FlatEntries:
+    """The cache's entries in insertion order with their pages in flat arrays, for checking all of
+    them against the reference counts at once. Insertions are appended at the next `sync`;
+    evicted entries are marked dead and dropped once they are half of the rows."""
+
+    def __init__(self) -> None:
+        self.entries: list[_Entry] = []
+        self.pos: dict[int, int] = {}  # id(entry) -> row
+        self.pages = np.zeros(0, np.int64)  # every row's pages, concatenated
+        self.starts = np.zeros(0, np.int64)  # row -> first index into pages
+        self.lens = np.zeros(0, np.int64)
+        self.dead = np.zeros(0, bool)
+        self._new: list[_Entry] = []
+
+    def add(self, entry: _Entry) -> None:
+        self._new.append(entry)
+
+    def remove(self, entry: _Entry) -> None:
+        row = self.pos.pop(id(entry), None)
+        if row is None:
+            self._new.remove(entry)
+        else:
+            self.dead[row] = True
+
+    def sync(self) -> None:
+        n_dead = len(self.entries) - len(self.pos)
+        if n_dead > 32 and 2 * n_dead > len(self.entries):
+            keep = ~self.dead
+            self.pages = self.pages[np.repeat(keep, self.lens)]
+            self.entries = [e for e, k in zip(self.entries, keep.tolist(), strict=True) if k]
+            self.lens = self.lens[keep]
+            self.dead = self.dead[keep]
+            self.starts = np.zeros(len(self.entries), np.int64)
+            np.cumsum(self.lens[:-1], out=self.starts[1:])
+            self.pos = {id(e): i for i, e in enumerate(self.entries)}
+        if self._new:
+            new, self._new = self._new, []
+            lens = np.fromiter((len(e.pages) for e in new), np.int64, len(new))
+            pages = np.fromiter((p for e in new for p in e.pages), np.int64, int(lens.sum()))
+            self.starts = np.concatenate([self.starts, self.pages.size + np.cumsum(lens) - lens])
+            self.pages = np.concatenate([self.pages, pages])
+            self.lens = np.concatenate([self.lens, lens])
+            self.dead = np.concatenate([self.dead, np.zeros(len(new), bool)])
+            for e in new:
+                self.pos[id(e)] = len(self.entries)
+                self.entries.append(e)
+
+
 class PrefixCache:
     """Holds one reference on every page of every entry; registers itself as the allocator's
     reclaimer so allocations evict unreferenced entries when the free list runs short."""
@@ -139,6 +187,11 @@ class PrefixCache:
         self._tick = 0
         self._pending: list[_Copy] = []  # not yet in a plan
         self._in_flight: list[_Copy] = []  # in the plan being executed
+        # The entries' pages flattened for eviction, which checks every entry's pages against the
+        # reference counts at every admission once cached images fill the pool (a Python scan of
+        # each page took ~3.5 ms per engine step with ~400 cached images: BENCHMARKS.md, 27th
+        # session).
+        self._flat = _FlatEntries()
         self.stats = PrefixCacheStats()
         allocator.set_reclaimer(self)
 
@@ -237,6 +290,7 @@ class PrefixCache:
         pages = full + ((tail,) if tail is not None else ())
         entry = _Entry(keys.image_key, pages, 0, self._tick, tail, tail_src)
         self._entries[keys.image_key] = entry
+        self._flat.add(entry)
         if tail is not None and tail_src is not None:
             self._pending.append(_Copy(tail_src, tail, entry))
         self.stats.inserted_pages += len(pages)
@@ -250,7 +304,8 @@ class PrefixCache:
             existing.last_used = self._tick
             return False
         self.allocator.incref([page])
-        self._entries[key] = _Entry(key, (int(page),), depth, self._tick)
+        self._entries[key] = entry = _Entry(key, (int(page),), depth, self._tick)
+        self._flat.add(entry)
         self.stats.inserted_pages += 1
         return True
 
@@ -272,19 +327,30 @@ class PrefixCache:
 
     # -- eviction ----------------------------------------------------------------------------
 
+    def _evictable_mask(self) -> np.ndarray:
+        """Over `self._flat.entries`: live entries whose every page only the cache references,
+        but for those whose tail copy is in the plan being executed."""
+        f = self._flat
+        f.sync()
+        shared = np.concatenate([[0], np.cumsum(self.allocator.refcounts[f.pages] != 1)])
+        mask = (shared[f.starts + f.lens] == shared[f.starts]) & ~f.dead  # no page held by anyone else
+        for c in self._in_flight:
+            if c.entry is not None and id(c.entry) in f.pos:
+                mask[f.pos[id(c.entry)]] = False
+        return mask
+
     def _evictable(self) -> list[_Entry]:
-        refs = self.allocator.refcounts
-        busy = {c.entry.key for c in self._in_flight if c.entry is not None}
-        return [e for e in self._entries.values() if e.key not in busy and all(refs[p] == 1 for p in e.pages)]
+        return [self._flat.entries[i] for i in np.flatnonzero(self._evictable_mask())]
 
     def reclaimable(self) -> int:
         """Pages that evicting every evictable entry would free, including the source pages of
         their pending tail copies when nothing else holds them."""
         refs = self.allocator.refcounts
-        evictable = self._evictable()
-        ids = {id(e) for e in evictable}
-        pinned_only = sum(1 for c in self._pending if c.entry is not None and id(c.entry) in ids and refs[c.src] == 1)
-        return sum(len(e.pages) for e in evictable) + pinned_only
+        mask = self._evictable_mask()
+        f = self._flat
+        pinned_only = sum(1 for c in self._pending if c.entry is not None and id(c.entry) in f.pos
+                          and mask[f.pos[id(c.entry)]] and refs[c.src] == 1)
+        return int(f.lens[mask].sum()) + pinned_only
 
     def reclaim(self, num_pages: int) -> int:
         freed = 0
@@ -296,6 +362,7 @@ class PrefixCache:
 
     def _evict(self, entry: _Entry) -> int:
         del self._entries[entry.key]
+        self._flat.remove(entry)
         freed = self.allocator.decref(entry.pages)
         for c in [c for c in self._pending if c.entry is entry]:
             self._pending.remove(c)
@@ -313,6 +380,7 @@ class PrefixCache:
         for e in list(self._entries.values()):
             self.allocator.decref(e.pages)
         self._entries.clear()
+        self._flat = _FlatEntries()
 
     def add_held_refs(self, counts: np.ndarray) -> None:
         """Adds the references the cache holds (entries and copy pins) to `counts` [num_pages]."""

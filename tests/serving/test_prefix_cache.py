@@ -295,3 +295,49 @@ def test_cache_disabled_recomputes_the_prefix(make: Make) -> None:
     assert plan.context_lens[b] == 0 and plan.num_copies == 0
     run_until_idle(s, r)
     assert s.allocator.num_used == 0 and np.all(s.allocator.refcounts == 0)
+
+
+def test_evictable_set_matches_a_page_by_page_scan_through_many_evictions() -> None:
+    """The flat index eviction checks (appended at insertion, evicted rows compacted away once they
+    are half of it) agrees with the definition after every operation of a random run long enough
+    to compact several times: entries whose every page only the cache holds, minus those whose
+    tail copy is in flight."""
+    rng = np.random.default_rng()
+    alloc = PageAllocator(96, 64)
+    cache = PrefixCache(alloc)
+    held: list[list[int]] = []  # pages "sequences" hold besides the cache
+
+    def brute() -> set[int]:
+        busy = {id(c.entry) for c in cache._in_flight if c.entry is not None}
+        return {id(e) for e in cache._entries.values()
+                if id(e) not in busy and all(alloc.refcount(p) == 1 for p in e.pages)}
+
+    compactions = 0
+    for step in range(600):
+        op = rng.integers(0, 5)
+        if op <= 1 and alloc.can_allocate(13):  # a sequence prefills an image: 12 pages, cached
+            pages = alloc.allocate(13)
+            keys = prefix_keys(64, PRE, digest(f"img{step}"), None)
+            cache.insert_image(keys, pages)
+            held.append(pages)
+        elif op == 2 and alloc.can_allocate(1):  # a prompt page, cached
+            (page,) = alloc.allocate(1)
+            cache.insert_page(digest(f"page{step}"), page, depth=int(rng.integers(1, 4)))
+            held.append([page])
+        elif op == 3 and held:  # a sequence ends
+            alloc.decref(held.pop(int(rng.integers(len(held)))))
+        elif op == 4:  # a plan with the pending copies runs
+            cache.take_copies()
+            if rng.random() < 0.5:
+                assert {id(e) for e in cache._evictable()} == brute()  # while copies are in flight
+            cache.copies_done()
+        before = len(cache._flat.entries)
+        assert {id(e) for e in cache._evictable()} == brute()
+        compactions += len(cache._flat.entries) < before
+        assert cache.reclaimable() >= sum(len(e.pages) for e in cache._evictable())
+    assert compactions >= 1
+    for pages in held:
+        alloc.decref(pages)
+    cache.clear()
+    alloc.check_leaks()
+    assert alloc.num_free == alloc.num_pages
