@@ -120,6 +120,10 @@ class FakeRunner:
             return np.concatenate([self._run_decode(dec, protected), self._run_prefill(plan, protected)])
         return self._run_decode(plan, protected)
 
+    def copy_pages(self, copies: np.ndarray, n: int) -> None:
+        """Page copies dispatched on their own (`Scheduler.flush_copies`), before the next step."""
+        self._apply_copies(copies, n)
+
     def _apply_copies(self, copies: np.ndarray, n: int) -> None:
         real, pad = copies[:n], copies[n:]
         if (pad != -1).any() or (real < 0).any() or (real >= self.num_pages).any():
@@ -299,12 +303,13 @@ def submit(scheduler: Scheduler, runner: FakeRunner, req: Request) -> None:
 
 def run_step(
     scheduler: Scheduler, runner: FakeRunner, stop: Callable[[Hashable, int], bool] | None = None,
-    decode_steps: int = 1, ready: Callable[[Hashable], bool] | None = None,
+    decode_steps: int = 1, ready: Callable[[Hashable], bool] | None = None, flush_copies: bool = False,
 ) -> StepOutcome | None:
     """One engine iteration: schedule -> run -> commit. `stop(request_id, token)` marks a sampled
     token as the end of its request (reason "stop"). Ended requests are forgotten by the runner
     (cancels and deadline expiries from schedule() included) and returned. `ready`: the
-    scheduler's image-readiness predicate (`Scheduler.schedule`)."""
+    scheduler's image-readiness predicate (`Scheduler.schedule`). `flush_copies`: the page copies
+    the commit made are run at once (`Scheduler.flush_copies`), as the engine does."""
     plan = scheduler.schedule(decode_steps, ready=ready)
     ended = scheduler.take_finished()  # cancels since the last step and deadline expiries
     for f in ended:
@@ -315,6 +320,10 @@ def run_step(
     finished = {sid: "stop" for sid, toks in sampled(plan, tokens).items()
                 if stop is not None and any(stop(sid, t) for t in toks)}
     scheduler.commit(plan, finished)
+    if flush_copies:
+        copies, n = scheduler.flush_copies()
+        if n:
+            runner.copy_pages(copies, n)
     done = scheduler.take_finished()
     for f in done:
         runner.forget(f.request_id)
@@ -328,11 +337,12 @@ def run_until_idle(
     stop: Callable[[Hashable, int], bool] | None = None,
     max_steps: int = 100_000,
     decode_steps: int = 1,
+    flush_copies: bool = False,
 ) -> list[FinishedRequest]:
     """Steps until nothing is waiting or running; returns everything that ended."""
     ended: list[FinishedRequest] = []
     for _ in range(max_steps):
-        out = run_step(scheduler, runner, stop, decode_steps)
+        out = run_step(scheduler, runner, stop, decode_steps, flush_copies=flush_copies)
         if out is None:
             if scheduler.has_work():
                 raise RuntimeError("scheduler has work but planned nothing (deadlock)")

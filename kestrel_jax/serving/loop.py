@@ -297,6 +297,10 @@ class EngineWorker:
                     self._deliver_finished(None)
                     continue
                 self.scheduler.commit(plan)
+                # An image the commit cached gets its tail page copied now, in stream order after
+                # the step that wrote its source, while the device is still busy with earlier
+                # steps, rather than before the next step's launch, after the wait below.
+                self._flush_copies()
                 t2 = time.perf_counter()
                 self.host_s["dispatch"] += t2 - t1
                 if pending is not None:  # the device is busy with `launched` meanwhile
@@ -322,6 +326,17 @@ class EngineWorker:
         for rid in list(self._live):
             self._fail(rid, EngineError("the engine was shut down"))
         self._fail_inbox(EngineError("the engine was shut down"))
+
+    def _flush_copies(self) -> None:
+        copies, n = self.scheduler.flush_copies()
+        if not n:
+            return
+        try:
+            self.stepper.copy_pages(copies, n)
+        except Exception as e:  # the cached images' tails were not written: drop the cache's entries
+            log.exception("page copy failed")
+            self._recover(e)
+            self.scheduler.clear_prefix_cache()
 
     def _process(self, pending: Pending) -> None:
         """Read a launched step; jobs it finished leave the scheduler now (their pages free)."""

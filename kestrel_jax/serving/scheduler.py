@@ -373,6 +373,20 @@ class Scheduler:
             self.stats.finished += 1
         self._finished.append(FinishedRequest(req.request_id, reason, metrics))
 
+    def flush_copies(self) -> tuple[np.ndarray, int]:
+        """The page copies pending now (an image prefix cached by the last commit: its straddling
+        page copied to the cache's tail page), taken out of the next plan, as a plan's (copies,
+        num_copies). The caller must run them before any later step, which a device stream does
+        for copies dispatched before that step's launch: the engine dispatches them right after
+        the launch whose commit made them, while it would otherwise wait for the device, instead of
+        with the next step. Counted as done at once (sources unpinned, tails readable)."""
+        if self._in_flight is not None:
+            raise SchedulerStateError("flush_copies() between commit() and the next schedule() only")
+        copies, n = self._copies()
+        if self.prefix_cache is not None:
+            self.prefix_cache.copies_done()
+        return copies, n
+
     # -- plans -------------------------------------------------------------------------------
 
     def _copies(self) -> tuple[np.ndarray, int]:

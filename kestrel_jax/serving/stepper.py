@@ -71,8 +71,7 @@ class Stepper:
     # ------------------------------------------------------------------------------ launch
     def dispatch(self, plan: PrefillPlan | DecodePlan, pending: Pending | None) -> Pending:
         if plan.num_copies:
-            with self._timed("copy_pages"):
-                self.runner.copy_pages(plan.copies, plan.num_copies)
+            self.copy_pages(plan.copies, plan.num_copies)
         if isinstance(plan, DecodePlan):
             self.steps["decode"] += 1
             self.steps["decode_multi"] += plan.steps > 1
@@ -81,6 +80,10 @@ class Stepper:
         self.steps["prefill"] += 1
         self.steps["mixed"] += plan.decode is not None
         return self._prefill(plan, pending)
+
+    def copy_pages(self, copies: np.ndarray, num_copies: int) -> None:
+        with self._timed("copy_pages"):
+            self.runner.copy_pages(copies, num_copies)
 
     def _decode(self, plan: DecodePlan, pending: Pending | None) -> Pending:
         ints, floats, rows, row_steps = self._decode_rows(plan, pending)

@@ -168,6 +168,39 @@ def test_prefix_cache_hit_gives_identical_answers(engine: InferenceEngine, image
     _leak_free(engine)
 
 
+def test_a_failed_tail_copy_drops_the_cache_and_serves_on(engine: InferenceEngine, tmp_path: Path) -> None:
+    """The tail copy of a newly cached image runs right after the launch that cached it; if it
+    fails, the request is unaffected, the cache's entries are dropped (the tail was not written)
+    and the next query of that image prefills it again and answers the same."""
+    img = tmp_path / "fresh.png"
+    Image.fromarray(np.random.default_rng(7).integers(0, 255, (200, 260, 3), np.uint8)).save(img)
+    runner = engine._worker.runner
+    real, failed = runner.copy_pages, []
+
+    def broken(*args: Any) -> None:
+        failed.append(args)
+        runner.copy_pages = real  # once
+        raise RuntimeError("injected page-copy failure")
+
+    greedy = {"temperature": 0.0, "max_tokens": 4}
+
+    async def ask() -> Result:
+        res = await engine.query(img, "Is it red?", reasoning=False, settings=greedy)
+        assert isinstance(res, Result)
+        return res
+
+    runner.copy_pages = broken
+    try:
+        first = asyncio.run(ask())
+    finally:
+        runner.copy_pages = real
+    second, third = asyncio.run(ask()), asyncio.run(ask())
+    assert len(failed) == 1 and first.metrics.cached_tokens == 0
+    assert second.metrics.cached_tokens == 0  # dropped with the cache, prefilled again
+    assert third.metrics.cached_tokens >= 730 and first.output == second.output == third.output
+    _leak_free(engine)
+
+
 def test_images_past_the_crop_canvas_take_the_host_path(engine: InferenceEngine, ref: ReferenceMoondream) -> None:
     # This engine makes crops on the device; a side longer than the canvas (1024 px) sends the image
     # to the host's PIL crops instead, with the same answer as the reference; a 378 px image too.

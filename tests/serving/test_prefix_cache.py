@@ -341,3 +341,33 @@ def test_evictable_set_matches_a_page_by_page_scan_through_many_evictions() -> N
     cache.clear()
     alloc.check_leaks()
     assert alloc.num_free == alloc.num_pages
+
+
+def test_copies_flushed_after_the_commit_that_made_them(make: Make) -> None:
+    """The engine dispatches an image entry's tail copy right after the launch whose commit cached
+    the image (Scheduler.flush_copies), not with the next plan: later plans carry only hits' copies,
+    which then read the cache's tail page, and every position still reads its own content (the
+    FakeRunner checks)."""
+    s, r = make()
+    submit(s, r, img_req("a", "cat", range(20)))
+    plan = s.schedule()
+    assert plan is not None
+    with pytest.raises(Exception, match="flush_copies"):
+        s.flush_copies()  # only between a commit and the next schedule
+    r.run(plan)
+    s.commit(plan)
+    copies, n = s.flush_copies()
+    assert n == 1 and copies[0, 0] == plan.page_table[0, PRE // 64]  # a's straddling page -> the tail
+    r.copy_pages(copies, n)
+    assert s.flush_copies()[1] == 0  # taken once
+    run_until_idle(s, r, flush_copies=True)
+    submit(s, r, img_req("b", "cat", range(500, 530)))
+    plan_b, b = first_prefill_of(s, r, "b")
+    assert s.prefix_cache is not None
+    tail = s.prefix_cache._entries[key("cat")].tail
+    assert plan_b.context_lens[b] == PRE and plan_b.num_copies == 1 and plan_b.copies[0, 0] == tail
+    # many images at once, flushed as the engine does; the FakeRunner checks every read
+    for i in range(12):
+        submit(s, r, img_req(f"m{i}", ["cat", "dog", "eel"][i % 3], range(7 * i, 7 * i + 9)))
+    ended = run_until_idle(s, r, flush_copies=True)
+    assert sum(f.metrics.cached_tokens == PRE for f in ended) >= 9
