@@ -113,12 +113,6 @@ class EngineConfig:
     # concurrent image queries on the H100 (BENCHMARKS.md, twenty-sixth session) had the device idle
     # 21-33% of the window, mostly in gaps of ~5 ms before steps. Off until measured on the GPU.
     defer_unready_images: bool = False
-    # Python's GIL switch interval while the engine runs (ms; sys.setswitchinterval, process-wide,
-    # restored when the engine stops). The engine thread gives up the GIL in every device call and
-    # transfer; taking it back from a thread that runs Python (the vision thread, the callers' event
-    # loop, image preparation) can wait a whole interval, 5 ms by default, with the device idle.
-    # None: leave the interpreter's setting.
-    gil_switch_interval_ms: float | None = None
     # Requests held beyond those running (waiting for KV pages or a batch slot, in the inbox, or
     # having their image decoded): a request past it fails at once with EngineBusy (a server answers
     # 503 "overloaded"), so a burst cannot fill host memory with decoded images and queued crops.

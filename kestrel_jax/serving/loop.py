@@ -13,7 +13,6 @@ import functools
 import gc
 import logging
 import queue
-import sys
 import threading
 import time
 from collections.abc import Hashable
@@ -73,10 +72,6 @@ class EngineWorker:
         bad = {k: v for k, v in counts.items() if v < 1}
         if bad:
             raise ValueError(f"these engine settings must be >= 1: {bad}")
-        gil = config.gil_switch_interval_ms
-        if gil is not None and not 0 < gil <= 1000:
-            raise ValueError(f"gil_switch_interval_ms={gil}: must be in (0, 1000] ms, or None")
-        self._gil_before: float | None = None  # the interval to restore at stop (None: not changed)
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
@@ -136,9 +131,6 @@ class EngineWorker:
         gc.collect()
         gc.freeze()
         worker.startup_s = time.perf_counter() - t0
-        if config.gil_switch_interval_ms is not None:
-            worker._gil_before = sys.getswitchinterval()
-            sys.setswitchinterval(config.gil_switch_interval_ms / 1e3)
         worker._thread.start()
         return worker
 
@@ -151,10 +143,6 @@ class EngineWorker:
             self._ahead.shutdown()
             with contextlib.suppress(Exception):  # encodings still computing: done before the engine goes
                 jax.block_until_ready(self._ahead.encodings())
-        ours = self.config.gil_switch_interval_ms
-        if self._gil_before is not None and ours is not None and abs(sys.getswitchinterval() - ours / 1e3) < 1e-6:
-            sys.setswitchinterval(self._gil_before)  # unless something else has changed it since
-            self._gil_before = None
 
     @property
     def alive(self) -> bool:
