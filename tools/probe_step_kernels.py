@@ -217,6 +217,13 @@ def wall_times(fns: list[Any], args: tuple[Any, ...], rounds: int) -> list[tuple
     return [(float(np.median([w for w, _ in t])), float(np.median([x for _, x in t]))) for t in times]
 
 
+def putting(fn: Any, device: Any) -> Any:
+    """`fn` called with its numpy arguments put on `device` first (jax.device_put)."""
+    def call(*args: Any) -> Any:
+        return fn(*(jax.device_put(x, device) if isinstance(x, np.ndarray) else x for x in args))
+    return call
+
+
 def host_trace(fn: Any, args: tuple[Any, ...], where: Path, calls: int = 3) -> dict[str, Any]:
     """Profile `calls` blocking calls of `fn` (host tracer on, Python tracer off) into `where` and
     summarize the host threads' events: for the busiest threads, each event name's inclusive time
@@ -295,6 +302,9 @@ def main() -> int:
     ap.add_argument("--device-inputs", action="store_true",
                     help="the step inputs put on the device once and passed again each call (default: host "
                          "numpy arrays, copied each call, as the engine sends them)")
+    ap.add_argument("--put-inputs", action="store_true",
+                    help="each call puts the numpy step inputs on the device first (jax.device_put, inside the "
+                         "timed call), as the engine does with RunnerConfig.put_inputs")
     ap.add_argument("--host-trace", default=None, metavar="DIR",
                     help="profile a few blocking calls of each step into DIR and print the host threads' "
                          "events per call by inclusive time (what the launch spends its host time on)")
@@ -364,9 +374,12 @@ def main() -> int:
                 ops._jitted.cache_clear()
             compiled_v.append(jax.jit(getattr(step_fn, "__wrapped__", step_fn)).lower(*args).compile())
         runs_v, how = interleaved(compiled_v, args, a.iters)
-        walls = wall_times(compiled_v, args, a.wall_rounds) if a.wall_rounds else [None] * len(labels)
+        # host-timed calls (wall, launch, host trace) as the engine makes them: with --put-inputs,
+        # each call puts its numpy inputs first (the kernels are the same either way)
+        timed_v = [putting(fn, runner.device) for fn in compiled_v] if a.put_inputs else compiled_v
+        walls = wall_times(timed_v, args, a.wall_rounds) if a.wall_rounds else [None] * len(labels)
         if a.host_trace:
-            for label, compiled in zip(labels, compiled_v, strict=True):
+            for label, compiled in zip(labels, timed_v, strict=True):
                 where = Path(a.host_trace) / f"{kind}{'' if label is None else '_' + label}"
                 summary = host_trace(compiled, args, where)
                 (variants[label] if label is not None else res).setdefault("host_trace", {})[kind] = summary

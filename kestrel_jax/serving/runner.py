@@ -99,6 +99,11 @@ class RunnerConfig:
     # The device this runner's params, KV pool and steps live on: an index into jax.local_devices()
     # (one engine per device; `EngineConfig.num_devices` starts one per device).
     device: int = 0
+    # The text steps' host inputs (numpy) put on the device with jax.device_put before each call
+    # instead of handed to the call. In the GPU probe a decode call with its two inputs already on
+    # the device returned in 3.2 ms against 6.0 ms with numpy inputs (BENCHMARKS.md, twenty-seventh
+    # session); whether putting them first recovers that is to be measured. Off until then.
+    put_inputs: bool = False
 
 
 class StepOutputs(NamedTuple):
@@ -468,11 +473,18 @@ class Runner:
     # in these share the exported steps. Any other field, including one added later, is in the salt.
     _NOT_IN_STEPS = frozenset({"num_pages", "kv_memory_fraction", "vision_buckets", "compilation_cache_dir",
                                "vision_attention", "device_crops", "crop_canvas", "export_steps",
-                               "vision_image_batches", "device"})
+                               "vision_image_batches", "device", "put_inputs"})
 
     def _on(self, x: Any) -> Any:
         """Host arrays (or a tuple of them) onto this runner's device, committed."""
         return jax.device_put(x, self.device)
+
+    def _inputs(self, *args: Any) -> tuple[Any, ...]:
+        """A text step's inputs as its call takes them: with `put_inputs`, the numpy ones put on the
+        device first (committed; every call, warm-up and compile-ahead alike, so one signature)."""
+        if not self.config.put_inputs:
+            return args
+        return tuple(self._on(x) if isinstance(x, np.ndarray) else x for x in args)
 
     def _export_salt(self) -> str:
         """Everything besides input shapes and code that shapes a step's program (see export_cache)."""
@@ -630,21 +642,22 @@ class Runner:
         Returns (outputs [steps, out_rows, 6], last [out_rows, 6]: each row's output of its last
         iteration). `prev`: the previous launch's `last` (for rows with src >= 0)."""
         self.cache, outs, last = self._guarded(f"decode{steps}", self._decode_fn(steps), self.lm_params, self.cache,
-                                               ints, floats, self._feed(prev))
+                                               *self._inputs(ints, floats, self._feed(prev)))
         return outs, last
 
     def prefill(self, tok_ints: np.ndarray, tok_floats: np.ndarray, seq_ints: np.ndarray, seq_floats: np.ndarray,
                 images: jax.Array) -> jax.Array:
-        self.cache, out = self._guarded("prefill", self._prefill, self.lm_params, self.cache, tok_ints, tok_floats,
-                                        seq_ints, seq_floats, images)
+        self.cache, out = self._guarded("prefill", self._prefill, self.lm_params, self.cache,
+                                        *self._inputs(tok_ints, tok_floats, seq_ints, seq_floats, images))
         return out
 
     def mixed(self, ints: np.ndarray, floats: np.ndarray, prev: jax.Array | None, tok_ints: np.ndarray,
               tok_floats: np.ndarray, seq_ints: np.ndarray, seq_floats: np.ndarray, images: jax.Array) -> jax.Array:
         """A prefill step carrying one decode iteration of the rows `ints`/`floats` (decode layout,
         `prev` as for `decode`). Outputs [out_rows, 6]: the decode rows', then the sequences'."""
-        self.cache, out = self._guarded("mixed", self._mixed, self.lm_params, self.cache, ints, floats,
-                                        self._feed(prev), tok_ints, tok_floats, seq_ints, seq_floats, images)
+        self.cache, out = self._guarded("mixed", self._mixed, self.lm_params, self.cache,
+                                        *self._inputs(ints, floats, self._feed(prev), tok_ints, tok_floats, seq_ints,
+                                                      seq_floats, images))
         return out
 
     def compile_ahead(self, calls: list[tuple[str, tuple[Any, ...]]], threads: int) -> None:
@@ -656,12 +669,12 @@ class Runner:
         for kind, args in calls:
             if kind == "decode":
                 ints, floats, prev, steps = args
-                jobs.append((self._decode_fn(steps), (ints, floats, self._feed(prev))))
+                jobs.append((self._decode_fn(steps), self._inputs(ints, floats, self._feed(prev))))
             elif kind == "prefill":
-                jobs.append((self._prefill, args))
+                jobs.append((self._prefill, self._inputs(*args)))
             elif kind == "mixed":
                 ints, floats, prev, *rest = args
-                jobs.append((self._mixed, (ints, floats, self._feed(prev), *rest)))
+                jobs.append((self._mixed, self._inputs(ints, floats, self._feed(prev), *rest)))
             else:
                 raise ValueError(f"unknown step kind {kind!r}")
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="kestrel-jax-compile") as pool:

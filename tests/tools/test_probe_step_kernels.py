@@ -145,3 +145,21 @@ def test_host_lines_per_call_busiest_first():
     assert r["lines"][0]["events_per_call"] == 2.0
     assert r["lines"][0]["top"] == [{"name": "Execute", "per_call": 1.0, "us_per_call": 300.0},
                                     {"name": "Launch", "per_call": 1.0, "us_per_call": 15.0}]
+
+
+def test_putting_hands_the_call_device_arrays():
+    import jax
+
+    from tools.probe_step_kernels import putting
+
+    got: list[object] = []
+
+    def step(*xs):
+        got.extend(xs)
+        return 7
+
+    call = putting(step, jax.devices()[0])
+    host, dev = np.arange(3), jax.numpy.ones(2)
+    assert call(host, dev, 5) == 7
+    assert isinstance(got[0], jax.Array) and np.array_equal(np.asarray(got[0]), host)
+    assert got[1] is dev and got[2] == 5
