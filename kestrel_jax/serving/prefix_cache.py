@@ -189,8 +189,8 @@ class PrefixCache:
         self._in_flight: list[_Copy] = []  # in the plan being executed
         # The entries' pages flattened for eviction, which checks every entry's pages against the
         # reference counts at every admission once cached images fill the pool (a Python scan of
-        # each page took ~3.5 ms per engine step with ~400 cached images: BENCHMARKS.md, 27th
-        # session).
+        # each page took 3.0 ms per step launch in W2 on the GPU machine, 3.6 ms per step in
+        # tools/bench_scheduler.py with ~384 cached images: BENCHMARKS.md, twenty-seventh session).
         self._flat = _FlatEntries()
         self.stats = PrefixCacheStats()
         allocator.set_reclaimer(self)
