@@ -439,7 +439,8 @@ class Bench:
             for sampler in samplers.values():
                 stack.enter_context(sampler)
             yield out
-        out["engine_host_s"] = {k: rnd(v - host0.get(k, 0.0), 3) for k, v in self.engine.stats["host_s"].items()}
+        # microseconds kept: a CPU smoke run's launches take well under a millisecond
+        out["engine_host_s"] = {k: rnd(v - host0.get(k, 0.0), 6) for k, v in self.engine.stats["host_s"].items()}
         for key, sampler in samplers.items():
             prof = out[key] = sampler.summary()
             log(f"{'vision' if key.startswith('vision') else 'engine'} thread samples ({sampler.samples}): "
