@@ -220,7 +220,11 @@ def wall_times(fns: list[Any], args: tuple[Any, ...], rounds: int) -> list[tuple
 def putting(fn: Any, device: Any) -> Any:
     """`fn` called with its numpy arguments put on `device` first (jax.device_put)."""
     def call(*args: Any) -> Any:
-        return fn(*(jax.device_put(x, device) if isinstance(x, np.ndarray) else x for x in args))
+        host = [i for i, x in enumerate(args) if isinstance(x, np.ndarray)]
+        out = list(args)
+        for i, x in zip(host, jax.device_put([args[i] for i in host], device), strict=True):
+            out[i] = x
+        return fn(*out)
     return call
 
 

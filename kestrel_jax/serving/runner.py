@@ -484,7 +484,13 @@ class Runner:
         device first (committed; every call, warm-up and compile-ahead alike, so one signature)."""
         if not self.config.put_inputs:
             return args
-        return tuple(self._on(x) if isinstance(x, np.ndarray) else x for x in args)
+        # one device_put for all of them (a pytree): one dispatch, not one per array
+        host = [i for i, x in enumerate(args) if isinstance(x, np.ndarray)]
+        put = self._on([args[i] for i in host])
+        out = list(args)
+        for i, x in zip(host, put, strict=True):
+            out[i] = x
+        return tuple(out)
 
     def _export_salt(self) -> str:
         """Everything besides input shapes and code that shapes a step's program (see export_cache)."""
