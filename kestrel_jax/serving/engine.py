@@ -80,6 +80,13 @@ class EngineConfig:
     # on the device (host cost per token / decode_steps). 1 disables it.
     decode_steps: int = 8
     multi_step_max_batch: int = 64
+    # A multi-step launch would keep the batch slot of a sequence that reaches its max_tokens in
+    # its first iterations idle to the launch's end, and the request that takes the slot next (a
+    # client asking again, or one waiting) out of the batch that long: with this on, such launches
+    # run one iteration each until that sequence is out (Scheduler.steps_to_first_finish). W2-like
+    # closed loops (64 clients, fixed-length answers) otherwise run their decode batch well below
+    # full (tools/simulate_serving.py).
+    decode_steps_to_finish: bool = True
     max_copies: int | None = None
     # Mixed steps (continuous batching): a prefill step also runs one decode iteration of every
     # decoding sequence when they fit one of these row buckets (each compiled per prefill bucket).

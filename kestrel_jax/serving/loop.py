@@ -235,7 +235,8 @@ class EngineWorker:
 
     def _decode_steps(self, pending: Pending | None) -> int:
         """Iterations for the next decode launch: `decode_steps` when every decoding job can run
-        ahead without the host (plain answer/caption tokens), else 1."""
+        ahead without the host (plain answer/caption tokens) and, with `decode_steps_to_finish`,
+        none reaches its max_tokens before the launch would end while others go on; else 1."""
         k = self.config.decode_steps
         if k <= 1 or self.scheduler.num_running > self.config.multi_step_max_batch:
             return 1
@@ -245,7 +246,7 @@ class EngineWorker:
                 continue  # not decoding yet (queued or prefilling): not in a decode plan
             if not sub.job.can_run_ahead(pend):
                 return 1
-        return k
+        return self.scheduler.steps_to_first_finish(k) if self.config.decode_steps_to_finish else k
 
     def _no_images(self) -> jax.Array:
         return self.stepper.image_block([])  # committed, as every image block while serving

@@ -114,6 +114,19 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._live)
 
+    def steps_to_first_finish(self, steps: int) -> int:
+        """Decode iterations for a launch of up to `steps`: `steps`, or 1 when a decoding sequence
+        reaches its max_new_tokens within fewer than `steps` tokens while another goes on. A
+        launch of `steps` iterations would otherwise keep the finished sequence's batch slot (and
+        the request its client sends next, or one waiting for the slot) idle until the launch
+        ends; with a few sequences finishing at a time (64 clients asking again as each answer
+        ends) the batch then runs well below full. The engine compiles 1 and `steps` iterations
+        per launch, hence 1 (the following launches are capped again until the sequence is out)."""
+        left = [s.req.max_new_tokens - s.generated for s in self._live.values() if s.decoding]
+        if steps > 1 and left and min(left) < steps and min(left) < max(left):
+            return 1
+        return steps
+
     def has_work(self) -> bool:
         return bool(self._waiting or self._live)
 

@@ -464,6 +464,32 @@ def test_multi_step_decode_runs_ahead_within_each_budget(make: Make) -> None:
     assert s.stats.decode_rows == 8 + 3 + 8 + 3
 
 
+def test_steps_to_first_finish(make: Make) -> None:
+    s, r, _ = make(page_size=16)
+    assert s.steps_to_first_finish(8) == 8  # nothing decoding
+    submit(s, r, text("a", 30, max_new=20))  # 19 decode tokens after the prefill's first
+    submit(s, r, text("b", 14, max_new=4))  # 3
+    run_step(s, r, decode_steps=8)  # prefill both
+    assert s.steps_to_first_finish(8) == 1  # b ends after 3 while a goes on: one at a time
+    assert s.steps_to_first_finish(3) == 3 and s.steps_to_first_finish(1) == 1
+    for left in (2, 1):
+        out = run_step(s, r, decode_steps=s.steps_to_first_finish(8))
+        assert out is not None and isinstance(out.plan, DecodePlan) and out.plan.steps == 1
+        assert s.steps_to_first_finish(8) == 1, left
+    out = run_step(s, r, decode_steps=s.steps_to_first_finish(8))
+    assert out is not None and [f.request_id for f in out.finished] == ["b"]
+    assert s.steps_to_first_finish(8) == 8  # a alone: its launch ends with it anyway
+    while s.has_work():
+        run_step(s, r, decode_steps=s.steps_to_first_finish(8))
+    # two sequences ending together are not split either
+    submit(s, r, text("c", 14, max_new=5))
+    submit(s, r, text("d", 14, max_new=5))
+    run_step(s, r, decode_steps=8)
+    assert s.steps_to_first_finish(8) == 8
+    while s.has_work():
+        run_step(s, r, decode_steps=8)
+
+
 def test_prefill_of_an_image_not_at_hand_is_held_back(make: Make) -> None:
     """`ready` says whether an image prefix's encoding is at hand: a sequence without it is held back
     while others prefill; with nothing else to prefill a one-iteration decode step runs (even where
