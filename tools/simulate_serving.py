@@ -272,6 +272,7 @@ def main() -> int:
     ap.add_argument("--cost", nargs="*", default=[], help="cost model overrides KEY=VALUE (ms unless named)")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--requests-per-client", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128, help="answer tokens of every request (forced)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     c = dict(COST)
@@ -280,7 +281,7 @@ def main() -> int:
         if key not in c:
             raise SystemExit(f"--cost: unknown key {key!r}; keys: {sorted(c)}")
         c[key] = float(raw)
-    work = Workload(clients=a.clients, requests_per_client=a.requests_per_client)
+    work = Workload(clients=a.clients, requests_per_client=a.requests_per_client, max_tokens=a.max_tokens)
     out = []
     for overrides in parse_grid(a.grid):
         pol = Policy(**overrides)
