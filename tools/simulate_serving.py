@@ -14,7 +14,9 @@ twenty-fifth to twenty-eighth sessions; `--cost KEY=VALUE` overrides them):
   per-row and KV terms (the weights are read once for both);
 - vision: vision_ms per image prefilled (the encoder shares the device);
 - host: a launch costs the engine thread launch_ms[kind] plus schedule_ms before the device can
-  start it (the device runs a step once it is launched and the previous step is done).
+  start it (the device runs a step once it is launched and the previous step is done);
+- optionally the vision worker thread (vision_launch_ms > 0): a prefill's launch waits until the
+  worker has launched its images' encoding calls (batched as EncodeAhead batches them).
 
 The point is the comparison between policies (decode iterations per launch, prefill budget and
 buckets), which moves work between the states a request spends its life in; absolute figures
@@ -22,7 +24,9 @@ are as good as the constants. Calibrate against a measured W2 run first (the def
 give its step counts and tokens/s within a few percent: see the printed `measured` line).
 
   python tools/simulate_serving.py                                  # the W2 settings
-  python tools/simulate_serving.py --grid decode_steps=1,4,8 prefill_token_buckets=768,1536,2048:768,1536,2304
+  python tools/simulate_serving.py --grid decode_steps=1:4:8 prefill_token_buckets=768,1536,2048:768,1536,2304
+  python tools/simulate_serving.py --cost device_scale=0.88 vision_launch_ms=6.5 \
+      --grid steps_policy=fixed:first_finish defer=0:1
 """
 
 from __future__ import annotations
@@ -65,6 +69,13 @@ COST: dict[str, float] = {
     "launch_decode_ms": 3.1,
     "schedule_ms": 1.5,
     "client_ms": 1.0,  # from a result read to its client's next request at the engine
+    # the vision worker thread: launching one encoding call (up to vision_batch images) takes it
+    # vision_launch_ms; it starts a call when vision_batch images are queued, when the engine asks
+    # for a queued one, or vision_batch_wait_ms after the oldest was queued. A prefill's launch
+    # waits for its images' calls to be launched (the device orders the rest). 0: no worker model.
+    "vision_launch_ms": 0.0,
+    "vision_batch": 4,
+    "vision_batch_wait_ms": 30.0,
     "device_scale": 1.0,  # every device time times this (calibration to a measured run)
 }
 
@@ -79,9 +90,17 @@ class Policy:
     # iterations per decode launch: "fixed" (decode_steps), "first_finish" (as the engine's
     # EngineConfig.decode_steps_to_finish: Scheduler.steps_to_first_finish)
     steps_policy: str = "fixed"
+    # with the vision worker modelled: "drain" (an image is queued for encoding when the engine
+    # thread takes its request from the inbox, as the engine does) or "arrival" (when the request
+    # arrives); defer: a prefill whose encoding is not launched yet is held back one step
+    # (EngineConfig.defer_unready_images)
+    encode_at: str = "drain"
+    defer: int = 0
 
     def label(self) -> str:
         k = f"K={self.decode_steps}" + ("" if self.steps_policy == "fixed" else f"/{self.steps_policy}")
+        k += "" if self.encode_at == "drain" else f" encode@{self.encode_at}"
+        k += " defer" if self.defer else ""
         return (f"{k} buckets={','.join(map(str, self.prefill_token_buckets))}"
                 + (f" budget={self.prefill_token_budget}" if self.prefill_token_budget else ""))
 
@@ -108,6 +127,7 @@ class Result:
     steps: dict[str, int] = field(default_factory=lambda: {"mixed": 0, "prefill": 0, "decode": 0})
     decode_iterations: int = 0
     decode_rows: int = 0
+    image_wait_s: float = 0.0
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -121,6 +141,7 @@ class Result:
             "steps": self.steps,
             "decode_iterations": self.decode_iterations,
             "mean_decode_batch": round(self.decode_rows / max(self.decode_iterations, 1), 2),
+            "image_wait_s": round(self.image_wait_s, 3),
         }
 
 
@@ -168,6 +189,62 @@ def decode_steps(policy: Policy, sched: Scheduler) -> int:
     return sched.steps_to_first_finish(policy.decode_steps)
 
 
+class VisionWorker:
+    """The vision thread's launches in simulated time (see COST's vision_* keys)."""
+
+    def __init__(self, c: dict[str, float]) -> None:
+        self.launch_ms, self.wait_ms = c["vision_launch_ms"], c["vision_batch_wait_ms"]
+        self.batch = int(c["vision_batch"])
+        self.queue: list[tuple[float, int]] = []  # (queued at, request id), in order
+        self.done: dict[int, float] = {}  # request id -> its call launched (encoding at hand)
+        self.free = 0.0
+        self.demanded: dict[int, float] = {}  # queued request id -> when the engine asked for it
+
+    def add(self, rid: int, at: float) -> None:
+        if self.launch_ms > 0:
+            self.queue.append((at, rid))
+
+    def run(self, until: float) -> None:
+        """Start every call due by `until`."""
+        while self.queue:
+            due = self.queue[0][0] + self.wait_ms
+            if len(self.queue) >= self.batch:
+                due = min(due, self.queue[self.batch - 1][0])
+            if self.demanded:
+                due = min(due, *self.demanded.values())
+            start = max(self.free, due)
+            if start > until:
+                return
+            # the demanded images first, then in queue order
+            order = sorted((q for q in self.queue if q[0] <= start), key=lambda q: q[1] not in self.demanded)
+            for q in order[: self.batch]:
+                self.queue.remove(q)
+                self.demanded.pop(q[1], None)
+                self.done[q[1]] = start + self.launch_ms
+            self.free = start + self.launch_ms
+
+    def _demand(self, rid: int, now: float) -> None:
+        if rid not in self.done:
+            self.demanded.setdefault(rid, now)
+
+    def ask(self, rid: int, now: float) -> float:
+        """The engine needs `rid`'s encoding at `now`: when its call is launched."""
+        if self.launch_ms <= 0:
+            return now
+        self._demand(rid, now)
+        while rid not in self.done:
+            self.run(float("inf"))
+        return self.done[rid]
+
+    def ready(self, rid: int, now: float) -> bool:
+        """Whether `rid`'s encoding is at hand at `now` (asking for it, as the engine's check does)."""
+        if self.launch_ms <= 0:
+            return True
+        self._demand(rid, now)
+        self.run(now)
+        return rid in self.done and self.done[rid] <= now
+
+
 def simulate(policy: Policy, work: Workload, c: dict[str, float]) -> Result:
     cfg = SchedulerConfig(num_pages=work.pages, page_size=work.page_size, max_seq_len=2048,
                           decode_buckets=policy.decode_buckets, prefill_token_buckets=policy.prefill_token_buckets,
@@ -185,6 +262,8 @@ def simulate(policy: Policy, work: Workload, c: dict[str, float]) -> Result:
     left = {cl: work.requests_per_client for cl in range(work.clients)}
     res = Result()
 
+    vision = VisionWorker(c)
+
     def ask(client: int, at: float) -> None:
         if left[client] == 0:
             return
@@ -192,6 +271,8 @@ def simulate(policy: Policy, work: Workload, c: dict[str, float]) -> Result:
         rid = next(ids)
         client_of[rid] = client
         heapq.heappush(arrivals, (at, rid, client))
+        if policy.encode_at == "arrival":
+            vision.add(rid, at)
 
     for cl in range(work.clients):
         ask(cl, 0.0)
@@ -214,11 +295,14 @@ def simulate(policy: Policy, work: Workload, c: dict[str, float]) -> Result:
         while arrivals and arrivals[0][0] <= now[0]:
             at, rid, _ = heapq.heappop(arrivals)
             arrived[rid] = at
+            if policy.encode_at == "drain":
+                vision.add(rid, now[0])
             sched.add(Request(request_id=rid, prompt_len=work.prompt, max_new_tokens=work.max_tokens,
                               image_digest=rng.bytes(32), prefix_len=730,
                               prompt_tokens=tuple(int(x) for x in rng.integers(1, 50_000, work.prompt))))
         now[0] += c["schedule_ms"]
-        plan = sched.schedule(decode_steps(policy, sched))
+        ready = (lambda r: vision.ready(int(r), now[0])) if policy.defer else None  # type: ignore[call-overload]
+        plan = sched.schedule(decode_steps(policy, sched), ready=ready)
         if plan is None:
             if pending is not None:
                 read(pending)
@@ -227,6 +311,12 @@ def simulate(policy: Policy, work: Workload, c: dict[str, float]) -> Result:
                 now[0] = max(now[0], arrivals[0][0])
             continue
         kind = "decode" if isinstance(plan, DecodePlan) else ("mixed" if plan.decode is not None else "prefill")
+        if isinstance(plan, PrefillPlan):
+            for b in range(plan.num_seqs):
+                if plan.prefix_lens[b] > 0 and plan.context_lens[b] == 0:
+                    at = vision.ask(int(plan.seq_ids[b]), now[0])  # type: ignore[call-overload]
+                    res.image_wait_s += max(0.0, at - now[0]) * 1e-3
+                    now[0] = max(now[0], at)
         now[0] += c[f"launch_{kind}_ms"]
         ms, iters, rows = plan_cost(c, plan)
         ms *= c["device_scale"]
@@ -257,7 +347,7 @@ def parse_grid(items: list[str]) -> list[dict[str, Any]]:
         for v in raw.split(":"):
             if key in ("prefill_token_buckets", "decode_buckets"):
                 values.append(tuple(int(x) for x in v.split(",")))
-            elif key == "steps_policy":
+            elif key in ("steps_policy", "encode_at"):
                 values.append(v)
             else:
                 values.append(int(v))
@@ -289,7 +379,8 @@ def main() -> int:
         out.append({"policy": pol.label(), **s})
         print(f"{pol.label():40s} {s['output_tok_s']:8.1f} tok/s  TTFT p50 {s['ttft_ms_p50']:6.1f} "
               f"p90 {s['ttft_ms_p90']:6.1f} ms  busy {s['device_busy']:.3f}  steps {s['steps']}  "
-              f"iters {s['decode_iterations']}  batch {s['mean_decode_batch']}", flush=True)
+              f"iters {s['decode_iterations']}  batch {s['mean_decode_batch']}  image_wait {s['image_wait_s']}",
+              flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"cost": c, "runs": out}, indent=1))
     return 0

@@ -60,3 +60,34 @@ def test_cli_grid(tmp_path: Path) -> None:
     assert all(x["output_tok_s"] > 0 for x in r["runs"])
     bad = subprocess.run([*cmd[:2], "--cost", "nope=1"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert bad.returncode != 0 and "unknown key" in bad.stderr
+
+
+def test_vision_worker_batches_waits_and_serves_demands() -> None:
+    c = {**sim.COST, "vision_launch_ms": 5.0, "vision_batch": 2, "vision_batch_wait_ms": 30.0}
+    w = sim.VisionWorker(c)
+    w.add(1, 0.0)
+    w.run(29.0)
+    assert 1 not in w.done  # waiting for a second image or the 30 ms
+    w.run(30.0)
+    assert w.done[1] == 35.0 and w.free == 35.0
+    w.add(2, 40.0)
+    w.add(3, 41.0)  # a full batch of two: one call at once
+    w.run(41.0)
+    assert w.done[2] == w.done[3] == 46.0
+    w.add(4, 50.0)
+    assert not w.ready(4, 52.0)  # asked for: its call starts now, launched 5 ms later
+    assert w.done[4] == 57.0 and w.ready(4, 57.0)
+    w.add(5, 60.0)
+    assert w.ask(5, 61.0) == 66.0  # the engine waits for the launch
+    assert sim.VisionWorker(sim.COST).ask(9, 3.0) == 3.0  # no worker model: never waits
+
+
+def test_image_waits_appear_with_the_worker_model() -> None:
+    work = sim.Workload(clients=8, requests_per_client=2, max_tokens=24)
+    pol = sim.Policy(decode_buckets=(1, 8), steps_policy="first_finish")
+    plain = sim.simulate(pol, work, dict(sim.COST))
+    slow = sim.simulate(pol, work, {**sim.COST, "vision_launch_ms": 20.0})
+    assert plain.image_wait_s == 0 and slow.image_wait_s > 0
+    deferred = sim.simulate(sim.Policy(decode_buckets=(1, 8), steps_policy="first_finish", defer=1), work,
+                            {**sim.COST, "vision_launch_ms": 20.0})
+    assert deferred.image_wait_s < slow.image_wait_s and deferred.requests == 16
