@@ -301,7 +301,7 @@ def simulate(policy: Policy, work: Workload, c: dict[str, float]) -> Result:
                               image_digest=rng.bytes(32), prefix_len=730,
                               prompt_tokens=tuple(int(x) for x in rng.integers(1, 50_000, work.prompt))))
         now[0] += c["schedule_ms"]
-        ready = (lambda r: vision.ready(int(r), now[0])) if policy.defer else None  # type: ignore[call-overload]
+        ready = (lambda r: vision.ready(int(r), now[0])) if policy.defer else None
         plan = sched.schedule(decode_steps(policy, sched), ready=ready)
         if plan is None:
             if pending is not None:
