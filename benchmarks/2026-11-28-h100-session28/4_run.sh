@@ -8,8 +8,8 @@ nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv > $OUT/x/4
 i=0
 for wcv in w1:1:True w2:64:True w2:64:False w2:64:True w2:64:False w2:8:True w2:8:False; do
   i=$((i+1)); w=${wcv%%:*}; r=${wcv#*:}; c=${r%%:*}; v=${r##*:}
-  [ $SECONDS -gt 440 ] && { echo "skip run $i ($wcv): $SECONDS s"; continue; }
-  timeout $((540 - SECONDS)) python3 tools/benchmark.py --model md3 --random-weights --compile-cache /tmp/cc_w2 \
+  [ $SECONDS -gt 360 ] && { echo "skip run $i ($wcv): $SECONDS s"; continue; }
+  timeout $((440 - SECONDS)) python3 tools/benchmark.py --model md3 --random-weights --compile-cache /tmp/cc_w2 \
     --workloads $w --concurrency $c --requests-per-client $((1024 / c > 16 ? 16 : 1024 / c)) \
     --engine-args decode_buckets=1,64 prefill_token_buckets=768,1536,2048 runner.vision_buckets=1 \
       decode_steps_to_finish=$v \
