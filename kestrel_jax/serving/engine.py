@@ -83,9 +83,10 @@ class EngineConfig:
     # A multi-step launch would keep the batch slot of a sequence that reaches its max_tokens in
     # its first iterations idle to the launch's end, and the request that takes the slot next (a
     # client asking again, or one waiting) out of the batch that long: with this on, such launches
-    # run one iteration each until that sequence is out (Scheduler.steps_to_first_finish). W2-like
-    # closed loops (64 clients, fixed-length answers) otherwise run their decode batch well below
-    # full (tools/simulate_serving.py).
+    # run one iteration each until that sequence is out (Scheduler.steps_to_first_finish). 64
+    # clients asking image queries with 128-token answers on the H100: TTFT p50 278 -> 52-68 ms, mean
+    # decode batch 56 -> 61.5, output tokens/s the same (C=32: TTFT 170 -> 51 ms, +4%; BENCHMARKS.md,
+    # twenty-eighth session; found with tools/simulate_serving.py).
     decode_steps_to_finish: bool = True
     max_copies: int | None = None
     # Mixed steps (continuous batching): a prefill step also runs one decode iteration of every

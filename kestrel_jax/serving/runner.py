@@ -99,10 +99,10 @@ class RunnerConfig:
     # The device this runner's params, KV pool and steps live on: an index into jax.local_devices()
     # (one engine per device; `EngineConfig.num_devices` starts one per device).
     device: int = 0
-    # The text steps' host inputs (numpy) put on the device with jax.device_put before each call
-    # instead of handed to the call. In the GPU probe a decode call with its two inputs already on
-    # the device returned in 3.2 ms against 6.0 ms with numpy inputs (BENCHMARKS.md, twenty-seventh
-    # session); whether putting them first recovers that is to be measured. Off until then.
+    # The text steps' host inputs (numpy) put on the device with one jax.device_put before each call
+    # instead of handed to the call. Measured on the H100 (BENCHMARKS.md, twenty-eighth session):
+    # 64-client W2 the same either way (7,247-7,327 tok/s), a decode launch 4.2 vs 4.0 ms, a mixed
+    # one 9.8 vs 11.0 ms. Off: kept for A/B runs.
     put_inputs: bool = False
 
 
