@@ -44,7 +44,7 @@ from kestrel_jax.models.moondream import MoondreamModel, random_model  # noqa: E
 from kestrel_jax.models.vision import tile_pool_matrices  # noqa: E402
 from kestrel_jax.pallas import ops  # noqa: E402
 from kestrel_jax.serving import batch as bt  # noqa: E402
-from kestrel_jax.serving.runner import Runner, RunnerConfig  # noqa: E402
+from kestrel_jax.serving.runner import Runner, RunnerConfig, put_host_arrays  # noqa: E402
 from tools.diff_step_kernels import diff as diff_steps  # noqa: E402
 
 
@@ -220,11 +220,7 @@ def wall_times(fns: list[Any], args: tuple[Any, ...], rounds: int) -> list[tuple
 def putting(fn: Any, device: Any) -> Any:
     """`fn` called with its numpy arguments put on `device` first (jax.device_put)."""
     def call(*args: Any) -> Any:
-        host = [i for i, x in enumerate(args) if isinstance(x, np.ndarray)]
-        out = list(args)
-        for i, x in zip(host, jax.device_put([args[i] for i in host], device), strict=True):
-            out[i] = x
-        return fn(*out)
+        return fn(*put_host_arrays(args, device))
     return call
 
 

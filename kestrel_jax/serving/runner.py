@@ -141,6 +141,16 @@ class _Parts(NamedTuple):
     treedef: Any
 
 
+def put_host_arrays(args: tuple[Any, ...], device: Any) -> tuple[Any, ...]:
+    """`args` with their numpy arrays put on `device`, all in one jax.device_put (one dispatch, not
+    one per array); other arguments as they are."""
+    host = [i for i, x in enumerate(args) if isinstance(x, np.ndarray)]
+    out = list(args)
+    for i, x in zip(host, jax.device_put([args[i] for i in host], device), strict=True):
+        out[i] = x
+    return tuple(out)
+
+
 def _lm(parts: _Parts, params: list[jax.Array]) -> LM:
     text_state, region_state = jax.tree.unflatten(parts.treedef, params)
     return LM(parts.cfg, parts.dtype, nnx.merge(parts.text_gd, text_state), nnx.merge(parts.region_gd, region_state))
@@ -482,15 +492,7 @@ class Runner:
     def _inputs(self, *args: Any) -> tuple[Any, ...]:
         """A text step's inputs as its call takes them: with `put_inputs`, the numpy ones put on the
         device first (committed; every call, warm-up and compile-ahead alike, so one signature)."""
-        if not self.config.put_inputs:
-            return args
-        # one device_put for all of them (a pytree): one dispatch, not one per array
-        host = [i for i, x in enumerate(args) if isinstance(x, np.ndarray)]
-        put = self._on([args[i] for i in host])
-        out = list(args)
-        for i, x in zip(host, put, strict=True):
-            out[i] = x
-        return tuple(out)
+        return put_host_arrays(args, self.device) if self.config.put_inputs else args
 
     def _export_salt(self) -> str:
         """Everything besides input shapes and code that shapes a step's program (see export_cache)."""
