@@ -141,10 +141,17 @@ def device_info() -> dict[str, Any]:
     import jax
 
     dev = jax.devices()[0]
+    from kestrel_jax import xla_defaults
+    from kestrel_jax.serving.runner import client_memory_fraction, gpu_memory_info
+
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    limit = stats["bytes_limit"] if stats and "bytes_limit" in stats else None
+    info = gpu_memory_info(dev) if limit is None else None
+    if info is not None:  # XLA's VMM allocator (SKIP_TEMP command buffers) keeps no statistics
+        limit = info[1] * client_memory_fraction()
     return {"platform": dev.platform, "kind": dev.device_kind, "count": jax.device_count(),
-            "host": platform.node(),
-            "memory_limit_gib": rnd(stats["bytes_limit"] / 2**30) if stats and "bytes_limit" in stats else None}
+            "host": platform.node(), "memory_limit_gib": rnd(limit / 2**30) if limit else None,
+            "xla_defaults": xla_defaults.applied()}
 
 
 def copy_bandwidth(mib: int, reps: int = 20) -> dict[str, Any]:

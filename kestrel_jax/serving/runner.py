@@ -23,6 +23,7 @@ The KV pool (`KVCache`) is donated to every step and updated in place.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import gc
@@ -39,6 +40,7 @@ import numpy as np
 from flax import nnx
 from jax import export
 
+from kestrel_jax import xla_defaults
 from kestrel_jax.models.device_crops import CANVAS, CropPlan, make_crops
 from kestrel_jax.models.moondream import MoondreamModel
 from kestrel_jax.models.region import coord_bin_to_value, size_bin_to_value
@@ -65,6 +67,48 @@ class RecompileError(RuntimeError):
 
 
 PAGE_QUANTUM = 64  # a KV pool sized from device memory is a multiple of this many pages
+
+
+def client_memory_fraction() -> float:
+    """The share of a GPU's memory JAX's client may use (`XLA_PYTHON_CLIENT_MEM_FRACTION`, 0.75 by
+    default)."""
+    try:
+        return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    except ValueError:
+        return 0.75
+
+
+def gpu_memory_info(device: Any) -> tuple[int, int] | None:
+    """(free, total) bytes of a CUDA device as the driver counts them, or None (not a CUDA GPU, no
+    driver library, or a driver error). Retains the device's primary context, which XLA uses, for
+    the query only."""
+    if getattr(device, "platform", None) != "gpu":
+        return None
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    hw = getattr(device, "local_hardware_id", None)
+    ordinal = int(device.id if hw is None else hw)
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    try:
+        if cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), ordinal):
+            return None
+        if cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev):
+            return None
+        try:
+            if cuda.cuCtxPushCurrent_v2(ctx):
+                return None
+            try:
+                rc = cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
+            finally:
+                cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        finally:
+            cuda.cuDevicePrimaryCtxRelease_v2(dev)
+    except AttributeError:  # a driver library without these entry points
+        return None
+    return (int(free.value), int(total.value)) if rc == 0 and total.value else None
 
 
 @dataclass(frozen=True)
@@ -442,6 +486,10 @@ class Runner:
         vision_gd, vision_state = nnx.split(model.vision)
         self.vision_params, vision_treedef = jax.tree.flatten(vision_state)
         self.num_pages = self.config.num_pages or self._pages_from_memory()
+        if getattr(self.device, "platform", "cpu") == "gpu" and not xla_defaults.command_buffers_skip_temp():
+            log.info("XLA updates each step's command buffer at every call whose temporaries moved "
+                     "(xla_defaults.py: %s); step launches cost more host time",
+                     xla_defaults.applied().get("xla_gpu_command_buffer_update_mode", "not applied"))
         pool = init_kv_pool(t.n_layers, self.num_pages, self.page_size, t.n_kv_heads, t.head_dim, self.kv_dtype)
         # [L] arrays: each layer's scale is sliced inside the step (and handed to the kernels
         # through `own_buffer`, since Mosaic kernels require 256-byte aligned operands).
@@ -529,13 +577,24 @@ class Runner:
         gc.collect()
         stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
         need = self.max_pages_per_seq * 8  # a floor: room for 8 full-length sequences
-        if not stats or "bytes_limit" not in stats:
-            return need  # CPU: no budget to size against
+        if stats and "bytes_limit" in stats:
+            limit, in_use = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+        else:
+            # XLA's VMM allocator (taken with SKIP_TEMP command buffers, xla_defaults.py) keeps no
+            # statistics: the budget is the client's share of the device's memory, as the BFC
+            # allocator's bytes_limit is, and what the driver counts as used is in use.
+            info = gpu_memory_info(dev)
+            if info is None:
+                if getattr(dev, "platform", "cpu") != "cpu":
+                    log.warning("no memory figures for %s: the KV pool gets %d pages (set "
+                                "RunnerConfig.num_pages to size it)", dev, need)
+                return need  # CPU: no budget to size against
+            free, total = info
+            limit, in_use = int(total * client_memory_fraction()), total - free
         # Sized from the memory the params leave, not from what happens to be free right now: the
         # pool's shape is part of every step's compiled program, and a count that moved by a page
         # between runs (it did, 4823 vs 4824) made every decode and prefill step miss the
         # persistent compilation cache. Rounded down to PAGE_QUANTUM pages for the same reason.
-        limit = stats["bytes_limit"]
         params = sum(int(a.nbytes) for a in (*self.lm_params, *self.vision_params))
 
         def quantised(nbytes: float) -> int:
@@ -543,7 +602,6 @@ class Runner:
             return p // PAGE_QUANTUM * PAGE_QUANTUM if p >= 2 * PAGE_QUANTUM else p
 
         pages = quantised(limit - params)
-        in_use = stats.get("bytes_in_use", 0)
         if in_use - params > 0.05 * (limit - params):  # something else holds real memory: respect it
             pages = min(pages, quantised(limit - in_use))
         if pages < self.max_pages_per_seq:

@@ -1,0 +1,83 @@
+"""XLA settings the engine runs best with, put into `XLA_FLAGS` before JAX starts its backend.
+
+`--xla_gpu_command_buffer_update_mode=SKIP_TEMP`: XLA replays each step as a command buffer (a
+CUDA graph) that records every kernel's buffer addresses, and by default it updates the graph's
+nodes on every call whose temporary buffer landed at another address than last time. With
+pipelined steps of several programs in flight, it usually does: on the H100 the engine thread
+spent ~1.3 ms per text-step call and the vision thread ~5.9 ms per vision call in those updates
+(BENCHMARKS.md, twenty-ninth session). SKIP_TEMP makes the GPU client use XLA's virtual-memory
+allocator and gives each program's temporaries one reserved virtual range, so only the nodes
+that read a step's inputs or write its outputs are updated: W2's mixed-step launch went from
+~7.7 to ~4.2 ms of host time and 64-client throughput up ~8% on one machine.
+
+The flag is added when `kestrel_jax` is imported, unless `XLA_FLAGS` already names it, the
+environment sets `KESTREL_JAX_XLA_DEFAULTS=0`, or JAX's backend is already running (then it
+cannot take effect; `applied()` says which, and the engine logs it). With the VMM allocator
+`Device.memory_stats()` returns nothing; the runner sizes the KV pool from the driver's memory
+figures instead (`runner.gpu_memory_info`).
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULTS: dict[str, str] = {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"}
+OPT_OUT = "KESTREL_JAX_XLA_DEFAULTS"
+
+_state: dict[str, str] = {}  # flag -> "added" | "user" (XLA_FLAGS named it) | "late" | "off"
+
+
+def _named(flags: str, name: str) -> bool:
+    return any(tok.lstrip("-").split("=", 1)[0] == name for tok in flags.split())
+
+
+def apply(environ: dict[str, str] | os._Environ[str] | None = None, backend_started: bool | None = None
+          ) -> dict[str, str]:
+    """Add the defaults to `XLA_FLAGS` where they can still take effect; returns what happened to
+    each flag (see `_state`). Idempotent."""
+    env = os.environ if environ is None else environ
+    if backend_started is None:
+        backend_started = _backend_started()
+    out: dict[str, str] = {}
+    flags = env.get("XLA_FLAGS", "")
+    for name, value in DEFAULTS.items():
+        if _named(flags, name):  # the user's setting, or ours from an earlier call
+            out[name] = "added" if _state.get(name) == "added" and environ is None else "user"
+        elif env.get(OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off"):
+            out[name] = "off"
+        elif backend_started:
+            out[name] = "late"
+        else:
+            flags = f"{flags} --{name}={value}".strip()
+            out[name] = "added"
+    env["XLA_FLAGS"] = flags
+    if environ is None:
+        _state.update(out)
+    return out
+
+
+def applied() -> dict[str, str]:
+    """What `apply` did at import (empty if it never ran)."""
+    return dict(_state)
+
+
+def command_buffers_skip_temp() -> bool:
+    """Whether XLA_FLAGS asks for SKIP_TEMP now (the backend reads it once, when it starts)."""
+    return _flag_value("xla_gpu_command_buffer_update_mode") == "SKIP_TEMP"
+
+
+def _flag_value(name: str) -> str | None:
+    for tok in os.environ.get("XLA_FLAGS", "").split():
+        key, _, value = tok.lstrip("-").partition("=")
+        if key == name:
+            return value
+    return None
+
+
+def _backend_started() -> bool:
+    try:
+        from jax._src import xla_bridge
+    except Exception:  # noqa: BLE001 - no JAX (or another layout): nothing has started
+        return False
+    started = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(started()) if callable(started) else False
