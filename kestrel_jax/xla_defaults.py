@@ -43,7 +43,7 @@ def apply(environ: dict[str, str] | os._Environ[str] | None = None, backend_star
     for name, value in DEFAULTS.items():
         if _named(flags, name):  # the user's setting, or ours from an earlier call
             out[name] = "added" if _state.get(name) == "added" and environ is None else "user"
-        elif env.get(OPT_OUT, "1").strip().lower() in ("0", "false", "no", "off"):
+        elif not _enabled(env):
             out[name] = "off"
         elif backend_started:
             out[name] = "late"
@@ -54,6 +54,13 @@ def apply(environ: dict[str, str] | os._Environ[str] | None = None, backend_star
     if environ is None:
         _state.update(out)
     return out
+
+
+def _enabled(env: dict[str, str] | os._Environ[str]) -> bool:
+    value = env.get(OPT_OUT, "1")
+    if value not in ("0", "1"):  # the project's switch convention (switches.py)
+        raise ValueError(f"{OPT_OUT} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def applied() -> dict[str, str]:

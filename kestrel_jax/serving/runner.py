@@ -78,6 +78,16 @@ def client_memory_fraction() -> float:
         return 0.75
 
 
+def live_bytes(device: Any) -> int:
+    """Bytes of the live JAX arrays held on `device` (their shards there)."""
+    total = 0
+    for a in jax.live_arrays():
+        with contextlib.suppress(Exception):  # deleted or donated meanwhile
+            if device in a.sharding.device_set:  # (read from the sharding: no shard arrays made)
+                total += math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+    return total
+
+
 def gpu_memory_info(device: Any) -> tuple[int, int] | None:
     """(free, total) bytes of a CUDA device as the driver counts them, or None (not a CUDA GPU, no
     driver library, or a driver error). Retains the device's primary context, which XLA uses, for
@@ -487,9 +497,11 @@ class Runner:
         self.vision_params, vision_treedef = jax.tree.flatten(vision_state)
         self.num_pages = self.config.num_pages or self._pages_from_memory()
         if getattr(self.device, "platform", "cpu") == "gpu" and not xla_defaults.command_buffers_skip_temp():
-            log.info("XLA updates each step's command buffer at every call whose temporaries moved "
-                     "(xla_defaults.py: %s); step launches cost more host time",
-                     xla_defaults.applied().get("xla_gpu_command_buffer_update_mode", "not applied"))
+            how = xla_defaults.applied().get("xla_gpu_command_buffer_update_mode", "not applied")
+            (log.warning if how == "late" else log.info)(
+                "XLA updates each step's command buffer at every call whose temporaries moved "
+                "(SKIP_TEMP %s; see kestrel_jax/xla_defaults.py): step launches cost more host time",
+                "came too late: JAX's backend started before kestrel_jax was imported" if how == "late" else how)
         pool = init_kv_pool(t.n_layers, self.num_pages, self.page_size, t.n_kv_heads, t.head_dim, self.kv_dtype)
         # [L] arrays: each layer's scale is sliced inside the step (and handed to the kernels
         # through `own_buffer`, since Mosaic kernels require 256-byte aligned operands).
@@ -577,12 +589,16 @@ class Runner:
         gc.collect()
         stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
         need = self.max_pages_per_seq * 8  # a floor: room for 8 full-length sequences
+        info: tuple[int, int] | None = None
         if stats and "bytes_limit" in stats:
             limit, in_use = int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
         else:
             # XLA's VMM allocator (taken with SKIP_TEMP command buffers, xla_defaults.py) keeps no
-            # statistics: the budget is the client's share of the device's memory, as the BFC
-            # allocator's bytes_limit is, and what the driver counts as used is in use.
+            # statistics: the budget is the client's share of the device's memory (what the BFC
+            # allocator's bytes_limit is), in use are the live arrays on the device (what its
+            # bytes_in_use counts). The driver's used figure is not it: the VMM allocator keeps
+            # freed memory mapped for reuse (call 4 of the twenty-ninth session: 20.5 GB used with
+            # ~13 GB of arrays, a 4,096-page pool instead of 4,800).
             info = gpu_memory_info(dev)
             if info is None:
                 if getattr(dev, "platform", "cpu") != "cpu":
@@ -590,7 +606,7 @@ class Runner:
                                 "RunnerConfig.num_pages to size it)", dev, need)
                 return need  # CPU: no budget to size against
             free, total = info
-            limit, in_use = int(total * client_memory_fraction()), total - free
+            limit, in_use = int(total * client_memory_fraction()), live_bytes(dev)
         # Sized from the memory the params leave, not from what happens to be free right now: the
         # pool's shape is part of every step's compiled program, and a count that moved by a page
         # between runs (it did, 4823 vs 4824) made every decode and prefill step miss the
@@ -604,6 +620,8 @@ class Runner:
         pages = quantised(limit - params)
         if in_use - params > 0.05 * (limit - params):  # something else holds real memory: respect it
             pages = min(pages, quantised(limit - in_use))
+        if info is not None and pages * self.kv_bytes_per_page() > free:  # other processes hold it
+            pages = min(pages, quantised(free))
         if pages < self.max_pages_per_seq:
             raise MemoryError(f"only {pages} KV pages fit in free device memory; a single "
                               f"{self.max_seq_len}-token sequence needs {self.max_pages_per_seq}")

@@ -141,3 +141,101 @@ def test_runners_keep_their_own_step_caches(runner: Runner) -> None:
     other.copy_pages(np.zeros((1, 2), np.int32))
     assert other._fns()["copy"]._cache_size() == 1
     assert {name: fn._cache_size() for name, fn in runner._fns().items() if name in ("copy", "crops")} == before
+
+
+class _VmmDevice:
+    """A GPU whose allocator keeps no statistics (XLA's VMM allocator, taken with SKIP_TEMP)."""
+    platform = "gpu"
+
+    def memory_stats(self) -> None:
+        return None
+
+
+def _vmm_sizing(runner: Runner, monkeypatch: pytest.MonkeyPatch, free: int, total: int, live: int,
+                fraction: str | None = None) -> int:
+    from kestrel_jax.serving import runner as runner_mod
+
+    monkeypatch.setattr(runner, "device", _VmmDevice())
+    monkeypatch.setattr(runner_mod, "gpu_memory_info", lambda dev: (free, total))
+    monkeypatch.setattr(runner_mod, "live_bytes", lambda dev: live)
+    if fraction is None:
+        monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    else:
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
+    try:
+        return runner._pages_from_memory()
+    finally:
+        monkeypatch.undo()
+
+
+def test_pool_size_without_allocator_statistics_matches_the_bfc_sizing(runner: Runner,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # The same device and params give the same pool whichever allocator the client took: the budget
+    # is the client's memory fraction (0.75 unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise) of
+    # the device, what is in use the live arrays, and memory the driver counts as used beyond them
+    # (the VMM allocator keeps freed memory mapped) does not shrink the pool.
+    from kestrel_jax.serving import runner as runner_mod
+
+    page = runner.kv_bytes_per_page()
+    params = sum(int(a.nbytes) for a in (*runner.lm_params, *runner.vision_params))
+    total = 4000 * page
+    limit = int(total * 0.75)
+    monkeypatch.setattr(runner, "device", _FakeDevice(limit, params))
+    bfc = runner._pages_from_memory()
+    monkeypatch.undo()
+    assert bfc % runner_mod.PAGE_QUANTUM == 0 and bfc > 0
+    for used_by_driver in (params, params + 700 * page, params + 1500 * page):
+        assert _vmm_sizing(runner, monkeypatch, free=total - used_by_driver, total=total, live=params) == bfc
+    # the client's fraction is honoured
+    half = _vmm_sizing(runner, monkeypatch, free=total - params, total=total, live=params, fraction="0.5")
+    monkeypatch.setattr(runner, "device", _FakeDevice(int(total * 0.5), params))
+    assert half == runner._pages_from_memory() < bfc
+    monkeypatch.undo()
+    # live arrays beyond the params (another model in this process) shrink it as bytes_in_use does
+    monkeypatch.setattr(runner, "device", _FakeDevice(limit, params + 1200 * page))
+    shrunk = runner._pages_from_memory()
+    monkeypatch.undo()
+    assert shrunk < bfc
+    assert _vmm_sizing(runner, monkeypatch, free=total - params - 1200 * page, total=total,
+                       live=params + 1200 * page) == shrunk
+
+
+def test_pool_size_without_statistics_fits_what_the_driver_has_free(runner: Runner,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # Other processes on the device hold most of it: the pool takes the configured fraction of what
+    # is free instead of failing its allocation later.
+    from kestrel_jax.serving import runner as runner_mod
+
+    page = runner.kv_bytes_per_page()
+    params = sum(int(a.nbytes) for a in (*runner.lm_params, *runner.vision_params))
+    n = _vmm_sizing(runner, monkeypatch, free=1000 * page, total=8000 * page, live=params)
+    assert n == int(1000 * page * runner.config.kv_memory_fraction) // page // runner_mod.PAGE_QUANTUM \
+        * runner_mod.PAGE_QUANTUM
+    assert n * page <= 1000 * page
+
+
+def test_pool_size_without_any_memory_figures_takes_the_floor(runner: Runner, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    from kestrel_jax.serving import runner as runner_mod
+
+    monkeypatch.setattr(runner, "device", _VmmDevice())
+    monkeypatch.setattr(runner_mod, "gpu_memory_info", lambda dev: None)
+    with caplog.at_level("WARNING", logger=runner_mod.__name__):
+        n = runner._pages_from_memory()
+    monkeypatch.undo()
+    assert n == runner.max_pages_per_seq * 8
+    assert "RunnerConfig.num_pages" in caplog.text
+
+
+def test_gpu_memory_info_is_none_off_cuda() -> None:
+    import jax
+
+    from kestrel_jax.serving.runner import gpu_memory_info, live_bytes
+
+    dev = jax.devices()[0]
+    assert gpu_memory_info(dev) is None  # the CPU test platform
+    x = jnp.ones((1000,), jnp.float32)
+    before = live_bytes(dev)
+    y = jnp.ones((2000,), jnp.float32)
+    assert live_bytes(dev) - before == 8000
+    del x, y
