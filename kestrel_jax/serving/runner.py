@@ -497,11 +497,12 @@ class Runner:
         self.vision_params, vision_treedef = jax.tree.flatten(vision_state)
         self.num_pages = self.config.num_pages or self._pages_from_memory()
         if getattr(self.device, "platform", "cpu") == "gpu" and not xla_defaults.command_buffers_skip_temp():
-            how = xla_defaults.applied().get("xla_gpu_command_buffer_update_mode", "not applied")
+            how = xla_defaults.applied().get("xla_gpu_command_buffer_update_mode", "")
+            why = {"late": "JAX's backend started before kestrel_jax was imported",
+                   "off": f"{xla_defaults.OPT_OUT}=0", "user": "XLA_FLAGS sets another mode"}.get(how, "not applied")
             (log.warning if how == "late" else log.info)(
-                "XLA updates each step's command buffer at every call whose temporaries moved "
-                "(SKIP_TEMP %s; see kestrel_jax/xla_defaults.py): step launches cost more host time",
-                "came too late: JAX's backend started before kestrel_jax was imported" if how == "late" else how)
+                "XLA updates each step's command buffer at every call whose temporaries moved (SKIP_TEMP not "
+                "in effect: %s; see kestrel_jax/xla_defaults.py): step launches cost more host time", why)
         pool = init_kv_pool(t.n_layers, self.num_pages, self.page_size, t.n_kv_heads, t.head_dim, self.kv_dtype)
         # [L] arrays: each layer's scale is sliced inside the step (and handed to the kernels
         # through `own_buffer`, since Mosaic kernels require 256-byte aligned operands).
