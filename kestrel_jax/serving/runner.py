@@ -537,6 +537,10 @@ class Runner:
                              or (self.config.device_crops == "auto" and jax.default_backend() == "gpu"))
         self._crops = jax.jit(functools.partial(make_crops))
         self.images = {"device_crops": 0, "host_crops": 0}  # images encoded, by where their crops were made
+        # constant vision-step inputs, put on the device once: (tiling, tiles) -> pooling weights,
+        # and the blank crop that pads a batch of one-crop images
+        self._pool_weights: dict[tuple[int, int, int], tuple[jax.Array, jax.Array]] = {}
+        self._blank_crop: jax.Array | None = None
         self._frozen: dict[str, int] | None = None
 
     # RunnerConfig fields that do not shape the text steps (the vision step is not exported; the pool's
@@ -663,8 +667,20 @@ class Runner:
             pad = np.zeros((bucket - n, *crops.shape[1:]), np.uint8)
             batch = self._on(np.concatenate([crops, pad]))
         # bucket 1: the global crop is also the one tile (`VisionEncoder.encode_padded`)
-        rows, cols = tile_pool_matrices(tiling, self.cfg.vision, max(1, bucket - 1))
+        rows, cols = self._pooling(tiling, max(1, bucket - 1))
         return self._guarded("vision", self._vision, self.vision_params, batch, rows, cols)
+
+    def _pooling(self, tiling: tuple[int, int], tiles: int) -> tuple[jax.Array, jax.Array]:
+        """The stitch + pooling weights of a tiling (`tile_pool_matrices`), on the device. Made and put
+        there once per tiling and bucket: a step's host inputs are transferred at every call, and under
+        SKIP_TEMP command buffers (xla_defaults.py) every graph node that reads an input whose address
+        moved is updated before the launch; these stay put. (At most one entry per tiling the
+        crop rule allows and bucket: a few dozen arrays of a few KB.)"""
+        key = (int(tiling[0]), int(tiling[1]), int(tiles))
+        got = self._pool_weights.get(key)
+        if got is None:
+            got = self._pool_weights[key] = self._on(tile_pool_matrices(key[:2], self.cfg.vision, tiles))
+        return got
 
     def encode_images(self, images: list[tuple[np.ndarray | CropPlan, tuple[int, int]]]) -> list[jax.Array]:
         """Several images' (crops, tiling) -> each image's tokens [729, D], as `encode_image` gives
@@ -705,9 +721,12 @@ class Runner:
             else:
                 batch.append(self._on(c))
                 self.images["host_crops"] += 1
-        vis = self.cfg.vision
-        batch += [self._on(np.zeros((1, vis.crop_size, vis.crop_size, 3), np.uint8))] * (count - len(crops))
-        rows, cols = tile_pool_matrices((1, 1), vis, 1)
+        if count > len(crops):
+            if self._blank_crop is None:
+                vis = self.cfg.vision
+                self._blank_crop = self._on(np.zeros((1, vis.crop_size, vis.crop_size, 3), np.uint8))
+            batch += [self._blank_crop] * (count - len(crops))
+        rows, cols = self._pooling((1, 1), 1)
         return self._guarded("vision_images", self._vision_images, self.vision_params, tuple(batch), rows, cols)
 
     # ------------------------------------------------------------------------------- steps

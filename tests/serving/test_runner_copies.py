@@ -228,14 +228,21 @@ def test_pool_size_without_any_memory_figures_takes_the_floor(runner: Runner, mo
 
 
 def test_gpu_memory_info_is_none_off_cuda() -> None:
+    import gc
+
     import jax
 
     from kestrel_jax.serving.runner import gpu_memory_info, live_bytes
 
     dev = jax.devices()[0]
     assert gpu_memory_info(dev) is None  # the CPU test platform
-    x = jnp.ones((1000,), jnp.float32)
-    before = live_bytes(dev)
-    y = jnp.ones((2000,), jnp.float32)
-    assert live_bytes(dev) - before == 8000
-    del x, y
+    gc.collect()
+    gc.disable()  # no array freed by a collection between the two readings
+    try:
+        before = live_bytes(dev)
+        y = jnp.ones((2000,), jnp.float32)
+        after = live_bytes(dev)
+    finally:
+        gc.enable()
+    assert after - before == 8000
+    del y

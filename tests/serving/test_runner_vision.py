@@ -140,3 +140,45 @@ def test_a_group_of_three_is_padded_to_four_and_no_batches_means_one_by_one(mode
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=1e-5 * np.abs(np.asarray(w)).max())
     with pytest.raises(ValueError, match="image counts >= 2"):
         _images_runner(model, (1, 4))
+
+
+def test_pooling_weights_and_blank_crops_are_put_on_the_device_once(model: MoondreamModel) -> None:
+    # Constant step inputs travel once: the same device arrays serve every call with the tiling
+    # (a host array would be transferred, to a new address, at every call), and they hold what
+    # tile_pool_matrices gives.
+    import jax
+
+    from kestrel_jax.models.vision import tile_pool_matrices
+
+    runner = _runner(model, (1, 9))
+    runner.image_batches = (2, 3)
+    seen: list[tuple[object, ...]] = []
+    vision, images = runner._vision, runner._vision_images
+
+    def spy(params: object, batch: object, rows: object, cols: object) -> object:
+        seen.append((rows, cols))
+        return vision(params, batch, rows, cols)
+
+    def spy_images(params: object, batch: tuple[object, ...], rows: object, cols: object) -> object:
+        seen.append((rows, cols, *batch))
+        return images(params, batch, rows, cols)
+
+    runner._vision = spy  # type: ignore[assignment]
+    runner._vision_images = spy_images  # type: ignore[assignment]
+    rng = np.random.default_rng(5)
+    crops, tiling = overlap_crops(rng.integers(0, 255, (400, 600, 3), dtype=np.uint8), model.cfg.vision)
+    assert tiling == (2, 4) and crops.shape[0] == 9
+    first = np.asarray(runner.encode_image(crops, tiling))
+    again = np.asarray(runner.encode_image(crops, tiling))
+    np.testing.assert_array_equal(first, again)
+    assert seen[0][0] is seen[1][0] and seen[0][1] is seen[1][1]
+    want = tile_pool_matrices(tiling, model.cfg.vision, 8)
+    for got, ref in zip(seen[0][:2], want, strict=True):
+        assert isinstance(got, jax.Array)
+        np.testing.assert_array_equal(np.asarray(got), ref)
+    one = rng.integers(0, 255, (1, 378, 378, 3), dtype=np.uint8)
+    runner.encode_singles([one])  # pads to 2 with one blank crop
+    runner.encode_singles([one])
+    a, b = seen[2], seen[3]
+    assert len(a) == 4 and a[0] is b[0] and a[1] is b[1] and a[3] is b[3]  # same weights, same blank crop
+    assert not np.asarray(a[3]).any()
