@@ -4,7 +4,7 @@
 CUDA graph) that records every kernel's buffer addresses, and by default it updates the graph's
 nodes on every call whose temporary buffer landed at another address than last time. With
 pipelined steps of several programs in flight, it usually does: on the H100 the engine thread
-spent ~1.3 ms per text-step call and the vision thread ~5.9 ms per vision call in those updates
+spent ~1.25 ms per text-step command buffer and the vision thread ~5.9 ms per vision call in those updates
 (BENCHMARKS.md, twenty-ninth session). SKIP_TEMP makes the GPU client use XLA's virtual-memory
 allocator and gives each program's temporaries one reserved virtual range, so only the nodes
 that read a step's inputs or write its outputs are updated: W2's mixed-step launch went from
