@@ -4,8 +4,8 @@
 CUDA graph) that records every kernel's buffer addresses, and by default it updates the graph's
 nodes on every call whose temporary buffer landed at another address than last time. With
 pipelined steps of several programs in flight, it usually does: on the H100 the engine thread
-spent ~1.25 ms per text-step command buffer and the vision thread ~5.9 ms per vision call in those updates
-(BENCHMARKS.md, twenty-ninth session). SKIP_TEMP makes the GPU client use XLA's virtual-memory
+spent ~1.25 ms per text-step command buffer and the vision thread ~5.9 ms per vision call in
+those updates (BENCHMARKS.md, twenty-ninth session). SKIP_TEMP makes the GPU client use XLA's virtual-memory
 allocator and gives each program's temporaries one reserved virtual range, so only the nodes
 that read a step's inputs or write its outputs are updated: W2's mixed-step launch went from
 7.2-7.8 to 3.1-4.6 ms of host time and 64-client output tokens/s up 7.6% (mean of three
