@@ -324,6 +324,17 @@ def sched_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, Any]
     return d
 
 
+def launch_ms_per_step(host_s: dict[str, float], sched: dict[str, Any]) -> dict[str, float]:
+    """The engine thread's host time per launch (ms) by step kind: `launch_<kind>` seconds over the
+    scheduler's `<kind>_steps` count (a decode launch of several iterations counts once)."""
+    out: dict[str, float] = {}
+    for kind in ("mixed", "prefill", "decode"):
+        n = sched.get(f"{kind}_steps", 0)
+        if n and f"launch_{kind}" in host_s:
+            out[kind] = round(host_s[f"launch_{kind}"] / n * 1e3, 3)
+    return out
+
+
 # ---------------------------------------------------------------------------------- workloads
 class Bench:
     def __init__(self, engine: Any, args: argparse.Namespace, results: dict[str, Any], dump: Callable[[], None]):
@@ -467,6 +478,7 @@ class Bench:
         s.update({"concurrency": c, "wall_s": rnd(wall, 3), "requests_per_s": rnd(len(recs) / wall, 3),
                   "output_tok_s": rnd(out_tok / wall, 1), "scheduler": sched_delta(before, sched_stats(self.engine))},
                  **host)
+        s["launch_ms_per_step"] = launch_ms_per_step(s.get("engine_host_s", {}), s["scheduler"])
         enc1 = (self.engine.stats.get("encode_ahead") or {}).get("calls_by_images", {})
         s["vision_calls_by_images"] = {k: v - enc0.get(k, 0) for k, v in enc1.items() if v != enc0.get(k, 0)}
         if s["cached_tokens_max"]:
@@ -481,7 +493,8 @@ class Bench:
             log(f"w2 C={c}: {s['requests_per_s']} req/s, {s['output_tok_s']} output tok/s, ttft p50/p90 "
                 f"{s['ttft_ms_p50']}/{s['ttft_ms_p90']} ms, decode/seq {s['decode_tok_s_per_seq_p50']} tok/s, "
                 f"batch {s['scheduler'].get('mean_decode_batch')}, cached max {s['cached_tokens_max']}; engine thread "
-                f"s {s['engine_host_s']} of {s['wall_s']}; vision calls by images {s['vision_calls_by_images']}")
+                f"s {s['engine_host_s']} of {s['wall_s']}; launch ms per step {s['launch_ms_per_step']}; vision calls "
+                f"by images {s['vision_calls_by_images']}")
             out[str(c)] = r
             self.results["w2"] = out
             self.dump()

@@ -90,6 +90,13 @@ def test_quick_run_reports_every_workload(quick_run: tuple[dict[str, Any], str, 
     assert w2["n"] == 2 and w2["requests_per_s"] > 0 and w2["output_tok_s"] > 0
     assert w2["ttft_ms_p50"] > 0 and w2["ttft_ms_p90"] >= w2["ttft_ms_p50"]
     assert w2["cached_tokens_max"] == 0 and w2["not_full_length"] == 0 and w2["input_tokens"] == [740]
+    # host ms per launch by step kind: the launch seconds over the scheduler's step counts
+    per = w2["launch_ms_per_step"]
+    assert per and all(v > 0 for v in per.values())
+    kind = next(iter(per))
+    want = w2["engine_host_s"][f"launch_{kind}"] / w2["scheduler"][f"{kind}_steps"] * 1e3
+    assert abs(per[kind] - want) <= 1e-3 + 1e-3 * want
+    assert res["device"]["xla_defaults"]["xla_gpu_command_buffer_update_mode"] in ("added", "user", "off")
     for c in ("1", "2"):
         w3 = res["w3"][c]["summary"]
         assert w3["n"] == 2 and w3["requests_per_s"] > 0 and w3["cached_tokens_max"] == 0
@@ -227,3 +234,10 @@ def test_engine_thread_in_long_gaps(bench: ModuleType) -> None:
                                                            "kestrel_jax.wait_outputs": 500.0}
     assert r["outside_any_event_us"] == 2500.0  # 4-5 ms and 7-8, 8.5-9 ms
     assert "error" in bench.engine_thread_in_gaps(NS(planes=[]), gaps)
+
+
+def test_launch_ms_per_step(bench: ModuleType) -> None:
+    host = {"launch_mixed": 2.0, "launch_decode": 0.75, "launch_prefill": 0.0, "dispatch": 9.0}
+    sched = {"mixed_steps": 500, "decode_steps": 250, "prefill_steps": 0, "decode_iterations": 2000}
+    assert bench.launch_ms_per_step(host, sched) == {"mixed": 4.0, "decode": 3.0}
+    assert bench.launch_ms_per_step({}, sched) == {}
