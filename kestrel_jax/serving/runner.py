@@ -675,7 +675,8 @@ class Runner:
         there once per tiling and bucket: a step's host inputs are transferred at every call, and under
         SKIP_TEMP command buffers (xla_defaults.py) every graph node that reads an input whose address
         moved is updated before the launch; these stay put. (At most one entry per tiling the
-        crop rule allows and bucket: a few dozen arrays of a few KB.)"""
+        crop rule allows and bucket: a few dozen arrays of a few KB. The vision thread and the
+        engine thread, encoding in place, may both get here: a race puts one copy twice, no harm.)"""
         key = (int(tiling[0]), int(tiling[1]), int(tiles))
         got = self._pool_weights.get(key)
         if got is None:
