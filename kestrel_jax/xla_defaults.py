@@ -29,10 +29,6 @@ OPT_OUT = "KESTREL_JAX_XLA_DEFAULTS"
 _state: dict[str, str] = {}  # flag -> "added" | "user" (XLA_FLAGS named it) | "late" | "off"
 
 
-def _named(flags: str, name: str) -> bool:
-    return any(tok.lstrip("-").split("=", 1)[0] == name for tok in flags.split())
-
-
 def apply(environ: dict[str, str] | os._Environ[str] | None = None, backend_started: bool | None = None
           ) -> dict[str, str]:
     """Add the defaults to `XLA_FLAGS` where they can still take effect; returns what happened to
@@ -43,7 +39,7 @@ def apply(environ: dict[str, str] | os._Environ[str] | None = None, backend_star
     out: dict[str, str] = {}
     flags = env.get("XLA_FLAGS", "")
     for name, value in DEFAULTS.items():
-        if _named(flags, name):  # the user's setting, or ours from an earlier call
+        if _flag_value(name, flags) is not None:  # the user's setting, or ours from an earlier call
             out[name] = "added" if _state.get(name) == "added" and environ is None else "user"
         elif not _enabled(env):
             out[name] = "off"
@@ -75,8 +71,9 @@ def command_buffers_skip_temp() -> bool:
     return _flag_value("xla_gpu_command_buffer_update_mode") == "SKIP_TEMP"
 
 
-def _flag_value(name: str) -> str | None:
-    for tok in os.environ.get("XLA_FLAGS", "").split():
+def _flag_value(name: str, flags: str | None = None) -> str | None:
+    """The value `flags` (default: XLA_FLAGS now) gives the flag, or None if it does not name it."""
+    for tok in (os.environ.get("XLA_FLAGS", "") if flags is None else flags).split():
         key, _, value = tok.lstrip("-").partition("=")
         if key == name:
             return value
