@@ -46,14 +46,23 @@ def test_queued_images_are_encoded_in_one_step_and_outputs_equal_the_reference(
     single = runner.encode_image
     entered = threading.Event()
 
-    def held(*args: object, **kw: object) -> object:  # the first image waits until all four are queued
+    # The engine thread launches the first image's prefill at once and waits there for its
+    # encoding, so the other three wait in its inbox until the first image is encoded; `held`
+    # keeps it from being encoded until they are all there (the engine thread then admits all
+    # three in one drain). And the vision thread must not start on the first of them before the
+    # other two are queued: a long batch wait makes it wait for a full batch or for the engine
+    # thread to ask for one, which comes after the three admissions. (The hold used to wait for
+    # all four to be *started*, which cannot happen while the engine thread waits: it ended at its
+    # 20 s timeout, and under load the three reached the vision thread apart: {1: 2, 2: 1}.)
+    def held(*args: object, **kw: object) -> object:
         entered.set()
         t0 = time.monotonic()
-        while ahead.started < 4 and time.monotonic() - t0 < 20:
+        while worker._inbox.qsize() < 3 and time.monotonic() - t0 < 20:
             time.sleep(0.01)
         return single(*args, **kw)
 
     runner.encode_image = held
+    wait_s, ahead._max_wait_s = ahead._max_wait_s, 10.0
     calls = dict(ahead.calls)
 
     async def run() -> list[Result]:
@@ -72,6 +81,7 @@ def test_queued_images_are_encoded_in_one_step_and_outputs_equal_the_reference(
         got = asyncio.run(run())
     finally:
         del runner.encode_image
+        ahead._max_wait_s = wait_s
     new = {k: v - calls.get(k, 0) for k, v in ahead.calls.items() if v != calls.get(k, 0)}
     assert new == {1: 1, 3: 1}  # the first alone, the three queued behind it together
     assert eng.stats["encode_ahead"]["calls_by_images"] == dict(sorted(ahead.calls.items()))
