@@ -14,6 +14,7 @@ values and the largest difference relative to the largest magnitude.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -91,6 +92,8 @@ def main() -> int:
     res["rows"] = rows
     res["kv"] = {"share_differing": float((diff > 0).mean()), "max_rel": float(diff.max() / np.abs(kv1).max()),
                  "nonzero_share": float((kv1 != 0).mean()), "finite": bool(np.isfinite(kv2).all())}
+    # Digests of everything both modes produced: runs under other settings (XLA flags) compare them.
+    res["digest"] = {m: hashlib.sha256(g.tobytes() + kv.tobytes()).hexdigest()[:16] for m, (g, kv) in outs.items()}
     res["tokens_equal"] = all(r["token_separate"] == r["token_mixed"] for r in rows)
     print(json.dumps({"kv": res["kv"], "tokens_equal": res["tokens_equal"]}), flush=True)
     if a.out:

@@ -63,6 +63,7 @@ async def run_requests(engine: Any, images: list[np.ndarray], max_tokens: int, c
         "decode_tok_s_p50": float(np.median([r.metrics.tokens_per_s for r in res])),
         "finish": sorted({r.finish_reason for r in res}),
         "output_tokens": sorted({r.metrics.output_tokens for r in res}),
+        "outputs": [r.output for r in res],  # in request order: runs under other settings compare
     }
 
 
