@@ -76,9 +76,12 @@ def engine_config(backend: str, *, family: str, tiny: bool) -> Any:
         return EngineConfig(runner=RunnerConfig(num_pages=256, kv_dtype=kv, max_seq_len=2048, backend=backend,
                                                 vision_buckets=(2, 10)),
                             decode_buckets=(1, 4), prefill_token_buckets=(64, 1024), max_prefill_seqs=4)
+    # Prefix cache off: every request has a new image except the repeated batch-1 ones, which must
+    # run the same steps again.
     return EngineConfig(runner=RunnerConfig(kv_dtype=kv, max_seq_len=2048, backend=backend, vision_buckets=(2,),
                                             kv_memory_fraction=0.5),
-                        decode_buckets=(1, 16), prefill_token_buckets=(1024,), max_prefill_seqs=1)
+                        decode_buckets=(1, 16), prefill_token_buckets=(1024,), max_prefill_seqs=1,
+                        enable_prefix_cache=False)
 
 
 def part_tiny(backends: list[str]) -> dict[str, Any]:
@@ -146,8 +149,15 @@ def part_full(family: str, backends: list[str], n_burst: int) -> dict[str, Any]:
                 log(f"{family} {backend}: engine up in {r['startup_s']:.1f}s (weights {build:.1f}s)")
                 img = lambda: rng.integers(0, 255, (378, 378, 3), dtype=np.uint8)  # noqa: E731
                 await run_requests(eng, [img()], 8, 1)  # warm
-                r["batch1"] = await run_requests(eng, [img() for _ in range(3)], 128, 1)
+                ims = [img() for _ in range(3)]
+                r["batch1"] = await run_requests(eng, ims, 128, 1)
                 log(f"{family} {backend} batch-1: {r['batch1']}")
+                # The same requests again (the prefix cache is off): the same step programs with other
+                # buffers (KV pages, inputs, outputs) must give the same tokens.
+                again = await run_requests(eng, ims, 128, 1)
+                r["batch1_repeat_equal"] = [a == b for a, b in zip(r["batch1"]["outputs"], again["outputs"],
+                                                                   strict=True)]
+                log(f"{family} {backend} batch-1 repeated, outputs equal: {r['batch1_repeat_equal']}")
                 r["burst"] = await run_requests(eng, [img() for _ in range(n_burst)], 128, n_burst)
                 log(f"{family} {backend} burst {n_burst}: {r['burst']}")
                 await eng.shutdown()
