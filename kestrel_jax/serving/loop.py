@@ -206,6 +206,7 @@ class EngineWorker:
             self.compile_s["ahead"] = round(time.perf_counter() - t0, 2)
         for name, kind, args in variants:
             timed(name, getattr(self.runner, kind), *args)
+        jax.block_until_ready(self.stepper.image_block([]))  # one shape whatever the image count
         for rows in self.runner.copy_buckets(self.scheduler.config.max_copies):
             self.runner.copy_pages(np.full((rows, 2), -1, np.int32))
         vis = self.model.cfg.vision
@@ -247,8 +248,8 @@ class EngineWorker:
                 return 1
         return self.scheduler.steps_to_first_finish(k) if self.config.decode_steps_to_finish else k
 
-    def _no_images(self) -> tuple[jax.Array, ...]:
-        return self.stepper.image_block([])  # committed, as every image while serving
+    def _no_images(self) -> jax.Array:
+        return self.stepper.image_block([])  # committed, as every image block while serving
 
     # ------------------------------------------------------------------------------ main loop
     def _run(self) -> None:

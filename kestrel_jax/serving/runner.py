@@ -215,13 +215,9 @@ def _region_gate(ints: jax.Array, col: int) -> ops.Gate | None:
     return ops.gate(ints, 0, col) if ops.region_gate_wanted() else None
 
 
-Images = jax.Array | tuple[jax.Array, ...]  # a prefill step's image tokens: [NI, 729, D] or NI x [729, D]
-
-
 def _embed(model: LM, kind: jax.Array, token: jax.Array, value: jax.Array,
-           image_row: jax.Array | None, images: Images | None, gate: ops.Gate | None = None) -> jax.Array:
-    """Per-row input embedding: wte[token], E_coord(value[0]), E_size(value) or an image row
-    (`image_row` indexes the images' rows one after another)."""
+           image_row: jax.Array | None, images: jax.Array | None, gate: ops.Gate | None = None) -> jax.Array:
+    """Per-row input embedding: wte[token], E_coord(value[0]), E_size(value) or an image row."""
     dtype = model.dtype
     x = model.text.embed(jnp.clip(token, 0, model.cfg.text.vocab_size - 1), dtype)
     rows = region_kernel_rows()
@@ -230,9 +226,7 @@ def _embed(model: LM, kind: jax.Array, token: jax.Array, value: jax.Array,
     x = jnp.where((kind == IN_COORD)[:, None], coord, x)
     x = jnp.where((kind == IN_SIZE)[:, None], size, x)
     if images is not None and image_row is not None:
-        # a tuple (the engine's form: each image's own buffer) is joined here, inside the step
-        flat = (jnp.concatenate(images) if isinstance(images, tuple)
-                else images.reshape(-1, images.shape[-1])).astype(dtype)
+        flat = images.reshape(-1, images.shape[-1]).astype(dtype)
         img = flat[jnp.clip(image_row, 0, flat.shape[0] - 1)]
         x = jnp.where((kind == IN_IMAGE)[:, None], img, x)
     return x
@@ -369,17 +363,17 @@ def _decode_step(parts: _Parts, params: list[jax.Array], cache: KVCache, ints: j
 
 
 def _prefill_step(parts: _Parts, params: list[jax.Array], cache: KVCache, tok_ints: jax.Array,
-                  tok_floats: jax.Array, seq_ints: jax.Array, seq_floats: jax.Array, images: Images,
+                  tok_floats: jax.Array, seq_ints: jax.Array, seq_floats: jax.Array, images: jax.Array,
                   backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
     """tok_ints [T, TI], tok_floats [T, 2], seq_ints [B, SI + P], seq_floats [B, 2] (batch.py
-    layout), images [NI, 729, D] or NI arrays [729, D]: per-sequence outputs of each completed prompt's last row."""
+    layout), images [NI, 729, D]: per-sequence outputs of each completed prompt's last row."""
     return _prefill_or_mixed(_lm(parts, params), cache, tok_ints, tok_floats, seq_ints, seq_floats, images, None,
                              backend, out_rows)
 
 
 def _mixed_step(parts: _Parts, params: list[jax.Array], cache: KVCache, ints: jax.Array, floats: jax.Array,
                 prev: jax.Array, tok_ints: jax.Array, tok_floats: jax.Array, seq_ints: jax.Array,
-                seq_floats: jax.Array, images: Images, backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
+                seq_floats: jax.Array, images: jax.Array, backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
     """A prefill step that also runs one decode iteration of the rows `ints [Bd, DI + P]`, `floats
     [Bd, DF]` (the decode step's layout and `prev` feed): one forward pass over Bd + T tokens, decode
     rows first. Outputs: rows [0, Bd) the decode rows', then [Bd, Bd + B) the prefill sequences'."""
@@ -388,7 +382,7 @@ def _mixed_step(parts: _Parts, params: list[jax.Array], cache: KVCache, ints: ja
 
 
 def _prefill_or_mixed(model: LM, cache: KVCache, tok_ints: jax.Array, tok_floats: jax.Array, seq_ints: jax.Array,
-                      seq_floats: jax.Array, images: Images, decode: tuple[jax.Array, jax.Array, jax.Array] | None,
+                      seq_floats: jax.Array, images: jax.Array, decode: tuple[jax.Array, jax.Array, jax.Array] | None,
                       backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
     with ops.use_backend(backend):  # type: ignore[arg-type]
         gate = _region_gate(tok_ints, bt.T_REGION)  # a mixed step's covers its decode rows too
@@ -757,16 +751,13 @@ class Runner:
         return outs, last
 
     def prefill(self, tok_ints: np.ndarray, tok_floats: np.ndarray, seq_ints: np.ndarray, seq_floats: np.ndarray,
-                images: Images) -> jax.Array:
-        """A prefill step (batch.py layout); `images`: [NI, 729, D], or a tuple of NI [729, D] arrays
-        (the engine's form: the vision step's outputs as they are, joined inside the step; each
-        form is its own compiled variant)."""
+                images: jax.Array) -> jax.Array:
         self.cache, out = self._guarded("prefill", self._prefill, self.lm_params, self.cache,
                                         *self._inputs(tok_ints, tok_floats, seq_ints, seq_floats, images))
         return out
 
     def mixed(self, ints: np.ndarray, floats: np.ndarray, prev: jax.Array | None, tok_ints: np.ndarray,
-              tok_floats: np.ndarray, seq_ints: np.ndarray, seq_floats: np.ndarray, images: Images) -> jax.Array:
+              tok_floats: np.ndarray, seq_ints: np.ndarray, seq_floats: np.ndarray, images: jax.Array) -> jax.Array:
         """A prefill step carrying one decode iteration of the rows `ints`/`floats` (decode layout,
         `prev` as for `decode`). Outputs [out_rows, 6]: the decode rows', then the sequences'."""
         self.cache, out = self._guarded("mixed", self._mixed, self.lm_params, self.cache,

@@ -55,8 +55,7 @@ class Stepper:
         self.max_images = max_images
         self.image_tokens = image_tokens
         model = runner.model
-        # committed like the vision step's outputs: jit keys its cache on committedness, and a prefill
-        # step takes the zero image and image encodings side by side
+        # committed like the vision step's outputs, so the image block is committed whatever it holds
         self._zero_image = jax.device_put(jnp.zeros((prefix_len - 1, model.cfg.text.dim), model.dtype),
                                           runner.device)
         # decode_iterations: decode launches times the iterations each ran (multi-step launches run K)
@@ -166,17 +165,17 @@ class Stepper:
                 rows[int(sid)] = first + b  # type: ignore[call-overload]
         if len(images) > self.max_images:
             raise RuntimeError(f"{len(images)} images in one prefill step; at most {self.max_images} fit")
-        images_in = self.image_block(images)
+        block = self.image_block(images)
         tok_ints[:, bt.T_REGION] = bt.needs_region(seq_ints[:, bt.S_FLAGS], kind)
         if plan.decode is None:
             with self._timed("launch_prefill"):
-                out = self.runner.prefill(tok_ints, tok_floats, seq_ints, seq_floats, images_in)
+                out = self.runner.prefill(tok_ints, tok_floats, seq_ints, seq_floats, block)
             return Pending(plan, out, rows)
         ints, floats, drows, _ = self._decode_rows(plan.decode, pending)
         tok_ints[:, bt.T_REGION] |= ints[0, bt.D_REGION]  # the mixed step's gate covers its decode rows
         with self._timed("launch_mixed"):
             out = self.runner.mixed(ints, floats, pending.feed if pending is not None else None, tok_ints,
-                                    tok_floats, seq_ints, seq_floats, images_in)
+                                    tok_floats, seq_ints, seq_floats, block)
         return Pending(plan, out, {**drows, **rows})
 
     @contextlib.contextmanager
@@ -189,11 +188,11 @@ class Stepper:
         finally:
             self.launch_s[key] += time.perf_counter() - t0
 
-    def image_block(self, images: list[jax.Array]) -> tuple[jax.Array, ...]:
-        """The prefill step's image input: these images' tokens [729, D], then the zero image, always
-        `max_images` arrays. The step joins them: stacking them here cost a program launch of its
-        own and ~0.6 ms of host time before every prefill and mixed step (H100 trace, session 29)."""
-        return (*images, *[self._zero_image] * (self.max_images - len(images)))
+    def image_block(self, images: list[jax.Array]) -> jax.Array:
+        """The prefill step's image input [max_images, 729, D]: these images, then zero rows.
+        (A small XLA computation of its own: the engine's warm-up runs it once so that the first
+        request does not compile it.)"""
+        return jnp.stack([*images, *[self._zero_image] * (self.max_images - len(images))])
 
     # ------------------------------------------------------------------------------ results
     def process(self, pending: Pending) -> dict[int, str]:

@@ -57,7 +57,7 @@ def test_step_inputs_stay_committed(engine: InferenceEngine, images: list[Path])
 
     def committed() -> bool:
         arrays = [*runner.cache.k, *runner.cache.v, runner.cache.k_scale, runner.no_outputs,
-                  *runner.lm_params, *runner.vision_params, *engine._worker._no_images()]
+                  *runner.lm_params, *runner.vision_params, engine._worker._no_images()]
         return all(a._committed for a in arrays)
 
     assert committed()

@@ -10,7 +10,7 @@ import pytest
 from kestrel_jax.models.config import tiny_config
 from kestrel_jax.models.moondream import MoondreamModel, random_model
 from kestrel_jax.serving import batch as bt
-from kestrel_jax.serving.runner import IN_IMAGE, Runner, RunnerConfig
+from kestrel_jax.serving.runner import Runner, RunnerConfig
 
 PAGE = 16
 
@@ -147,27 +147,3 @@ def test_the_decode_variants_compile_first_each_alone() -> None:
     assert compile_groups(calls, 8, False) == [(calls, 8)]
     assert compile_groups(decode, 4, True) == [(decode, 1)]  # nothing else: no empty group
     assert compile_groups(calls[2:4], 4, True) == [(calls[2:4], 4)]
-
-
-def test_prefill_takes_its_images_stacked_or_as_a_tuple(model: MoondreamModel) -> None:
-    """The engine passes a prefill step its image encodings as a tuple of [728, D] arrays (joined
-    inside the step); tests and tools may pass them stacked [NI, 728, D]: the same outputs and KV,
-    and the image rows really are read (zero images give other KV)."""
-    rng = np.random.default_rng()
-    imgs = [jnp.asarray(rng.standard_normal((728, 256)), jnp.float32) for _ in range(2)]
-    a, b = list(range(1, 19)), [1, 5, 6]
-    rows_a = 728 + 5 * np.arange(17)  # sequence a's positions 1..17 read image 1
-    results = {}
-    for form, images in (("stacked", jnp.stack(imgs)), ("tuple", tuple(imgs)),
-                         ("zeros", (jnp.zeros((728, 256)), jnp.zeros((728, 256))))):
-        runner = _runner(model)
-        ti, tf, si, sf = _prefill_inputs(runner, [(2, a), (6, b)], temps=(0.0, 0.7))
-        ti[1:18, bt.T_KIND], ti[1:18, bt.T_IMG_ROW] = IN_IMAGE, rows_a
-        ti[19, bt.T_KIND], ti[19, bt.T_IMG_ROW] = IN_IMAGE, 3  # sequence b's position 1 reads image 0
-        out = np.asarray(runner.prefill(ti, tf, si, sf, images))
-        results[form] = (out[:2], _kv(runner, [2, 3, 6]))
-    (o1, kv1), (o2, kv2), (_, kv0) = results["stacked"], results["tuple"], results["zeros"]
-    np.testing.assert_array_equal(o1[:, 0], o2[:, 0])
-    np.testing.assert_allclose(o2, o1, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(kv2, kv1, rtol=1e-6, atol=1e-6)
-    assert np.abs(kv1 - kv0).max() > 1e-3
