@@ -35,6 +35,7 @@ import ast
 import asyncio
 import contextlib
 import dataclasses
+import gzip
 import importlib.metadata as im
 import json
 import math
@@ -812,6 +813,22 @@ def ratio_table(ours: dict[str, dict[str, Any]], peer: dict[str, dict[str, Any]]
     return "\n".join(lines), table
 
 
+def read_json(path: str | Path) -> Any:
+    """A result JSON; gzipped when its name ends in .gz (the benchmark logs are kept that way)."""
+    p = Path(path)
+    raw = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+    return json.loads(raw)
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    """`obj` as indented JSON at `path` (gzipped when the name ends in .gz), replaced atomically."""
+    p = Path(path)
+    text = (json.dumps(obj, indent=1, default=str) + "\n").encode()
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_bytes(gzip.compress(text, mtime=0) if p.suffix == ".gz" else text)
+    tmp.replace(p)
+
+
 def compare_main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="benchmark.py compare", description="ours / Kestrel ratio table")
     ap.add_argument("--ours", nargs="*", default=[], help="our result JSONs (model taken from the file)")
@@ -826,7 +843,7 @@ def compare_main(argv: list[str]) -> int:
         got = {}
         for p in paths:
             try:
-                d = json.loads(Path(p).read_text())
+                d = read_json(p)
                 got[names(d.get("model", ""))] = d
             except (OSError, ValueError) as e:
                 print(f"skipping {p}: {e}")
@@ -841,13 +858,13 @@ def compare_main(argv: list[str]) -> int:
         print(text)
     missing = {m: ours[m] for m in ours if m not in peer}
     if missing and a.ref and Path(a.ref).exists():
-        runs = json.loads(Path(a.ref).read_text())["runs"][a.ref_run]
+        runs = read_json(a.ref)["runs"][a.ref_run]
         ref = {m: runs[m] for m in missing if m in runs}
         text, out["reference"] = ratio_table(missing, ref, f"reference {a.ref_run}, other machine")
         print("\nNo side-by-side Kestrel run for " + ", ".join(missing) + "; against the stored reference:")
         print(text)
     if a.out:
-        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+        write_json(a.out, out)
     return 0
 
 
@@ -911,7 +928,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="make random weights on the device instead of a checkpoint (no load time measured)")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma list of {','.join(WORKLOADS)}")
     ap.add_argument("--concurrency", type=int, nargs="+", default=None, help="w2 levels (default 8 32 64)")
-    ap.add_argument("--out", default=None, help="result JSON")
+    ap.add_argument("--out", default=None, help="result JSON (gzipped when the name ends in .gz)")
     ap.add_argument("--append", action="store_true", help="add this run's startup record to an existing --out")
     ap.add_argument("--host-profile", action="store_true",
                     help="sample the engine thread's Python stack during w1 and each w2 level (tools/host_sampler.py)")
@@ -945,7 +962,7 @@ class Output:
 
     def __init__(self, a: argparse.Namespace):
         self.path = Path(a.out) if a.out else None
-        self.base = json.loads(self.path.read_text()) if a.append and self.path and self.path.exists() else None
+        self.base = read_json(self.path) if a.append and self.path and self.path.exists() else None
         self.res: dict[str, Any] = {
             "model": a.model, "argv": sys.argv, "quick": a.quick, "errors": {}, "skipped": {},
             "settings": {"question": QUESTION, "reasoning": False, "temperature": 0.0, "top_p": 1.0,
@@ -965,9 +982,7 @@ class Output:
 
     def dump(self) -> None:
         if self.path:
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(self.merged(), indent=1, default=str) + "\n")
-            tmp.replace(self.path)
+            write_json(self.path, self.merged())
 
 
 async def run(a: argparse.Namespace, o: Output) -> int:

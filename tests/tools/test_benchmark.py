@@ -109,16 +109,19 @@ def test_quick_run_reports_every_workload(quick_run: tuple[dict[str, Any], str, 
     assert "| w2 | C=2 req/s" in stdout and "| w4 | TTFT 378x378 (2 crops)" in stdout
 
 
-def test_append_adds_a_startup_record_and_keeps_the_rest(bench: ModuleType, tmp_path: Path) -> None:
-    out = tmp_path / "r.json"
-    out.write_text(json.dumps({"model": "md3", "w1": {"summary": {"x": 1}}, "startup": [{"create_s": 9.0}],
-                               "errors": {}}))
+@pytest.mark.parametrize("name", ["r.json", "r.json.gz"])
+def test_append_adds_a_startup_record_and_keeps_the_rest(bench: ModuleType, tmp_path: Path, name: str) -> None:
+    out = tmp_path / name
+    bench.write_json(out, {"model": "md3", "w1": {"summary": {"x": 1}}, "startup": [{"create_s": 9.0}],
+                           "errors": {}})
+    assert (out.read_bytes()[:2] == b"\x1f\x8b") == name.endswith(".gz")  # gzip magic
     a = bench.parse_args(["--model", "md3", "--out", str(out), "--append"])
     o = bench.Output(a)
     o.res["startup"] = [{"create_s": 2.0, "cache_state": "warm"}]
     o.res["errors"]["startup"] = "boom"
     o.dump()
-    got = json.loads(out.read_text())
+    got = bench.read_json(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # no temporary file left
     assert [s["create_s"] for s in got["startup"]] == [9.0, 2.0]
     assert got["w1"] == {"summary": {"x": 1}} and got["errors"] == {"append:startup": "boom"}
 
@@ -173,10 +176,10 @@ def test_ratio_table_against_kestrel_summaries(bench: ModuleType) -> None:
 def test_compare_cli_falls_back_to_the_stored_reference(bench: ModuleType, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     ours = {"model": "md2", "w1": {"summary": {"decode_tok_s_per_seq_p50": 600}}}
-    (tmp_path / "md2.json").write_text(json.dumps(ours))
+    bench.write_json(tmp_path / "md2.json.gz", ours)  # result files may be kept gzipped
     ref = {"runs": {"run2": {"md2": {"single": {"378": {"decode_tok_s_per_seq_p50": 500.0}}}}}}
     (tmp_path / "ref.json").write_text(json.dumps(ref))
-    rc = bench.main(["compare", "--ours", str(tmp_path / "md2.json"), "--peer", str(tmp_path / "missing.json"),
+    rc = bench.main(["compare", "--ours", str(tmp_path / "md2.json.gz"), "--peer", str(tmp_path / "missing.json"),
                      "--ref", str(tmp_path / "ref.json"), "--out", str(tmp_path / "ratios.json")])
     assert rc == 0
     got = json.loads((tmp_path / "ratios.json").read_text())
