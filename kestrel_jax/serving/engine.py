@@ -74,6 +74,12 @@ class EngineConfig:
     max_prefill_seqs: int = 8
     enable_prefix_cache: bool = True
     warmup: bool = True  # compile every bucket at start-up, then forbid recompiles
+    # Runs of each step variant at start-up. XLA runs a command buffer's first execution op by op
+    # as its own warm-up and records and instantiates the CUDA graph at the second, so with one run
+    # every step built its graph at its first call while serving (an H200 trace: 26 ms of host time
+    # for a mixed step's 876 commands, the device idle meanwhile). None: 2 on a GPU, 1 elsewhere
+    # (no command buffers).
+    warmup_runs: int | None = None
     pipeline: bool = True  # launch step N+1 before reading step N (False: read each step at once)
     # Multi-step decode: when every decoding row is a plain answer/caption row and at most
     # `multi_step_max_batch` sequences are running, one launch runs `decode_steps` iterations

@@ -3,6 +3,9 @@ prefill and decode steps compute: the same sampled tokens, outputs and KV conten
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -128,13 +131,41 @@ def test_a_failed_compile_ahead_leaves_the_warm_up_to_compile(model: MoondreamMo
 
     cfg = EngineConfig(runner=RunnerConfig(num_pages=16, kv_dtype="f32", max_seq_len=128, page_size=PAGE,
                                            vision_buckets=(2,)),
-                       decode_buckets=(2,), decode_steps=1, prefill_token_buckets=(1024,), max_prefill_seqs=2)
+                       decode_buckets=(2,), decode_steps=1, prefill_token_buckets=(1024,), max_prefill_seqs=2,
+                       warmup_runs=2)  # the GPU default (here, on the CPU, None means 1)
     worker = EngineWorker(cfg, model, Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size)))
+    assert worker.warmup_runs == 2
+    for runs, want in ((None, 1), (3, 3), (0, ValueError)):
+        worker.config = dataclasses.replace(cfg, warmup_runs=runs)
+        if want is ValueError:
+            with pytest.raises(ValueError, match="warmup_runs"):
+                _ = worker.warmup_runs
+        else:
+            assert worker.warmup_runs == want
+    worker.config = cfg
     monkeypatch.setattr(worker.runner, "compile_ahead", broken)
+    # with 2, every variant runs twice at start-up (XLA builds a step's CUDA graph at its second run)
+    calls: dict[str, int] = {}
+
+    def counting(name: str) -> Any:
+        fn = getattr(worker.runner, name)
+
+        def counted(*args: object, **kw: object) -> Any:
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kw)
+        return counted
+
+    for name in ("decode", "prefill", "mixed", "copy_pages", "encode_image", "encode_singles"):
+        monkeypatch.setattr(worker.runner, name, counting(name))
     with caplog.at_level(logging.WARNING):
         worker.warmup()
     assert "one by one" in caplog.text
     assert {"decode_b2_k1", "prefill_t1024", "mixed_t1024_b2"} <= set(worker.compile_s)
+    copies = len(worker.runner.copy_buckets(worker.scheduler.config.max_copies))
+    assert {k: calls[k] for k in ("decode", "prefill", "mixed", "copy_pages")} == {
+        "decode": 2, "prefill": 2, "mixed": 2, "copy_pages": 2 * copies}
+    assert calls["encode_image"] >= 2 and calls["encode_image"] % 2 == 0
+    assert calls.get("encode_singles", 0) % 2 == 0
 
 
 
