@@ -233,6 +233,18 @@ def heads_barrier_wanted() -> bool:
     return _want_kernel() and flag("KESTREL_JAX_HEADS_BARRIER", True)
 
 
+def pin_inputs(*arrays: jax.Array | None) -> tuple[jax.Array | None, ...]:
+    """A step's per-call inputs read through one copy kernel (`pin_inputs.pin`): then only that
+    kernel's graph node, not every layer's, is updated when the inputs move between calls. Opt-in
+    on the kernel path (KESTREL_JAX_PIN_INPUTS=1, read at trace time) until measured on the GPU;
+    the arrays as they are otherwise."""
+    if not (_want_kernel() and flag("KESTREL_JAX_PIN_INPUTS", False)):
+        return arrays
+    from kestrel_jax.pallas.pin_inputs import pin
+
+    return tuple(pin(arrays))
+
+
 def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None, *,
                       max_rows: int, rows: int | None = None, padded_ok: bool = False,
                       tau: Any = None, gate: Gate | None = None) -> tuple[jax.Array, jax.Array, Any] | None:

@@ -210,6 +210,13 @@ def _lm(parts: _Parts, params: list[jax.Array]) -> LM:
     return LM(parts.cfg, parts.dtype, nnx.merge(parts.text_gd, text_state), nnx.merge(parts.region_gd, region_state))
 
 
+def _pinned(*arrays: jax.Array) -> list[jax.Array]:
+    """A step's host inputs through `ops.pin_inputs` (one copy kernel, opt-in)."""
+    out = ops.pin_inputs(*arrays)
+    assert all(a is not None for a in out)
+    return [a for a in out if a is not None]
+
+
 def _region_gate(ints: jax.Array, col: int) -> ops.Gate | None:
     """The region heads' gate (`ops.region_gate_wanted`): the step's "any row needs them" column."""
     return ops.gate(ints, 0, col) if ops.region_gate_wanted() else None
@@ -270,8 +277,10 @@ def _heads(model: LM, hidden: jax.Array, sp: SamplingParams, backend: str, out_r
 COPY_BUCKETS = (1, 4, 16)
 
 
-def _copy_pages(cache: KVCache, copies: jax.Array) -> KVCache:
+def _copy_pages(cache: KVCache, copies: jax.Array, backend: str = "auto") -> KVCache:
     """Whole-page copies (all layers, K and V) src -> dst; rows with dst < 0 are skipped."""
+    with ops.use_backend(backend):  # type: ignore[arg-type]
+        (copies,) = _pinned(copies)
     src = jnp.clip(copies[:, 0], 0, cache.num_pages - 1)
     dst = jnp.where(copies[:, 1] < 0, cache.num_pages, copies[:, 1])  # out of range -> dropped
     k = tuple(kp.at[dst].set(kp[src], mode="drop") for kp in cache.k)
@@ -333,6 +342,7 @@ def _decode_step(parts: _Parts, params: list[jax.Array], cache: KVCache, ints: j
     [out_rows, 6] = each row's output of its last iteration, the next launch's `prev`)."""
     model = _lm(parts, params)
     with ops.use_backend(backend):  # type: ignore[arg-type]
+        ints, floats, prev = _pinned(ints, floats, prev)
         pos0, slot0, kv0 = ints[:, bt.D_POS], ints[:, bt.D_SLOT], ints[:, bt.D_KV_LEN]
         if steps == 1:
             cache, out = _decode_once(model, cache, ints, floats, prev, ints[:, bt.D_SRC], slot0, pos0, kv0, 0,
@@ -385,6 +395,12 @@ def _prefill_or_mixed(model: LM, cache: KVCache, tok_ints: jax.Array, tok_floats
                       seq_floats: jax.Array, images: jax.Array, decode: tuple[jax.Array, jax.Array, jax.Array] | None,
                       backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
     with ops.use_backend(backend):  # type: ignore[arg-type]
+        if decode is None:
+            tok_ints, tok_floats, seq_ints, seq_floats = _pinned(tok_ints, tok_floats, seq_ints, seq_floats)
+        else:
+            tok_ints, tok_floats, seq_ints, seq_floats, *rest = _pinned(tok_ints, tok_floats, seq_ints, seq_floats,
+                                                                          *decode)
+            decode = (rest[0], rest[1], rest[2])
         gate = _region_gate(tok_ints, bt.T_REGION)  # a mixed step's covers its decode rows too
         x = _embed(model, tok_ints[:, bt.T_KIND], tok_ints[:, bt.T_TOKEN], tok_floats, tok_ints[:, bt.T_IMG_ROW],
                    images, gate)
@@ -525,7 +541,7 @@ class Runner:
         # Each runner jits its own callable (a fresh partial): jit shares one executable cache among
         # wrappers of the same function, and `freeze` counts a step's variants in that cache, so two
         # runners (one per device) of a module-level function would see each other's compiles.
-        self._copy = jax.jit(functools.partial(_copy_pages), donate_argnums=(0,))
+        self._copy = jax.jit(functools.partial(_copy_pages, backend=self._backend), donate_argnums=(0,))
         self.no_outputs = _committed(jnp.zeros((out_rows, 6), jnp.float32), self.device)
         attn = _vision_attention(self.config.vision_attention, model.dtype)
         self._vision = jax.jit(functools.partial(_vision_step, vision_gd, vision_treedef, model.dtype, attn))
