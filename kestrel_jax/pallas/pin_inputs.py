@@ -5,7 +5,7 @@ XLA replays each step as a CUDA graph (command buffer). With the SKIP_TEMP updat
 (token ids, positions, slots, page tables, sampling settings) are new buffers at every call, and
 XLA updates every graph node that reads one before each launch. In an H200 trace of 64 concurrent
 image queries (BENCHMARKS.md, thirtieth session) that cost 615 us of host time per mixed step (901
-commands), 744 us per single-iteration decode step and 235 us per page copy (50 commands), while
+commands), 744 us per decode step (its outer graph) and 235 us per page copy (50 commands), while
 the device waited; most of those nodes are the 24 layers' reads of the same few small arrays.
 
 `pin` packs the inputs into one int32 word buffer (one XLA fusion reads them all) and copies it
