@@ -615,6 +615,7 @@ def summarize_trace(trace_dir: str, steps: dict[str, int]) -> dict[str, Any]:
         out["idle_gaps"] = idle_gaps(spans, names, modules)
         if gpu:
             out["engine_thread_in_long_gaps"] = engine_thread_in_gaps(data, long_gaps(spans))
+            out["command_buffer_updates"] = command_buffer_updates(data)
     n_steps = steps.get("decode", 0) + steps.get("prefill", 0)
     if n_steps:
         out["events_per_step"] = rnd(len(spans) / n_steps, 1)
@@ -750,6 +751,36 @@ def engine_thread_in_gaps(data: Any, gaps: list[tuple[int, int]]) -> dict[str, A
             "outside_any_event_us": rnd((total - covered) / 1e3, 1),
             "by_event": [{"name": k, "us": rnd(v / 1e3, 1)} for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])
                          [:25]]}
+
+
+CB_EVENTS = ("command_buffer::update", "command_buffer::initialize")
+
+
+def command_buffer_updates(data: Any) -> list[dict[str, Any]]:
+    """XLA's command-buffer (CUDA graph) updates and initializations on the host threads, by thread,
+    XLA module (the enclosing `<module>:XLA GPU module` range) and graph size (`num_commands`):
+    count, total and mean host us, costliest first. An update re-records the graph nodes whose
+    buffers moved since the last call; an initialization records and instantiates a new graph."""
+    agg: dict[tuple[str, str, str, Any], list[float]] = defaultdict(lambda: [0, 0.0])
+    for plane in data.planes:
+        if not plane.name.startswith("/host"):
+            continue
+        for line in plane.lines:
+            evs = list(line.events)
+            mods = sorted((ev.start_ns, ev.end_ns, ev.name.split(":")[0]) for ev in evs
+                          if ev.name.endswith("XLA GPU module"))
+            for ev in evs:
+                kind = next((k for k in CB_EVENTS if ev.name.startswith(k)), None)
+                if kind is None:
+                    continue
+                module = next((m for s0, e0, m in mods if s0 <= ev.start_ns <= e0), "?")
+                stats = dict(getattr(ev, "stats", None) or [])
+                a = agg[(line.name, module, kind.split("::")[1], stats.get("num_commands"))]
+                a[0] += 1
+                a[1] += (ev.end_ns - ev.start_ns) / 1e3
+    rows = [{"thread": t, "module": m, "kind": k, "num_commands": c, "count": int(n), "us": rnd(us, 1),
+             "us_each": rnd(us / n, 1)} for (t, m, k, c), (n, us) in agg.items()]
+    return sorted(rows, key=lambda r: -r["us"])[:20]
 
 
 def _family(kernel: str) -> str:

@@ -239,6 +239,33 @@ def test_engine_thread_in_long_gaps(bench: ModuleType) -> None:
     assert "error" in bench.engine_thread_in_gaps(NS(planes=[]), gaps)
 
 
+def test_command_buffer_updates_by_module(bench: ModuleType) -> None:
+    from types import SimpleNamespace as NS
+
+    def ev(s0: int, e0: int, name: str, **stats: Any) -> NS:
+        return NS(start_ns=s0, end_ns=e0, name=name, stats=list(stats.items()))
+
+    us = 1000  # ns
+    engine = NS(name="engine", events=[
+        ev(0, 900 * us, "jit_call:XLA GPU module"), ev(10 * us, 610 * us, "command_buffer::update", num_commands=901),
+        ev(1000 * us, 1500 * us, "jit_call:XLA GPU module"),
+        ev(1100 * us, 1300 * us, "command_buffer::update", num_commands=901),
+        ev(2000 * us, 2400 * us, "jit__copy_pages:XLA GPU module"),
+        ev(2000 * us, 2235 * us, "command_buffer::update", num_commands=50),
+        ev(3000 * us, 3100 * us, "command_buffer::initialize", num_commands=7),  # outside any module
+        ev(3000 * us, 3300 * us, "kestrel_jax.launch_mixed")])
+    data = NS(planes=[NS(name="/device:GPU:0", lines=[]), NS(name="/host:CPU", lines=[engine])])
+    got = bench.command_buffer_updates(data)
+    assert got == [
+        {"thread": "engine", "module": "jit_call", "kind": "update", "num_commands": 901, "count": 2, "us": 800.0,
+         "us_each": 400.0},
+        {"thread": "engine", "module": "jit__copy_pages", "kind": "update", "num_commands": 50, "count": 1,
+         "us": 235.0, "us_each": 235.0},
+        {"thread": "engine", "module": "?", "kind": "initialize", "num_commands": 7, "count": 1, "us": 100.0,
+         "us_each": 100.0}]
+    assert bench.command_buffer_updates(NS(planes=[])) == []
+
+
 def test_launch_ms_per_step(bench: ModuleType) -> None:
     host = {"launch_mixed": 2.0, "launch_decode": 0.75, "launch_prefill": 0.0, "dispatch": 9.0}
     sched = {"mixed_steps": 500, "decode_steps": 250, "prefill_steps": 0, "decode_iterations": 2000}
