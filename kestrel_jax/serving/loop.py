@@ -184,9 +184,9 @@ class EngineWorker:
 
     def warmup(self) -> None:
         """Compile every decode and prefill bucket, the page copy and the vision buckets with
-        inert inputs (no KV writes), then freeze: any later compile raises RecompileError."""
+        inert inputs (no KV writes), running each `warmup_runs` times (a GPU builds a step's CUDA
+        graph at its second run), then freeze: any later compile raises RecompileError."""
         p = self.runner.max_pages_per_seq
-
         runs = self.warmup_runs
 
         def timed(name: str, fn: Any, *args: Any) -> None:
