@@ -178,3 +178,42 @@ def test_the_decode_variants_compile_first_each_alone() -> None:
     assert compile_groups(calls, 8, False) == [(calls, 8)]
     assert compile_groups(decode, 4, True) == [(decode, 1)]  # nothing else: no empty group
     assert compile_groups(calls[2:4], 4, True) == [(calls[2:4], 4)]
+
+
+@pytest.mark.parametrize("model", ["md3"], indirect=True)  # step plumbing: model-independent (CI time)
+def test_steps_compute_the_same_with_their_inputs_pinned(model: MoondreamModel,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """KESTREL_JAX_PIN_INPUTS routes every step's host inputs through one copy kernel (interpreted
+    here, forced on the reference path): prefill, decode (with the device-side feed), mixed and
+    page-copy steps must give the same outputs and KV bit for bit as without it."""
+    from kestrel_jax.pallas import ops
+    from kestrel_jax.pallas.pin_inputs import pin
+
+    a, b, c = [1, 700, 33, 4000, 12, 9, 81, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [1, 55, 66, 77, 88], [1, 300]
+    results = {}
+    launches: list[int] = []
+
+    def forced(*arrays: Any) -> tuple[Any, ...]:
+        launches.append(len(arrays))
+        return tuple(pin(arrays, interpret=True))
+
+    for pinned in (False, True):
+        if pinned:
+            monkeypatch.setattr(ops, "pin_inputs", forced)
+        runner = _runner(model)
+        images = jnp.zeros((1, 728, 256))
+        first = np.asarray(runner.prefill(*_prefill_inputs(runner, [(2, a), (6, b)], temps=(0.0, 0.9)), images))
+        rows = [(2, len(a), -1, 0), (6, len(b), -1, 1)]  # both rows fed from the prefill's outputs
+        d_out, last = runner.decode(*_decode_inputs(runner, rows, temps=(0.0, 0.7)), jnp.asarray(first))
+        rows = [(2, len(a) + 1, -1, 0), (6, len(b) + 1, -1, 1)]
+        m_out = runner.mixed(*_decode_inputs(runner, rows, temps=(0.5, 0.0)), last,
+                             *_prefill_inputs(runner, [(10, c)], temps=(0.3,)), images)
+        runner.copy_pages(np.asarray([[2, 12], [-1, -1]], np.int32))
+        results[pinned] = ([first, np.asarray(d_out), np.asarray(m_out)], _kv(runner, [2, 3, 6, 10, 12]))
+        if pinned:  # prefill, decode, mixed (3 + 4 arrays), page copy
+            assert launches == [4, 3, 7, 1]
+    (o1, kv1), (o2, kv2) = results[False], results[True]
+    for x, y in zip(o1, o2, strict=True):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(kv1, kv2)
+    assert np.abs(kv1).sum() > 0
