@@ -32,7 +32,7 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -212,9 +212,7 @@ def _lm(parts: _Parts, params: list[jax.Array]) -> LM:
 
 def _pinned(*arrays: jax.Array) -> list[jax.Array]:
     """A step's host inputs through `ops.pin_inputs` (one copy kernel, opt-in)."""
-    out = ops.pin_inputs(*arrays)
-    assert all(a is not None for a in out)
-    return [a for a in out if a is not None]
+    return cast(list[jax.Array], list(ops.pin_inputs(*arrays)))  # no None in, none out
 
 
 def _region_gate(ints: jax.Array, col: int) -> ops.Gate | None:
@@ -395,12 +393,9 @@ def _prefill_or_mixed(model: LM, cache: KVCache, tok_ints: jax.Array, tok_floats
                       seq_floats: jax.Array, images: jax.Array, decode: tuple[jax.Array, jax.Array, jax.Array] | None,
                       backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
     with ops.use_backend(backend):  # type: ignore[arg-type]
-        if decode is None:
-            tok_ints, tok_floats, seq_ints, seq_floats = _pinned(tok_ints, tok_floats, seq_ints, seq_floats)
-        else:
-            tok_ints, tok_floats, seq_ints, seq_floats, *rest = _pinned(tok_ints, tok_floats, seq_ints, seq_floats,
-                                                                          *decode)
-            decode = (rest[0], rest[1], rest[2])
+        tok_ints, tok_floats, seq_ints, seq_floats, *rest = _pinned(tok_ints, tok_floats, seq_ints, seq_floats,
+                                                                      *(decode or ()))
+        decode = (rest[0], rest[1], rest[2]) if rest else None
         gate = _region_gate(tok_ints, bt.T_REGION)  # a mixed step's covers its decode rows too
         x = _embed(model, tok_ints[:, bt.T_KIND], tok_ints[:, bt.T_TOKEN], tok_floats, tok_ints[:, bt.T_IMG_ROW],
                    images, gate)
