@@ -180,8 +180,9 @@ def main() -> int:
     ap.add_argument("--burst", type=int, default=32)
     ap.add_argument("--skip-tiny", action="store_true")
     args = ap.parse_args()
-    import kestrel_jax  # noqa: F401 - puts its XLA defaults (SKIP_TEMP) in place before JAX's backend starts
     import jax
+
+    import kestrel_jax  # noqa: F401 - puts its XLA defaults (SKIP_TEMP) in place before JAX's backend starts
 
     res: dict[str, Any] = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
                            "date": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -83,8 +83,10 @@ class EncodeAhead:
         entry = self._entries.get(sub.digest)
         return entry is not None and sub.job.request_id in entry[1]
 
-    def add(self, sub: Any) -> None:
-        """A new request with an image (its `digest` set)."""
+    def add(self, sub: Any, urgent: bool = False) -> None:
+        """A new request with an image (its `digest` set). `urgent`: its prefill is expected next,
+        so if its image is started (within the window) or already queued, its call starts at once
+        instead of waiting for a fuller batch, as when the engine asks for it (`ready`, `take`)."""
         rid = sub.job.request_id
         entry = self._entries.get(sub.digest)
         if entry is not None:
@@ -93,8 +95,11 @@ class EncodeAhead:
             return
         elif len(self._entries) < self.window:
             self._start(sub)
+            entry = self._entries[sub.digest]
         else:
             self._waiting[rid] = sub
+        if urgent and entry is not None:
+            self._demand(entry[0])
 
     def take(self, sub: Any, last: bool) -> Any | None:
         """The request's encoding for a prefill chunk of its image (started now if the request
@@ -134,13 +139,17 @@ class EncodeAhead:
         entry = self._entries.get(sub.digest)
         if entry is None or rid not in entry[1]:
             return None
-        fut = entry[0]
-        if not fut.done():
-            with self._cv:
-                if any(f is fut for _, f, _ in self._queue):
-                    self._demanded.add(id(fut))
-                    self._cv.notify()
+        self._demand(entry[0])
         return entry
+
+    def _demand(self, fut: Future[Any]) -> None:
+        """If `fut`'s image is still queued, its call starts at once (the asked-for images first)."""
+        if fut.done():
+            return
+        with self._cv:
+            if any(f is fut for _, f, _ in self._queue):
+                self._demanded.add(id(fut))
+                self._cv.notify()
 
     def drop(self, sub: Any) -> None:
         """The request ended (finished, failed or cancelled): it holds nothing any more."""

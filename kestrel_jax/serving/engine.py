@@ -127,6 +127,15 @@ class EngineConfig:
     # concurrent image queries on the H100 (BENCHMARKS.md, twenty-sixth session) had the device idle
     # 21-33% of the window, mostly in gaps of ~5 ms before steps. Off until measured on the GPU.
     defer_unready_images: bool = False
+    # With the vision thread: requests that arrived while a step was being launched are admitted
+    # before the engine thread waits for the previous step's outputs (not after), and while every
+    # live request fits the largest decode bucket their images are encoded at once rather than
+    # after a wait for a fuller batch: the vision thread launches the encoding while the engine
+    # thread waits, instead of the engine thread waiting for that launch when it plans the prefill.
+    # A W2 trace (64 clients, H200, BENCHMARKS.md, thirty-first session) had the engine thread in
+    # that wait (image_wait) for 128 ms of a 2 s window with the device idle, 1.8-2.5 s per 14-15 s
+    # run. Off until measured on the GPU.
+    admit_before_wait: bool = False
     # Requests held beyond those running (waiting for KV pages or a batch slot, in the inbox, or
     # having their image decoded): a request past it fails at once with EngineBusy (a server answers
     # 503 "overloaded"), so a burst cannot fill host memory with decoded images and queued crops.

@@ -110,6 +110,7 @@ class EngineWorker:
         self.startup_s: float | None = None
         self.compile_s: dict[str, float] = {}  # warm-up: seconds per compiled step variant
         # host time of the loop's phases (seconds, cumulative): where a step's host budget goes
+        self.admitted_before_wait = 0  # submissions the loop took in between launch and wait (admit_before_wait)
         self.host_s: dict[str, float] = {"inbox": 0.0, "schedule": 0.0, "dispatch": 0.0, "process": 0.0,
                                          "deliver": 0.0}
 
@@ -166,6 +167,7 @@ class EngineWorker:
                 "scheduler": self.scheduler.stats,
                 "images": dict(self.runner.images), "export": self.runner.export_counts,
                 "queue": {"running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting},
+                "admitted_before_wait": self.admitted_before_wait,
                 "kv_pages": {"used": self.scheduler.allocator.num_used, "free": self.scheduler.allocator.num_free},
                 "prefix_cache": None if self.scheduler.prefix_cache is None else self.scheduler.prefix_cache.stats,
                 "encode_ahead": None if self._ahead is None else {
@@ -307,6 +309,10 @@ class EngineWorker:
                 self._flush_copies()
                 t2 = time.perf_counter()
                 self.host_s["dispatch"] += t2 - t1
+                if self.config.admit_before_wait and pending is not None:  # before the wait below
+                    self.admitted_before_wait += self._drain_inbox(block=False)
+                    t_in, t2 = t2, time.perf_counter()
+                    self.host_s["inbox"] += t2 - t_in
                 if pending is not None:  # the device is busy with `launched` meanwhile
                     self._process(pending)
                 pending = launched
@@ -378,21 +384,25 @@ class EngineWorker:
     def cancel(self, request_id: int) -> None:
         self._inbox.put(("cancel", request_id))
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _drain_inbox(self, block: bool) -> int:
+        """Admit the submissions and apply the cancellations waiting in the inbox; returns the
+        number of submissions taken."""
+        taken = 0
         try:
             item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
         except queue.Empty:
-            return
+            return taken
         while True:
             if isinstance(item, tuple):
                 if self.scheduler.is_live(item[1]):
                     self.scheduler.cancel(item[1])
             elif item is not None:
                 self._admit(item)
+                taken += 1
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return taken
 
     def _admit(self, sub: Submission) -> None:
         job = sub.job
@@ -421,7 +431,10 @@ class EngineWorker:
             sub.stream_decoder = dec  # type: ignore[attr-defined]
         self._live[job.request_id] = sub
         if self._ahead is not None and sub.crops is not None and sub.digest is not None:
-            self._ahead.add(sub)
+            # EngineConfig.admit_before_wait: while every live request fits a decode batch, this
+            # one's prefill comes with the next step: its image is wanted now
+            urgent = self.config.admit_before_wait and len(self._live) <= max(self.config.decode_buckets)
+            self._ahead.add(sub, urgent=urgent)
 
     def _prompt_total(self, sub: Submission) -> int:
         return len(sub.tokens) + (self.prefix_len if sub.crops is not None else 0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -278,4 +279,36 @@ def test_ready_says_whether_take_would_wait_and_asks_for_the_encoding() -> None:
     rec.gate.set()
     assert ea.take(b, last=True) == "enc-b" and ea.ready(b)  # taken: nothing held for it any more
     assert ea.take(a, last=True) == "enc-a"
+    ea.shutdown()
+
+
+def test_an_urgent_image_starts_its_call_without_waiting_for_a_fuller_batch() -> None:
+    """`add(urgent=True)` (EngineConfig.admit_before_wait: the request's prefill comes next): its
+    call starts at once despite a long batch wait, with whatever else is queued; a second request
+    on an image already queued makes it urgent too; over the window it waits its turn as before."""
+    import time
+
+    def wait_for(cond: Any) -> bool:
+        t0 = time.monotonic()
+        while not cond() and time.monotonic() - t0 < 10:
+            time.sleep(0.01)
+        return bool(cond())
+
+    rec = BatchRecorder()
+    ea = rec.ahead(3, max_batch=4, max_wait_s=30.0)
+    a, b, c, d, e = (Sub(i, f"u{i}".encode()) for i in range(5))
+    ea.add(a)
+    ea.add(b, urgent=True)  # queued with a: both go in one call now
+    assert wait_for(lambda: len(rec.many) == 1)
+    assert sorted(rec.many[0]) == [0, 1]
+    ea.add(c)
+    time.sleep(0.1)
+    assert len(rec.many) == 1 and rec.calls == []  # not urgent: waits for a fuller batch
+    ea.add(Sub(5, b"u2"), urgent=True)  # another request on c's image, urgent
+    assert wait_for(lambda: [r for r, _ in rec.calls] == [2])
+    ea.add(d)  # the window (3 images) is full: d waits, urgent or not
+    ea.add(e, urgent=True)
+    assert ea.waiting == 2
+    assert ea.take(a, last=True) == "many-u0"  # a leaves the window: d starts (not urgent)
+    assert ea.waiting == 1 and ea.holds(d)
     ea.shutdown()
