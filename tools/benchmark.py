@@ -472,6 +472,7 @@ class Bench:
         images = [self.images.new() for _ in range(n)]
         before = sched_stats(self.engine)
         enc0 = dict((self.engine.stats.get("encode_ahead") or {}).get("calls_by_images", {}))
+        early0 = self.engine.stats.get("admitted_before_wait", 0)
         with self._engine_thread() as host:
             recs, wall = await self._closed_loop(c, images, st)
         s = summarize(recs, max_tokens)
@@ -482,6 +483,7 @@ class Bench:
         s["launch_ms_per_step"] = launch_ms_per_step(s.get("engine_host_s", {}), s["scheduler"])
         enc1 = (self.engine.stats.get("encode_ahead") or {}).get("calls_by_images", {})
         s["vision_calls_by_images"] = {k: v - enc0.get(k, 0) for k, v in enc1.items() if v != enc0.get(k, 0)}
+        s["admitted_before_wait"] = self.engine.stats.get("admitted_before_wait", 0) - early0  # EngineConfig's
         if s["cached_tokens_max"]:
             log(f"WARNING: prefix-cache hits in a fresh-image workload (cached_tokens up to {s['cached_tokens_max']})")
         return {"summary": s, "requests": recs}
@@ -495,7 +497,7 @@ class Bench:
                 f"{s['ttft_ms_p50']}/{s['ttft_ms_p90']} ms, decode/seq {s['decode_tok_s_per_seq_p50']} tok/s, "
                 f"batch {s['scheduler'].get('mean_decode_batch')}, cached max {s['cached_tokens_max']}; engine thread "
                 f"s {s['engine_host_s']} of {s['wall_s']}; launch ms per step {s['launch_ms_per_step']}; vision calls "
-                f"by images {s['vision_calls_by_images']}")
+                f"by images {s['vision_calls_by_images']}; admitted before the wait {s['admitted_before_wait']}")
             out[str(c)] = r
             self.results["w2"] = out
             self.dump()
