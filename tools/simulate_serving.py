@@ -91,8 +91,10 @@ class Policy:
     # EngineConfig.decode_steps_to_finish: Scheduler.steps_to_first_finish)
     steps_policy: str = "fixed"
     # with the vision worker modelled: "drain" (an image is queued for encoding when the engine
-    # thread takes its request from the inbox, as the engine does) or "arrival" (when the request
-    # arrives); defer: a prefill whose encoding is not launched yet is held back one step
+    # thread takes its request from the inbox, as the engine does), "before_wait" (requests that
+    # arrived by the end of a launch are taken then, before the wait for the previous step, their
+    # images queued as urgent: EngineConfig.admit_before_wait) or "arrival" (queued when the
+    # request arrives); defer: a prefill whose encoding is not launched yet is held back one step
     # (EngineConfig.defer_unready_images)
     encode_at: str = "drain"
     defer: int = 0
@@ -200,9 +202,12 @@ class VisionWorker:
         self.free = 0.0
         self.demanded: dict[int, float] = {}  # queued request id -> when the engine asked for it
 
-    def add(self, rid: int, at: float) -> None:
+    def add(self, rid: int, at: float, urgent: bool = False) -> None:
+        """Queue `rid`'s image at `at`; `urgent`: its call starts without waiting for a batch."""
         if self.launch_ms > 0:
             self.queue.append((at, rid))
+            if urgent:
+                self.demanded.setdefault(rid, at)
 
     def run(self, until: float) -> None:
         """Start every call due by `until`."""
@@ -291,15 +296,22 @@ def simulate(policy: Policy, work: Workload, c: dict[str, float]) -> Result:
             res.latency_ms.append(end - arrived[rid])
             ask(client_of[rid], end + c["client_ms"])
 
-    while arrivals or sched.has_work() or pending is not None:
+    if policy.encode_at not in ("drain", "before_wait", "arrival"):
+        raise ValueError(f"unknown encode_at {policy.encode_at!r}")
+
+    def drain(urgent: bool) -> None:
+        """The engine thread takes the requests that arrived by now from its inbox."""
         while arrivals and arrivals[0][0] <= now[0]:
             at, rid, _ = heapq.heappop(arrivals)
             arrived[rid] = at
-            if policy.encode_at == "drain":
-                vision.add(rid, now[0])
+            if policy.encode_at != "arrival":
+                vision.add(rid, now[0], urgent=urgent)
             sched.add(Request(request_id=rid, prompt_len=work.prompt, max_new_tokens=work.max_tokens,
                               image_digest=rng.bytes(32), prefix_len=730,
                               prompt_tokens=tuple(int(x) for x in rng.integers(1, 50_000, work.prompt))))
+
+    while arrivals or sched.has_work() or pending is not None:
+        drain(urgent=policy.encode_at == "before_wait")
         now[0] += c["schedule_ms"]
         ready = (lambda r: vision.ready(int(r), now[0])) if policy.defer else None
         plan = sched.schedule(decode_steps(policy, sched), ready=ready)
@@ -332,6 +344,8 @@ def simulate(policy: Policy, work: Workload, c: dict[str, float]) -> Result:
                       if plan.logits_rows[b] >= 0]
         sched.commit(plan)
         done = [int(f.request_id) for f in sched.take_finished()]  # type: ignore[call-overload]
+        if policy.encode_at == "before_wait" and pending is not None:
+            drain(urgent=True)  # between the launch and the wait below
         if pending is not None:
             read(pending)
         pending = (device_free, firsts, done)

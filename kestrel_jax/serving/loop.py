@@ -109,8 +109,8 @@ class EngineWorker:
         self.load_s: float | None = None
         self.startup_s: float | None = None
         self.compile_s: dict[str, float] = {}  # warm-up: seconds per compiled step variant
+        self.admitted_before_wait = 0  # submissions taken between a launch and the wait (admit_before_wait)
         # host time of the loop's phases (seconds, cumulative): where a step's host budget goes
-        self.admitted_before_wait = 0  # submissions the loop took in between launch and wait (admit_before_wait)
         self.host_s: dict[str, float] = {"inbox": 0.0, "schedule": 0.0, "dispatch": 0.0, "process": 0.0,
                                          "deliver": 0.0}
 

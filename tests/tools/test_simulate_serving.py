@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 
@@ -91,3 +93,23 @@ def test_image_waits_appear_with_the_worker_model() -> None:
     deferred = sim.simulate(sim.Policy(decode_buckets=(1, 8), steps_policy="first_finish", defer=1), work,
                             {**sim.COST, "vision_launch_ms": 20.0})
     assert deferred.image_wait_s < slow.image_wait_s and deferred.requests == 16
+
+
+def test_admitting_before_the_wait_starts_encodings_earlier() -> None:
+    """encode_at="before_wait" (EngineConfig.admit_before_wait): requests that arrived by the end of
+    a launch are taken before the wait for the previous step and their images queued as urgent, so
+    the engine waits less for encoding launches; an urgent image's call does not wait for a batch;
+    an unknown mode is refused."""
+    w = sim.VisionWorker({**sim.COST, "vision_launch_ms": 5.0, "vision_batch_wait_ms": 30.0})
+    w.add(1, 10.0, urgent=True)
+    w.run(11.0)
+    assert w.done[1] == 15.0  # started at once, not 30 ms later
+    work = sim.Workload(clients=8, requests_per_client=2, max_tokens=24)
+    cost = {**sim.COST, "vision_launch_ms": 3.0}
+    drain = sim.simulate(sim.Policy(decode_buckets=(1, 8), steps_policy="first_finish"), work, cost)
+    early = sim.simulate(sim.Policy(decode_buckets=(1, 8), steps_policy="first_finish", encode_at="before_wait"),
+                         work, cost)
+    assert early.requests == drain.requests == 16
+    assert early.image_wait_s < drain.image_wait_s
+    with pytest.raises(ValueError, match="encode_at"):
+        sim.simulate(sim.Policy(encode_at="later"), work, cost)
