@@ -237,8 +237,8 @@ def pin_inputs(*arrays: jax.Array | None) -> tuple[jax.Array | None, ...]:
     """A step's per-call inputs read through one copy kernel (`pin_inputs.pin`): then only that
     kernel's graph node, not every layer's, is updated when the inputs move between calls. Opt-in
     on the kernel path (KESTREL_JAX_PIN_INPUTS=1, read at trace time); the arrays as they are
-    otherwise. Measured (H200, thirty-first session): outputs bit-identical, the mixed step's
-    update 136 us instead of ~600, but the host time per launch and W2 unchanged (+0.1%), so off."""
+    otherwise. Measured (H200, MD2, thirty-first session): outputs bit-identical, the mixed step's
+    update 136 us instead of 209, but the host time per launch and W2 unchanged (+0.1%), so off."""
     if not (_want_kernel() and flag("KESTREL_JAX_PIN_INPUTS", False)):
         return arrays
     from kestrel_jax.pallas.pin_inputs import pin
