@@ -68,7 +68,8 @@ def load_engine_model(config: EngineConfig, model: Any = None, tokenizer: Tokeni
 class EngineWorker:
     def __init__(self, config: EngineConfig, model: Any, tokenizer: Tokenizer):
         counts = {"decode_steps": config.decode_steps, "multi_step_max_batch": config.multi_step_max_batch,
-                  "compile_threads": config.compile_threads, "vision_ahead": config.vision_ahead}
+                  "compile_threads": config.compile_threads, "vision_ahead": config.vision_ahead,
+                  "warmup_runs": 1 if config.warmup_runs is None else config.warmup_runs}
         bad = {k: v for k, v in counts.items() if v < 1}
         if bad:
             raise ValueError(f"these engine settings must be >= 1: {bad}")
@@ -177,11 +178,9 @@ class EngineWorker:
     @property
     def warmup_runs(self) -> int:
         """EngineConfig.warmup_runs, its default resolved for this worker's device."""
-        runs = self.config.warmup_runs
+        runs = self.config.warmup_runs  # >= 1 or None (checked at construction)
         if runs is None:
             return 2 if self.runner.device.platform == "gpu" else 1
-        if runs < 1:
-            raise ValueError(f"warmup_runs must be >= 1 or None, got {runs}")
         return runs
 
     def warmup(self) -> None:

@@ -150,7 +150,8 @@ def test_shutdown_cancels_queued_work_and_a_bad_window_is_refused() -> None:
         rec.ahead(0)
 
 
-@pytest.mark.parametrize("field", ["vision_ahead", "decode_steps", "compile_threads", "multi_step_max_batch"])
+@pytest.mark.parametrize("field", ["vision_ahead", "decode_steps", "compile_threads", "multi_step_max_batch",
+                                   "warmup_runs"])
 def test_engine_refuses_a_count_below_one_before_loading_anything(field: str) -> None:
     from kestrel_jax.serving.engine import EngineConfig
     from kestrel_jax.serving.loop import EngineWorker

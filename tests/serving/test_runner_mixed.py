@@ -135,13 +135,9 @@ def test_a_failed_compile_ahead_leaves_the_warm_up_to_compile(model: MoondreamMo
                        warmup_runs=2)  # the GPU default (here, on the CPU, None means 1)
     worker = EngineWorker(cfg, model, Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size)))
     assert worker.warmup_runs == 2
-    for runs, want in ((None, 1), (3, 3), (0, ValueError)):
+    for runs, want in ((None, 1), (3, 3)):
         worker.config = dataclasses.replace(cfg, warmup_runs=runs)
-        if want is ValueError:
-            with pytest.raises(ValueError, match="warmup_runs"):
-                _ = worker.warmup_runs
-        else:
-            assert worker.warmup_runs == want
+        assert worker.warmup_runs == want  # (0 is refused at construction: test_encode_ahead.py)
     worker.config = cfg
     monkeypatch.setattr(worker.runner, "compile_ahead", broken)
     # with 2, every variant runs twice at start-up (XLA builds a step's CUDA graph at its second run)
