@@ -91,9 +91,10 @@ class Policy:
     # EngineConfig.decode_steps_to_finish: Scheduler.steps_to_first_finish)
     steps_policy: str = "fixed"
     # with the vision worker modelled: "drain" (an image is queued for encoding when the engine
-    # thread takes its request from the inbox, as the engine does), "before_wait" (requests that
-    # arrived by the end of a launch are taken then, before the wait for the previous step, their
-    # images queued as urgent: EngineConfig.admit_before_wait) or "arrival" (queued when the
+    # thread takes its request from the inbox, as the engine does with admit_before_wait off),
+    # "before_wait" (requests that arrived by the end of a launch are taken then, before the wait for
+    # the previous step, their images queued as urgent: EngineConfig.admit_before_wait, the engine's
+    # default since the thirty-second session) or "arrival" (queued when the
     # request arrives); defer: a prefill whose encoding is not launched yet is held back one step
     # (EngineConfig.defer_unready_images)
     encode_at: str = "drain"

@@ -96,7 +96,8 @@ def test_quick_run_reports_every_workload(quick_run: tuple[dict[str, Any], str, 
     kind = next(iter(per))
     want = w2["engine_host_s"][f"launch_{kind}"] / w2["scheduler"][f"{kind}_steps"] * 1e3
     assert abs(per[kind] - want) <= 1e-3 + 1e-3 * want
-    assert w2["admitted_before_wait"] == 0  # EngineConfig.admit_before_wait is off by default
+    # EngineConfig.admit_before_wait is on by default: a count of this run's requests (timing decides it)
+    assert isinstance(w2["admitted_before_wait"], int) and 0 <= w2["admitted_before_wait"] <= w2["n"]
     assert res["device"]["xla_defaults"]["xla_gpu_command_buffer_update_mode"] in ("added", "user", "off")
     for c in ("1", "2"):
         w3 = res["w3"][c]["summary"]
