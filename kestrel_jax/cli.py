@@ -1,4 +1,4 @@
-"""`kestrel-jax` command line: demo, query, caption, detect, point, batch, serve, convert.
+"""`kestrel-jax` command line: demo, query, caption, detect, point, batch, serve, convert, calibrate-kv.
 
 With no `--model`, commands use a small synthetic Moondream 3 (random weights, generated
 deterministically on first use into a cache folder) and, where no image is given, the bundled
@@ -64,7 +64,8 @@ def _engine_config(args: argparse.Namespace) -> Any:
     from kestrel_jax.serving.runner import RunnerConfig
 
     path = str(args.model) if args.model else str(demo_checkpoint(args.family))
-    runner = RunnerConfig(max_seq_len=args.max_seq_len, compilation_cache_dir=compile_cache_dir(args.compile_cache))
+    runner = RunnerConfig(max_seq_len=args.max_seq_len, compilation_cache_dir=compile_cache_dir(args.compile_cache),
+                          kv_scales=args.kv_scales)
     return EngineConfig(model_path=path, dtype=args.dtype, runner=runner,
                         decode_buckets=(1, 2, 4, 8), prefill_token_buckets=(128, 1024, 2048), max_prefill_seqs=4,
                         warmup=False)
@@ -410,6 +411,53 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate_kv(args: argparse.Namespace) -> int:
+    """Per-layer K/V scales for an FP8 KV cache, measured on sample requests (kestrel_jax/kv_scales.py)."""
+    import itertools
+
+    import jax.numpy as jnp
+
+    from kestrel_jax import kv_scales
+    from kestrel_jax.models.image_crops import DEMO_IMAGE_PATH, ImageError, load_image
+    from kestrel_jax.models.loader import load_model
+    from kestrel_jax.tokenizer import Tokenizer
+
+    if args.max_tokens < 1 or args.max_images < 1:
+        raise BatchInputError("--max-tokens and --max-images must be >= 1")
+    if not (args.headroom >= 1.0 and args.headroom < float("inf")):
+        raise BatchInputError(f"--headroom must be a finite number >= 1, got {args.headroom}")
+    path = Path(args.model) if args.model else demo_checkpoint(args.family)
+    images: list[Any] = []
+    for f in itertools.islice(_image_paths(args.inputs, args.list), args.max_images):
+        try:
+            images.append(load_image(f))
+        except (ImageError, OSError) as e:  # one unreadable image is skipped, not the job
+            print(f"[calibrate-kv] skipped {f}: {e}", file=sys.stderr)
+    if not images:
+        if args.inputs or args.list:
+            raise BatchInputError("none of the given images could be read")
+        images = [load_image(DEMO_IMAGE_PATH)]
+    questions = args.question or list(kv_scales.DEFAULT_QUESTIONS)
+    samples = [kv_scales.Sample(im, q) for im in images for q in questions]
+    samples += [] if args.no_caption else [kv_scales.Sample(im) for im in images]
+    model = load_model(path, dtype=jnp.float32 if args.dtype == "float32" else jnp.bfloat16, progress=not args.quiet)
+    tok = Tokenizer.from_dir(path)
+    t0 = time.perf_counter()
+    calib = kv_scales.calibrate(model, tok, samples, max_tokens=args.max_tokens, headroom=args.headroom)
+    out = kv_scales.save(args.out, calib, model_name=model.cfg.name)
+    summary: dict[str, Any] = {
+        "out": str(out), "model": model.cfg.name, "layers": int(calib.scales.shape[0]), "samples": calib.samples,
+        "positions": calib.positions, "seconds": round(time.perf_counter() - t0, 1),
+        "k_scale": [float(calib.scales[:, 0].min()), float(calib.scales[:, 0].max())],
+        "v_scale": [float(calib.scales[:, 1].min()), float(calib.scales[:, 1].max())]}
+    if args.compare:
+        summary["compare"] = kv_scales.compare(model, tok, samples, calib.scales, max_tokens=args.max_tokens)
+    print(json.dumps(summary))
+    if not args.model:
+        print("[kestrel-jax] NOTE: no --model given; these scales are for the synthetic demo model.", file=sys.stderr)
+    return 0
+
+
 def api_key(args: argparse.Namespace) -> str | None:
     """The server's API key: --api-key, else $KESTREL_JAX_API_KEY, else none."""
     return args.api_key or os.environ.get("KESTREL_JAX_API_KEY") or None
@@ -428,7 +476,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        ecfg = engine_config(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, page_size=args.page_size,
+        ecfg = engine_config(args.model, dtype=args.dtype, kv_dtype=args.kv_dtype, kv_scales=args.kv_scales,
+                             page_size=args.page_size,
                              max_batch_size=args.max_batch_size, prefix_cache=not args.no_prefix_cache,
                              compile_cache=compile_cache_dir(args.compile_cache),
                              max_queued=None if args.max_queued < 0 else args.max_queued,
@@ -443,6 +492,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 2
     run(ecfg, scfg)
     return 0
+
+
+KV_SCALES_HELP = ("per-layer K/V scales file from `kestrel-jax calibrate-kv`, in place of the checkpoint's; "
+                  "with --kv-dtype auto it turns the FP8 KV cache on on a GPU")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -462,6 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--top-p", type=float, default=0.9)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--max-seq-len", type=int, default=None, help="context (default: the model's)")
+        p.add_argument("--kv-scales", default=None, help=KV_SCALES_HELP)
         p.add_argument("--json", action="store_true")
         p.add_argument("--quiet", action="store_true")
         p.add_argument("--compile-cache", default=None,
@@ -504,6 +558,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=64, help="largest decode bucket")
     p.add_argument("--num-devices", type=int, default=1, help="local devices to run on, one engine each (0: all)")
     p.set_defaults(fn=cmd_batch, max_tokens=None, top_p=None, seed=None)
+    p = sub.add_parser("calibrate-kv", help="measure per-layer K/V scales for an FP8 KV cache on sample "
+                                            "requests (MD2 checkpoints carry none); serve with --kv-scales FILE")
+    p.add_argument("inputs", nargs="*", help="images, or folders searched for images (default: the bundled one)")
+    p.add_argument("--model", help="checkpoint directory (HF safetensors or converted); default: synthetic")
+    p.add_argument("--family", choices=["md2", "md3"], default="md2", help="synthetic model family")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--list", help="a file of image paths, one a line ('-': standard input)")
+    p.add_argument("--max-images", type=int, default=32, help="images used at most")
+    p.add_argument("--question", action="append", help="a question asked of every image (repeatable; default: "
+                                                        "three generic ones)")
+    p.add_argument("--no-caption", action="store_true", help="no caption request per image")
+    p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens generated per request")
+    p.add_argument("--headroom", type=float, default=2.0, help="scale = largest |K| or |V| x headroom / 448")
+    p.add_argument("--compare", action="store_true",
+                   help="also answer the samples with the FP8 cache and count answers identical to the bf16 cache's")
+    p.add_argument("--out", required=True, help="the scales file (JSON)")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(fn=cmd_calibrate_kv)
     p = sub.add_parser("convert", help="HF safetensors -> converted (orbax) checkpoint")
     p.add_argument("src")
     p.add_argument("dst")
@@ -517,6 +589,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--kv-dtype", choices=["auto", "bf16", "fp8", "f32"], default="auto")
+    p.add_argument("--kv-scales", default=None, help=KV_SCALES_HELP)
     p.add_argument("--page-size", type=int, default=64, help="KV cache page size (tokens)")
     p.add_argument("--max-batch-size", type=int, default=None, help="largest decode bucket (default 64)")
     p.add_argument("--no-prefix-cache", action="store_true", help="disable image/prompt prefix sharing")
@@ -550,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
             _check_batch_args(args)
         return int(args.fn(args))
     except BatchInputError as e:
-        print(f"kestrel-jax batch: error: {e}", file=sys.stderr)
+        print(f"kestrel-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
     except user_errors() as e:
         print(f"kestrel-jax: error: {e}", file=sys.stderr)

@@ -129,6 +129,10 @@ class RunnerConfig:
     # temporaries (a 2048-token prefill of MD3 needs a few GiB).
     kv_memory_fraction: float = 0.6
     kv_dtype: str = "auto"  # "bf16" | "fp8" | "f32" | "auto" (fp8 on GPU when the checkpoint has KV scales)
+    # A per-layer K/V scales file (`kestrel-jax calibrate-kv`, kestrel_jax/kv_scales.py) used in place
+    # of the checkpoint's scales: with kv_dtype "auto" it turns the FP8 cache on on a GPU (MD2
+    # checkpoints carry no scales). None: the checkpoint's (1.0 where it has none).
+    kv_scales: str | None = None
     max_seq_len: int | None = None  # default: the model's context
     max_pages_per_seq: int | None = None  # default: ceil(max_seq_len / page_size)
     backend: str = "auto"  # kernel backend for attention / MoE / sampling
@@ -492,6 +496,10 @@ class Runner:
         self.max_seq_len = self.config.max_seq_len or t.max_context
         self.page_size = self.config.page_size
         self.max_pages_per_seq = self.config.max_pages_per_seq or -(-self.max_seq_len // self.page_size)
+        if self.config.kv_scales:  # before the KV dtype is chosen: "auto" looks at the scales
+            from kestrel_jax import kv_scales
+
+            kv_scales.apply(model, kv_scales.load(self.config.kv_scales, t.n_layers))
         self.kv_dtype = _kv_dtype(self.config.kv_dtype, model)
         self.vision_buckets = tuple(sorted(self.config.vision_buckets))
         self.image_batches = tuple(sorted(self.config.vision_image_batches)) if 1 in self.vision_buckets else ()

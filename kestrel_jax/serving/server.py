@@ -512,17 +512,19 @@ async def serve(engine: InferenceEngine, config: ServerConfig | None = None, *,
 
 
 def engine_config(model: str | None = None, *, dtype: str = "bfloat16", kv_dtype: str = "auto",
-                  page_size: int = 64, max_batch_size: int | None = None,
+                  kv_scales: str | None = None, page_size: int = 64, max_batch_size: int | None = None,
                   prefix_cache: bool = True, compile_cache: str | None = None,
                   max_queued: int | None = EngineConfig.max_queued, num_devices: int = 1) -> EngineConfig:
     """`compile_cache`: the persistent compilation (and lowered-step) cache directory, so that a
     restart loads every step instead of compiling it; None: none. `max_queued`: requests held
     beyond those running before new ones get 503 "overloaded" (None: no limit; per device).
-    `num_devices`: one engine worker per device (0: every local device)."""
+    `num_devices`: one engine worker per device (0: every local device). `kv_scales`: a per-layer
+    K/V scales file (kestrel_jax/kv_scales.py) in place of the checkpoint's."""
     if max_queued is not None and max_queued < 0:
         raise ValueError(f"max queued must be >= 0, got {max_queued}")
     buckets = DEFAULT_DECODE_BUCKETS if max_batch_size is None else decode_buckets_up_to(max_batch_size)
-    runner = RunnerConfig(page_size=page_size, kv_dtype=kv_dtype, compilation_cache_dir=compile_cache)
+    runner = RunnerConfig(page_size=page_size, kv_dtype=kv_dtype, kv_scales=kv_scales,
+                          compilation_cache_dir=compile_cache)
     return EngineConfig(model_path=model, dtype=dtype, runner=runner, decode_buckets=buckets,
                         enable_prefix_cache=prefix_cache, max_queued=max_queued, num_devices=num_devices)
 
