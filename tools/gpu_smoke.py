@@ -70,7 +70,7 @@ async def run_requests(engine: Any, images: list[np.ndarray], max_tokens: int, c
     }
 
 
-def engine_config(backend: str, *, family: str, tiny: bool) -> Any:
+def engine_config(backend: str, *, family: str, tiny: bool, compile_cache: str | None = None) -> Any:
     from kestrel_jax.serving.engine import EngineConfig
     from kestrel_jax.serving.runner import RunnerConfig
 
@@ -82,7 +82,7 @@ def engine_config(backend: str, *, family: str, tiny: bool) -> Any:
     # Prefix cache off: every request has a new image except the repeated batch-1 ones, which must
     # run the same steps again.
     return EngineConfig(runner=RunnerConfig(kv_dtype=kv, max_seq_len=2048, backend=backend, vision_buckets=(2,),
-                                            kv_memory_fraction=0.5),
+                                            kv_memory_fraction=0.5, compilation_cache_dir=compile_cache),
                         decode_buckets=(1, 16), prefill_token_buckets=(1024,), max_prefill_seqs=1,
                         enable_prefix_cache=False)
 
@@ -128,7 +128,7 @@ def part_tiny(backends: list[str]) -> dict[str, Any]:
     return out
 
 
-def part_full(family: str, backends: list[str], n_burst: int) -> dict[str, Any]:
+def part_full(family: str, backends: list[str], n_burst: int, compile_cache: str | None = None) -> dict[str, Any]:
     import jax
 
     from kestrel_jax.models.config import md2_config, md3_config
@@ -147,7 +147,8 @@ def part_full(family: str, backends: list[str], n_burst: int) -> dict[str, Any]:
 
             async def go(model: Any = model, backend: str = backend, build: float = build) -> dict[str, Any]:
                 t0 = time.perf_counter()
-                eng = await InferenceEngine.create(engine_config(backend, family=family, tiny=False), model=model)
+                ecfg = engine_config(backend, family=family, tiny=False, compile_cache=compile_cache)
+                eng = await InferenceEngine.create(ecfg, model=model)
                 r: dict[str, Any] = {"build_s": build, "startup_s": time.perf_counter() - t0, "stats": eng.stats}
                 log(f"{family} {backend}: engine up in {r['startup_s']:.1f}s (weights {build:.1f}s)")
                 img = lambda: rng.integers(0, 255, (378, 378, 3), dtype=np.uint8)  # noqa: E731
@@ -182,6 +183,8 @@ def main() -> int:
     ap.add_argument("--full-backends", default="auto")
     ap.add_argument("--burst", type=int, default=32)
     ap.add_argument("--skip-tiny", action="store_true")
+    ap.add_argument("--compile-cache", default=None,
+                    help="full-size engines: persistent compile cache (a second process loads the same executables)")
     args = ap.parse_args()
     import jax
 
@@ -199,7 +202,7 @@ def main() -> int:
     if not args.skip_tiny:
         res["tiny"] = part_tiny(backends)
     for fam in [f for f in args.full.split(",") if f]:
-        res[fam] = part_full(fam, [b for b in args.full_backends.split(",") if b], args.burst)
+        res[fam] = part_full(fam, [b for b in args.full_backends.split(",") if b], args.burst, args.compile_cache)
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1, default=str)
     with open(args.out, "w") as f:
