@@ -192,15 +192,16 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def compare(model: MoondreamModel, tokenizer: Tokenizer, samples: Sequence[Sample], scales: np.ndarray, *,
-            max_tokens: int = 32) -> dict[str, Any]:
-    """Greedy answers with the model-dtype cache against the FP8 cache with `scales` and with
-    1.0: per setting, how many answers are identical and the mean share of each answer's tokens
-    before the first difference. The model's own scales are restored afterwards."""
+            max_tokens: int = 32, unit: bool = True) -> dict[str, Any]:
+    """Greedy answers with the model-dtype cache against the FP8 cache with `scales` (and, with
+    `unit`, with 1.0): per setting, how many answers are identical and the mean share of each
+    answer's tokens before the first difference. The model's own scales are restored afterwards."""
     base = _answers(model, tokenizer, samples, max_tokens, model.dtype)
     saved = np.asarray(model.text.kv_scales[...])
     out: dict[str, Any] = {"samples": len(samples), "max_tokens": max_tokens}
+    settings = [("calibrated", scales)] + ([("unit", np.ones_like(saved))] if unit else [])
     try:
-        for name, sc in (("calibrated", scales), ("unit", np.ones_like(saved))):
+        for name, sc in settings:
             apply(model, np.asarray(sc, np.float32))
             got = _answers(model, tokenizer, samples, max_tokens, jnp.float8_e4m3fn)
             same = [a == b for a, b in zip(base, got, strict=True)]

@@ -135,9 +135,10 @@ def test_compare_counts_identical_answers_and_restores_the_scales(tiny: tuple[Mo
     assert good["samples"] == 2 and good["calibrated"]["identical"] == 2
     assert good["calibrated"]["mean_agreeing_share"] == 1.0
     # scales 1e-6 clip every K and V to +-4.5e-4: attention sees no keys, the answers change
-    bad = kv_scales.compare(model, tok, samples, np.full_like(calib.scales, 1e-6), max_tokens=6)
+    assert set(good) == {"samples", "max_tokens", "calibrated", "unit"}
+    bad = kv_scales.compare(model, tok, samples, np.full_like(calib.scales, 1e-6), max_tokens=6, unit=False)
     assert bad["calibrated"]["identical"] < 2 and bad["calibrated"]["mean_agreeing_share"] < 1.0
-    assert bad["unit"] == good["unit"]
+    assert "unit" not in bad
     np.testing.assert_array_equal(np.asarray(model.text.kv_scales[...]), before)
 
 
@@ -174,7 +175,7 @@ def test_engine_with_a_scales_file_answers_as_the_reference_fp8_path(
         try:
             outs = await asyncio.gather(*[eng.query(im, "What is this?", reasoning=False,
                                                     settings={"temperature": 0.0, "max_tokens": 8}) for im in images])
-            assert eng.stats["kv_dtype"] == "float8_e4m3fn"
+            assert eng.stats["kv_dtype"] == "float8_e4m3fn" and eng.stats["kv_scales"] == str(path)
             return [o for o in outs if isinstance(o, Result)]
         finally:
             await eng.shutdown()
@@ -208,3 +209,18 @@ def test_calibrate_kv_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert scales.min() == summary["k_scale"][0] or scales.min() == summary["v_scale"][0]
     rc = cli.main(["calibrate-kv", "--headroom", "0.5", "--out", str(out)])
     assert rc == 2 and "--headroom" in capsys.readouterr().err
+
+
+def test_kv_scales_option_reaches_every_engine_config() -> None:
+    from kestrel_jax.serving.server import engine_config
+
+    parse = cli.build_parser().parse_args
+    args = parse(["serve", "--kv-scales", "/s/kv.json"])
+    assert engine_config(args.model, kv_scales=args.kv_scales).runner.kv_scales == "/s/kv.json"
+    assert engine_config(None).runner.kv_scales is None
+    args = parse(["batch", "--model", "/m", "--kv-scales", "/s/kv.json", "--out", "o.jsonl", "a.jpg"])
+    assert cli._batch_engine_config(args).runner.kv_scales == "/s/kv.json"
+    for cmd in (["query", "What?"], ["caption"], ["detect", "car"], ["point", "car"], ["demo"]):
+        args = parse([*cmd, "--model", "/m", "--kv-scales", "/s/kv.json"])
+        assert cli._engine_config(args).runner.kv_scales == "/s/kv.json"
+        assert cli._engine_config(parse([*cmd, "--model", "/m"])).runner.kv_scales is None

@@ -163,6 +163,7 @@ class EngineWorker:
     def stats(self) -> dict[str, Any]:
         return {"steps": dict(self.stepper.steps), "live": len(self._live), "num_pages": self.runner.num_pages,
                 "page_size": self.runner.page_size, "kv_dtype": str(jnp.dtype(self.runner.kv_dtype)),
+                "kv_scales": self.runner.config.kv_scales or "checkpoint",  # a scales file, else the checkpoint's
                 "startup_s": self.startup_s, "load_s": self.load_s, "compile_s": dict(self.compile_s),
                 "host_s": {**self.host_s, "wait_outputs": self.stepper.wait_s, **self.stepper.launch_s},
                 "scheduler": self.scheduler.stats,

@@ -131,7 +131,8 @@ class RunnerConfig:
     kv_dtype: str = "auto"  # "bf16" | "fp8" | "f32" | "auto" (fp8 on GPU when the checkpoint has KV scales)
     # A per-layer K/V scales file (`kestrel-jax calibrate-kv`, kestrel_jax/kv_scales.py) used in place
     # of the checkpoint's scales: with kv_dtype "auto" it turns the FP8 cache on on a GPU (MD2
-    # checkpoints carry no scales). None: the checkpoint's (1.0 where it has none).
+    # checkpoints carry no scales); the model's `text.kv_scales` are replaced with the file's. None:
+    # the checkpoint's (1.0 where it has none).
     kv_scales: str | None = None
     max_seq_len: int | None = None  # default: the model's context
     max_pages_per_seq: int | None = None  # default: ceil(max_seq_len / page_size)
