@@ -104,15 +104,10 @@ def load(path: str | Path, n_layers: int) -> np.ndarray:
         if not isinstance(vals, list) or len(vals) != n_layers:
             got = len(vals) if isinstance(vals, list) else type(vals).__name__
             raise CheckpointError(f"{path}: {key} has {got} entries; the model has {n_layers} layers")
-        try:
-            arr = np.asarray(vals, np.float64)
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: {key} holds a value that is not a number") from e
-        bad = np.flatnonzero(~(np.isfinite(arr) & (arr > 0)))
-        if bad.size:
-            raise CheckpointError(f"{path}: {key}[{int(bad[0])}] = {vals[int(bad[0])]!r}; scales must be finite "
-                                  f"numbers > 0")
-        cols.append(arr)
+        for i, v in enumerate(vals):  # JSON numbers only (not strings, booleans or lists)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v > 0):
+                raise CheckpointError(f"{path}: {key}[{i}] = {v!r}; scales must be finite numbers > 0")
+        cols.append(np.asarray(vals, np.float64))
     return np.stack(cols, axis=1).astype(np.float32)
 
 

@@ -72,8 +72,10 @@ def test_save_load_round_trip(tmp_path: Path) -> None:
     ({"v_scale": "1.0"}, "v_scale has str entries"),
     ({"k_scale": [1.0, 0.0, 1.0]}, r"k_scale\[1\] = 0.0"),
     ({"v_scale": [1.0, 1.0, -2.0]}, r"v_scale\[2\] = -2.0"),
-    ({"k_scale": [1.0, "NaN", 1.0]}, "k_scale"),
-    ({"k_scale": [1.0, [1.0], 1.0]}, "not a number"),
+    ({"k_scale": [1.0, "0.5", 1.0]}, r"k_scale\[1\] = '0.5'"),
+    ({"k_scale": [1.0, float("nan"), 1.0]}, r"k_scale\[1\] = nan"),
+    ({"v_scale": [1.0, True, 1.0]}, r"v_scale\[1\] = True"),
+    ({"k_scale": [1.0, [1.0], 1.0]}, r"k_scale\[1\] = \[1.0\]"),
 ])
 def test_load_refuses_bad_files(tmp_path: Path, edit: object, match: str) -> None:
     path = tmp_path / "kv.json"
