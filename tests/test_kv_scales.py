@@ -5,6 +5,7 @@ file, and the `calibrate-kv` command."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from pathlib import Path
 
@@ -145,16 +146,22 @@ def test_compare_counts_identical_answers_and_restores_the_scales(tiny: tuple[Mo
 
 
 # --------------------------------------------------------------------- runner, engine, command
-def test_runner_reads_the_scales_file(tmp_path: Path) -> None:
+def test_runner_reads_the_scales_file(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     model = random_model(tiny_config("md2", vision_layers=2), dtype=jnp.float32, seed=22)
     n = model.cfg.text.n_layers
     scales = np.linspace(0.01, 0.5, 2 * n, dtype=np.float32).reshape(n, 2)
     path = kv_scales.save(tmp_path / "kv.json", _calib(scales))
     cfg = RunnerConfig(num_pages=8, max_seq_len=256, vision_buckets=(2,), kv_scales=str(path))
-    runner = Runner(model, cfg, out_rows=2)
+    with caplog.at_level("WARNING", logger="kestrel_jax.serving.runner"):
+        runner = Runner(model, cfg, out_rows=2)
     np.testing.assert_array_equal(np.asarray(runner.cache.k_scale), scales[:, 0])
     np.testing.assert_array_equal(np.asarray(runner.cache.v_scale), scales[:, 1])
     assert runner.kv_dtype == model.dtype  # "auto" on a CPU: the model's dtype, scales or not
+    assert "has no effect: the KV cache is float32" in caplog.text  # said, not silently ignored
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kestrel_jax.serving.runner"):
+        fp8 = Runner(model, dataclasses.replace(cfg, kv_dtype="fp8"), out_rows=2)
+    assert fp8.kv_dtype == jnp.float8_e4m3fn and "has no effect" not in caplog.text
     with pytest.raises(CheckpointError, match="2 entries; the model has"):
         kv_scales.save(path, _calib(scales[:2]))
         Runner(model, cfg, out_rows=2)

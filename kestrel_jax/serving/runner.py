@@ -502,6 +502,9 @@ class Runner:
 
             kv_scales.apply(model, kv_scales.load(self.config.kv_scales, t.n_layers))
         self.kv_dtype = _kv_dtype(self.config.kv_dtype, model)
+        if self.config.kv_scales and jnp.dtype(self.kv_dtype) != jnp.dtype(jnp.float8_e4m3fn):
+            log.warning("KV scales file %s has no effect: the KV cache is %s (scales apply to an FP8 cache; "
+                        "kv_dtype 'auto' picks FP8 on a GPU only)", self.config.kv_scales, jnp.dtype(self.kv_dtype))
         self.vision_buckets = tuple(sorted(self.config.vision_buckets))
         self.image_batches = tuple(sorted(self.config.vision_image_batches)) if 1 in self.vision_buckets else ()
         if any(g < 2 for g in self.image_batches):
