@@ -61,6 +61,7 @@ SLOW_FIRST = (
     "serving/test_vision_batches.py",
     "tools/test_benchmark.py",
     "models/test_loader.py",
+    "test_kv_scales.py",
     "models/test_decode_fusion.py",
     "models/test_generate.py",
     "pallas/test_qkv_epilogue.py",
