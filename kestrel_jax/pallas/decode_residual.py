@@ -36,10 +36,11 @@ class ExpertRows(NamedTuple):
 
 def unrolled_combine_rows() -> int:
     """Token counts up to which `combine_rows` adds the k gathered rows in order (no reduction):
-    KESTREL_JAX_COMBINE_UNROLLED_ROWS (read at trace time), default 0 (never) until measured. At 8
-    decode rows on the H200 (thirty-third session) XLA ran the default gather-reduce, fused with the
-    residual add, as a transpose-style reduction of 8.1 us per MoE layer, against 2.3 us at 1 row;
-    at 64 rows the unrolled form measured no faster on the H100 (twelfth session)."""
+    KESTREL_JAX_COMBINE_UNROLLED_ROWS (read at trace time), default 0 (never). MD3 decode step on
+    the H200 (thirty-third session, probe A/B): 1 row +0.1%, 8 rows +0.9% (the combine + residual
+    fusion stays a transpose-style reduction of 8-9 us: it also sums the output projection's split-K
+    partials, laid out [splits, N, rows]), 32 rows -0.9% (two transposes per layer fewer); at 64 rows
+    no faster on the H100 (twelfth session)."""
     return integer("KESTREL_JAX_COMBINE_UNROLLED_ROWS", 0, high=4096)
 
 
