@@ -81,13 +81,18 @@ async def main_async(a: argparse.Namespace) -> dict[str, Any]:
                 ims = [imgs.make(a.image_size) for _ in range(n)]
                 return list(await asyncio.gather(*(peer.one_query(engine, im, a.question, settings) for im in ims)))
 
-            await run()  # unprofiled: graph capture and warm-up at this batch size
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                t1 = time.perf_counter()
-                recs = await run()
+            try:
+                await run()  # unprofiled: graph capture and warm-up at this batch size
                 torch.cuda.synchronize()
-                wall = time.perf_counter() - t1
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    t1 = time.perf_counter()
+                    recs = await run()
+                    torch.cuda.synchronize()
+                    wall = time.perf_counter() - t1
+            except Exception as exc:  # noqa: BLE001 - one failed phase keeps the others' tables
+                res["phases"][name] = {"requests": n, "error": repr(exc)[:400]}
+                print(f"== {name}: failed: {exc!r}", flush=True)
+                continue
             table = kernel_table(cuda_kernels(prof))
             res["phases"][name] = {
                 "requests": n, "settings": settings, "wall_s": round(wall, 4),
