@@ -20,8 +20,6 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kestrel_jax.switches import integer
-
 
 class ExpertRows(NamedTuple):
     """An unreduced MoE output in the routing tables' layout: token t's j-th choice is row
@@ -34,30 +32,16 @@ class ExpertRows(NamedTuple):
     n_valid: jax.Array  # [1] int32
 
 
-def unrolled_combine_rows() -> int:
-    """Token counts up to which `combine_rows` adds the k gathered rows in order (no reduction):
-    KESTREL_JAX_COMBINE_UNROLLED_ROWS (read at trace time), default 0 (never). MD3 decode step on
-    the H200 (thirty-third session, probe A/B): 1 row +0.1%, 8 rows +0.9% (the combine + residual
-    fusion stays a transpose-style reduction of 8-9 us: it also sums the output projection's split-K
-    partials, laid out [splits, N, rows]), 32 rows -0.9% (two transposes per layer fewer); at 64 rows
-    no faster on the H100 (twelfth session)."""
-    return integer("KESTREL_JAX_COMBINE_UNROLLED_ROWS", 0, high=4096)
-
-
 def combine_rows(r: ExpertRows, tokens: int, dtype: jnp.dtype) -> jax.Array:
     """out[t] = sum_j w[j, t] * y[dest[j, t]] in f32 for t < tokens (NaN-safe `where` for padding
-    tokens and rows no kernel wrote), in dtype: one gather-multiply-reduce fusion, or, up to
-    `unrolled_combine_rows()` tokens, the k choices' gathered rows added in order, reading the
-    [k, T] tables as they are (no transpose, no reduction). (At 64 rows the unrolled form saved the
-    two transpose kernels per MoE layer, 2.9 us, and XLA's gather fusion grew by as much; H100,
-    twelfth session.)"""
-    valid = (jnp.arange(tokens) < r.n_valid[0])[:, None]
-    if tokens <= unrolled_combine_rows():
-        acc = jnp.zeros((tokens, r.y.shape[1]), jnp.float32)
-        for j in range(r.dest.shape[0]):
-            w = r.weights[j, :tokens].astype(jnp.float32)[:, None]
-            acc = acc + jnp.where(valid, w * r.y[r.dest[j, :tokens]].astype(jnp.float32), 0.0)
-        return acc.astype(dtype)
+    tokens and rows no kernel wrote), in dtype: one gather-multiply-reduce fusion. (Reading the
+    [k, T] tables without transposing them, as k gathers added in order, measured no faster on
+    the H100: it saved the two transpose kernels per MoE layer, 2.9 us at 64 rows, and XLA's
+    gather fusion grew by as much; twelfth session. Rebuilt and measured again on the H200,
+    thirty-third session, MD3 decode step: 1 row +0.1%, 8 rows +0.9%, 32 rows -0.9%; removed again.
+    At 8 rows this fusion is an 8 us transpose-style reduction because it also sums the output
+    projection's split-K partials, laid out [splits, N, rows].)"""
     dest, w = r.dest[:, :tokens].T, r.weights[:, :tokens].T.astype(jnp.float32)[..., None]
-    yk = jnp.where(valid[..., None], w * r.y[dest].astype(jnp.float32), 0.0)  # [T, k, D]
+    valid = (jnp.arange(tokens) < r.n_valid[0])[:, None, None]
+    yk = jnp.where(valid, w * r.y[dest].astype(jnp.float32), 0.0)  # [T, k, D]
     return jnp.sum(yk, axis=1).astype(dtype)

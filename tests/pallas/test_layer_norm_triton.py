@@ -218,36 +218,3 @@ def test_residual_lowers_at_decoder_shapes():
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
-
-
-@pytest.mark.parametrize("T,K,R", [(1, 8, 64), (5, 4, 40), (8, 8, 80)])
-def test_unrolled_combine_matches_and_reads_the_tables_untransposed(T, K, R, monkeypatch: pytest.MonkeyPatch):
-    """`combine_rows` up to KESTREL_JAX_COMBINE_UNROLLED_ROWS tokens adds the k gathered rows in
-    order: the same f32 sums up to their order (within one bf16 rounding), padding tokens' NaN rows
-    still zero, no transpose or reduction of the [k, T] tables; above the switch the default form."""
-    from kestrel_jax.pallas import decode_residual as dr
-
-    rng = fresh_rng()
-    _, _, moe, _, _ = _residual_case(rng, T, 256, K, R, BF16)
-    monkeypatch.delenv("KESTREL_JAX_COMBINE_UNROLLED_ROWS", raising=False)
-    want = dr.combine_rows(moe, T, BF16)
-    default_jaxpr = str(jax.make_jaxpr(lambda m: dr.combine_rows(m, T, BF16))(moe))
-    assert "transpose" in default_jaxpr and "reduce_sum" in default_jaxpr
-    monkeypatch.setenv("KESTREL_JAX_COMBINE_UNROLLED_ROWS", str(T))
-    got = dr.combine_rows(moe, T, BF16)
-    jaxpr = str(jax.make_jaxpr(lambda m: dr.combine_rows(m, T, BF16))(moe))
-    assert "transpose" not in jaxpr and "reduce_sum" not in jaxpr
-    a, b = as_f32(got), as_f32(want)
-    assert np.isfinite(a).all() and np.isfinite(b).all()
-    assert (np.abs(a - b) <= 2.0**-7 * np.abs(b) + 1e-6).all(), np.abs(a - b).max()
-    if T > 1:
-        assert not a[T - 1].any(), "a padding token's NaN rows must not leak"
-    rows = np.nan_to_num(as_f32(moe.y)[np.asarray(moe.dest)[:, :T]])  # [k, T, D]
-    exact = np.einsum("kt,ktd->td", np.asarray(moe.weights)[:, :T], rows)
-    exact[int(moe.n_valid[0]):] = 0.0
-    assert (np.abs(a - exact) <= 2.0**-7 * np.abs(exact) + 1e-5).all()
-    monkeypatch.setenv("KESTREL_JAX_COMBINE_UNROLLED_ROWS", str(T - 1))  # below the token count: default form
-    assert "transpose" in str(jax.make_jaxpr(lambda m: dr.combine_rows(m, T, BF16))(moe))
-    monkeypatch.setenv("KESTREL_JAX_COMBINE_UNROLLED_ROWS", "x")
-    with pytest.raises(ValueError, match="KESTREL_JAX_COMBINE_UNROLLED_ROWS"):
-        dr.combine_rows(moe, T, BF16)
