@@ -183,8 +183,19 @@ class Attention(nnx.Module):
             else:
                 fused = ops.decode_qkv(u, batch.positions, batch.slots, k_pages, v_pages, k_scale, v_scale, tau,
                                        n_heads=h, rotary_dim=rot, theta=theta, tau_dots=dots)
+        # Prefill and mixed steps on a GPU: rotary, tau and the KV write in one kernel, q coming back
+        # as (decode rows', prefill rows') where a mixed step's decode rows lead.
+        nd = 0 if batch.decode is None else batch.decode.rows
+        q_split: tuple[jax.Array, ...] | None = None
+        if batch.cu_q_lens is not None and aux is None:
+            out3 = ops.prefill_qkv(u, batch.positions, batch.slots, k_pages, v_pages, k_scale, v_scale, tau,
+                                   n_heads=h, rotary_dim=rot, theta=theta, split=nd)
+            if out3 is not None:
+                q_split, (k_pages, v_pages) = out3[:-2], out3[-2:]
         if fused is not None:
             q, k_pages, v_pages = fused
+        elif q_split is not None:
+            q = q_split[-1]
         else:
             u = u[:t]  # the decode GEMM's rows may come padded (`ops.small_linear_pair`)
             q, k, v = qkv_heads_ref(u, batch.positions, tau, n_heads=h, n_kv_heads=hkv, rotary_dim=rot, theta=theta,
@@ -210,12 +221,13 @@ class Attention(nnx.Module):
             return self._project(o.reshape(t, h * hd), gemm), k_pages, v_pages, routed
         else:
             assert batch.prefix_lens is not None
-            nd = 0 if batch.decode is None else batch.decode.rows
-            o = ops.prefill_attention(q[nd:], k_pages, v_pages, batch.cu_q_lens, batch.kv_lens,
+            q_pre = q[nd:] if q_split is None else q_split[-1]
+            o = ops.prefill_attention(q_pre, k_pages, v_pages, batch.cu_q_lens, batch.kv_lens,
                                       batch.page_table, batch.prefix_lens, k_scale, v_scale,
                                       sm_scale=scale)
             if batch.decode is not None:  # one query per sequence: the decode kernel's shape
-                od = ops.decode_attention(q[:nd], k_pages, v_pages, batch.decode.kv_lens, batch.decode.page_table,
+                q_dec = q[:nd] if q_split is None else q_split[0]
+                od = ops.decode_attention(q_dec, k_pages, v_pages, batch.decode.kv_lens, batch.decode.page_table,
                                           k_scale, v_scale, sm_scale=scale)
                 o = jnp.concatenate([od, o])
             return self._project(o.reshape(t, h * hd), decode), k_pages, v_pages, logits

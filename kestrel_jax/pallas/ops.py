@@ -435,6 +435,35 @@ def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: ja
     return None if out is None else out[:3]
 
 
+def prefill_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                k_scale: jax.Array, v_scale: jax.Array, tau: Any, *, n_heads: int, rotary_dim: int, theta: float,
+                split: int = 0) -> tuple[jax.Array, ...] | None:
+    """A prefill or mixed step's q and KV write in one launch (`qkv_epilogue.prefill_qkv_kernel`:
+    rotary, tau scaling, the K/V rows into the pool) when the kernel path is on and supports the
+    shapes; None otherwise (the caller runs `qkv_heads_ref` and `write_kv`). MD3's tau factors
+    come from XLA (`qkv_epilogue.tau_factors` with `tau_gelu()`, as the jnp path forms them).
+    -> (q, k_pages, v_pages), or with 0 < split (a mixed step's decode rows first) (q of the
+    first `split` rows, q of the rest, k_pages, v_pages). Replaces XLA's two rotary concatenations
+    of q and k, the q slice of a mixed step and the write kernel. KESTREL_JAX_PREFILL_QKV_KERNEL=0
+    (read at trace time) keeps the XLA path for A/B runs."""
+    if not _want_kernel() or not flag("KESTREL_JAX_PREFILL_QKV_KERNEL", True):
+        return None
+    from kestrel_jax.pallas import qkv_epilogue as kern
+
+    rows = positions.shape[0]
+    u = u[:rows]
+    factors = None
+    if tau is not None:  # traced only: where the kernel refuses them, the unused factors leave the program
+        tau_q, tau_v, _ = kern.tau_factors(u, positions, tau, tau_gelu())
+        factors = (tau_q, tau_v)
+    if not 0 <= split < rows or kern.prefill_qkv_problem(u, k_pages, n_heads=n_heads, rotary_dim=rotary_dim,
+                                                         factors=factors) is not None:
+        return None
+    return kern.prefill_qkv_kernel(
+        u, positions, slots, k_pages, v_pages, k_scale, v_scale, n_heads=n_heads, rotary_dim=rotary_dim,
+        theta=theta, factors=factors, split=split)
+
+
 def route_in_qkv_wanted() -> bool:
     """Whether a decode MoE layer's routing tables are built in the QKV epilogue's launch
     (`decode_qkv_routed`) instead of a launch of their own. On by default: H100, twentieth session,

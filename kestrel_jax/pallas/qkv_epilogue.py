@@ -428,3 +428,141 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
         name="kestrel_decode_qkv",
     )(*ins)
     return q, kp, vp, (DenseRoute(*tables) if route is not None else None)
+
+
+# ------------------------------------------------------------------------------------- prefill
+
+
+def prefill_qkv_problem(u: jax.Array, k_pages: jax.Array, *, n_heads: int, rotary_dim: int,
+                        factors: tuple[jax.Array, jax.Array] | None = None) -> str | None:
+    """Why `prefill_qkv_kernel` cannot take these shapes (None: it can): `decode_qkv_problem`'s
+    limits, and head counts that are powers of two (a program's blocks span all heads)."""
+    problem = decode_qkv_problem(u, k_pages, None, n_heads=n_heads, rotary_dim=rotary_dim, factors=factors)
+    if problem is not None:
+        return problem
+    if not (_pow2(n_heads) and _pow2(k_pages.shape[1])):
+        return f"head counts {n_heads} / {k_pages.shape[1]} must be powers of two (Triton blocks)"
+    return None
+
+
+def _prefill_kernel(u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: int, n_kv: int, rot: int,
+                    has_factors: bool, fp8: bool, low: bool, split: int):
+    m = pl.program_id(0)  # read outside any branch (the interpreter's rule)
+    f32 = jnp.float32
+    tq_ref, tv_ref = refs[:2] if has_factors else (None, None)
+    outs = refs[4:] if has_factors else refs[2:]  # past the factors and the aliased input pools
+    q_refs, (kp_ref, vp_ref) = outs[:-2], outs[-2:]
+    dh = u_ref.shape[2]
+    P, _, S, _ = kp_ref.shape
+    half, rest_w = rot // 2, dh - rot
+    pos = pos_ref[m]
+    slot = slot_ref[m]
+    ang = pos.astype(f32) * inv_ref[...]
+    cos, sin = jnp.cos(ang)[None, :], jnp.sin(ang)[None, :]
+    rnd = _bf16 if low else (lambda x: x)
+
+    def heads(h0, n):  # the [n, channels] blocks of heads h0..h0+n: rotary halves, pass-through
+        a = u_ref[m, pl.ds(h0, n), pl.ds(0, half)].astype(f32)
+        b = u_ref[m, pl.ds(h0, n), pl.ds(half, half)].astype(f32)
+        c = u_ref[m, pl.ds(h0, n), pl.ds(rot, rest_w)].astype(f32) if rest_w else None
+        return a, b, c
+
+    def rotated(parts):
+        a, b, c = parts
+        return rnd(a * cos - b * sin), rnd(a * sin + b * cos), c
+
+    # all loads first (straight-line code: in flight together), then the arithmetic
+    qh, kh = heads(0, n_heads), heads(n_heads, n_kv)
+    vh = u_ref[m, pl.ds(n_heads + n_kv, n_kv), :].astype(f32)
+    if tq_ref is not None and tv_ref is not None:  # tau factors in u.dtype, formed outside
+        tq = tq_ref[m, :].astype(f32)[:, None]
+        tv = tv_ref[m, pl.ds(0, n_kv)].astype(f32)[:, None]
+        qh = tuple(None if p is None else rnd(p * tq) for p in qh)
+        vh = rnd(vh * tv)
+    q_parts = [(off, x) for off, x in zip((0, half, rot), rotated(qh), strict=True) if x is not None]
+    k_parts = [(off, x) for off, x in zip((0, half, rot), rotated(kh), strict=True) if x is not None]
+
+    def put_q(ref, row):
+        for off, x in q_parts:
+            ref[row, :, pl.ds(off, x.shape[1])] = x.astype(ref.dtype)
+
+    if split == 0:
+        put_q(q_refs[0], m)
+    else:
+        @pl.when(m < split)
+        def _decode_row():
+            put_q(q_refs[0], m)
+
+        @pl.when(m >= split)
+        def _prefill_row():
+            put_q(q_refs[1], m - split)
+
+    @pl.when(slot >= 0)
+    def _write():
+        page = jnp.minimum(slot // S, P - 1)
+        row = slot % S
+        for ref, parts, sc_ref in ((kp_ref, k_parts, ks_ref), (vp_ref, [(0, vh)], vs_ref)):
+            for off, x in parts:
+                if fp8:  # IEEE divide then clamp, as quantize_kv
+                    x = jnp.minimum(jnp.maximum(rnd(x) / sc_ref[0], -FP8_MAX), FP8_MAX)
+                ref[page, :, row, pl.ds(off, x.shape[1])] = x.astype(ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("n_heads", "rotary_dim", "theta", "split", "interpret", "num_warps"))
+def prefill_qkv_kernel(
+    u: jax.Array,  # [>= M, (H + 2 Hkv) * Dh] bf16 / f32 fused QKV product (bias included); rows >= M unread
+    positions: jax.Array,  # [M] int32
+    slots: jax.Array,  # [M] int32 flat KV slot; < 0 = padding row (q computed, nothing written)
+    k_pages: jax.Array,  # [P, Hkv, S, Dh] float8_e4m3fn / bf16
+    v_pages: jax.Array,
+    k_scale: jax.Array,  # [] f32
+    v_scale: jax.Array,
+    *,
+    n_heads: int,
+    rotary_dim: int,
+    theta: float,
+    factors: tuple[jax.Array, jax.Array] | None = None,  # (tau_q, tau_v) [M, H] (`tau_factors`), MD3
+    split: int = 0,
+    interpret: bool = False,
+    num_warps: int = PLAIN_WARPS,
+) -> tuple[jax.Array, ...]:
+    """Rotary, tau scaling (from `factors`) and the KV write of a prefill or mixed step's rows in
+    one launch: one program per row, all heads at once (`decode_qkv_kernel` runs a program per row
+    and head, fine for decode rows, ~50k programs for a 1,600-row step). -> (q [M, H, Dh],
+    k_pages, v_pages) with `split` = 0; with 0 < split < M, (q of rows [0, split), q of rows
+    [split, M), k_pages, v_pages): a mixed step's decode rows and prefill rows, which its two
+    attention kernels read, without XLA slicing one q apart. Numerics: `decode_qkv_kernel`'s
+    factor mode (the jnp path's roundings)."""
+    check_pool(k_pages, v_pages)
+    problem = prefill_qkv_problem(u[: positions.shape[0]], k_pages, n_heads=n_heads, rotary_dim=rotary_dim,
+                                  factors=factors)
+    if problem is not None:
+        raise ValueError(f"prefill_qkv_kernel: {problem}")
+    M = positions.shape[0]
+    if u.shape[0] < M or slots.shape != positions.shape:
+        raise ValueError(f"prefill_qkv_kernel: u has {u.shape[0]} rows, positions {positions.shape}, "
+                         f"slots {slots.shape}: need [M] positions and slots and at least M rows of u")
+    if not 0 <= split < M:
+        raise ValueError(f"prefill_qkv_kernel: split {split} must be in [0, rows {M})")
+    _, n_kv, _, dh = k_pages.shape
+    u3 = u.reshape(u.shape[0], n_heads + 2 * n_kv, dh)
+    inv = jnp.asarray(rope_inv_freq(rotary_dim, theta))
+    scales = [jnp.asarray(s, jnp.float32).reshape(1) for s in (k_scale, v_scale)]
+    tau_args = [f.astype(u.dtype) for f in factors] if factors is not None else []
+    ins = [u3, positions.astype(jnp.int32), slots.astype(jnp.int32), *scales, inv, *tau_args, k_pages, v_pages]
+    rows = (M,) if split == 0 else (split, M - split)
+    q_shapes = [jax.ShapeDtypeStruct((r, n_heads, dh), u.dtype) for r in rows]
+    kern = functools.partial(_prefill_kernel, n_heads=n_heads, n_kv=n_kv, rot=rotary_dim,
+                             has_factors=factors is not None, fp8=is_fp8(k_pages.dtype),
+                             low=jnp.dtype(u.dtype) == jnp.dtype(jnp.bfloat16), split=split)
+    nq = len(q_shapes)
+    return tuple(pl.pallas_call(
+        kern,
+        out_shape=(*q_shapes, jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+        grid=(M,),
+        input_output_aliases={len(ins) - 2: nq, len(ins) - 1: nq + 1},
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="kestrel_prefill_qkv",
+    )(*ins))
