@@ -166,14 +166,8 @@ class Attention(nnx.Module):
         t = batch.positions.shape[0]
         hd, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         decode = batch.cu_q_lens is None and self.decode_gemm_kernel
+        u, logits, dots = self._qkv(x, t, decode, router)
         tau = self.tau.weights() if self.tau is not None else None
-        qkv_bias = None  # a dense decode layer's QKV bias, left to the epilogue kernel (`qkv_bias_in_epilogue`)
-        if (batch.cu_q_lens is None and aux is None and router is None and not decode and tau is None
-                and self.qkv.bias is not None and ops.qkv_bias_in_epilogue()):
-            qkv_bias = self.qkv.bias[...]
-            u, logits, dots = jnp.dot(x[:t], self.qkv.kernel[...].astype(x.dtype)), None, None
-        else:
-            u, logits, dots = self._qkv(x, t, decode, router)
         rot, theta = cfg.rotary_dim, cfg.rope_theta
         # Decode on a GPU: tau, rotary and the KV write in one kernel (captures need the jnp path).
         fused = None
@@ -188,9 +182,7 @@ class Attention(nnx.Module):
                     routed = logits if out[3] is None else out[3]
             else:
                 fused = ops.decode_qkv(u, batch.positions, batch.slots, k_pages, v_pages, k_scale, v_scale, tau,
-                                       n_heads=h, rotary_dim=rot, theta=theta, tau_dots=dots, bias=qkv_bias)
-        if fused is None and qkv_bias is not None:  # the kernel did not take it: `Linear`'s add
-            u = u + qkv_bias.astype(u.dtype)
+                                       n_heads=h, rotary_dim=rot, theta=theta, tau_dots=dots)
         # Prefill and mixed steps on a GPU: rotary, tau and the KV write in one kernel, q coming back
         # as (decode rows', prefill rows') where a mixed step's decode rows lead.
         nd = 0 if batch.decode is None else batch.decode.rows

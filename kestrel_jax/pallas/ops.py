@@ -418,8 +418,7 @@ def _gelu_poly(u: jax.Array) -> jax.Array:
 
 def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                k_scale: jax.Array, v_scale: jax.Array, tau: Any, *, n_heads: int, rotary_dim: int,
-               theta: float, tau_dots: Any = None, bias: jax.Array | None = None,
-               ) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+               theta: float, tau_dots: Any = None) -> tuple[jax.Array, jax.Array, jax.Array] | None:
     """(q, k_pages, v_pages) from the fused QKV rows of a decode step in one kernel launch (tau,
     rotary and the KV write: `qkv_epilogue.decode_qkv_kernel`) when the kernel path is on and
     supports the shapes; None otherwise (the caller runs `qkv_heads_ref` and `write_kv`). With tau
@@ -430,11 +429,9 @@ def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: ja
     within the probe's spread); W2 at 64 clients A/B/A/B 6,432 / 6,682 / 6,467 / 6,437 tok/s.
     KESTREL_JAX_TAU_FACTORS=0 (read at trace time) keeps the XLA path there. `tau_dots`
     (`small_linear_pair`'s third item): the kernel forms tau from the dots the QKV GEMM formed, where it
-    takes them (else from `tau`), at any row count. `bias`: u came without the QKV bias (rows
-    without tau: MD2), which the kernel then adds as `Linear` does (`qkv_bias_in_epilogue`); None
-    is returned where the kernel cannot take it (the caller adds it)."""
+    takes them (else from `tau`), at any row count."""
     out = _decode_qkv(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
-                      rotary_dim=rotary_dim, theta=theta, route=None, tau_dots=tau_dots, bias=bias)
+                      rotary_dim=rotary_dim, theta=theta, route=None, tau_dots=tau_dots)
     return None if out is None else out[:3]
 
 
@@ -465,15 +462,6 @@ def prefill_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
     return kern.prefill_qkv_kernel(
         u, positions, slots, k_pages, v_pages, k_scale, v_scale, n_heads=n_heads, rotary_dim=rotary_dim,
         theta=theta, factors=factors, split=split)
-
-
-def qkv_bias_in_epilogue() -> bool:
-    """Whether a decode step's dense layers (MD2; rows without tau) leave the QKV bias to the decode
-    epilogue kernel instead of an XLA add after the GEMM (`decode_qkv`'s `bias`): the add was its
-    own launch at decode sizes (H200, thirty-third session: 1.5 us per layer at 64 rows, XLA
-    did not fuse it into the GEMM it merges with fc1). On by default;
-    KESTREL_JAX_QKV_BIAS_IN_EPILOGUE=0 (read at trace time) keeps the add for A/B runs."""
-    return _want_kernel() and flag("KESTREL_JAX_QKV_BIAS_IN_EPILOGUE", True)
 
 
 def route_in_qkv_wanted() -> bool:
@@ -513,20 +501,12 @@ def decode_qkv_routed(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pa
 
 def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                 k_scale: jax.Array, v_scale: jax.Array, tau: Any, *, n_heads: int, rotary_dim: int, theta: float,
-                route: tuple[jax.Array, jax.Array, int, int] | None, tau_dots: Any = None,
-                bias: jax.Array | None = None) -> tuple | None:
+                route: tuple[jax.Array, jax.Array, int, int] | None, tau_dots: Any = None) -> tuple | None:
     """`decode_qkv`'s dispatch; with `route` (logits, num_valid, top_k, block_tokens) the routing
     tables come back fourth where the routed kernel takes the logits."""
     if not _want_kernel() or not flag("KESTREL_JAX_DECODE_QKV_KERNEL", True):  # 0: A/B runs
         return None
     from kestrel_jax.pallas import qkv_epilogue as kern
-
-    if bias is not None:  # rows without tau whose QKV bias the kernel adds
-        if route is not None or tau is not None or tau_dots is not None or kern.decode_qkv_problem(
-                u, k_pages, None, n_heads=n_heads, rotary_dim=rotary_dim, bias=bias) is not None:
-            return None
-        return kern.decode_qkv_kernel(u, positions, slots, k_pages, v_pages, k_scale, v_scale, None,
-                                      n_heads=n_heads, rotary_dim=rotary_dim, theta=theta, bias=bias)
 
     if route is not None and not kern.decode_qkv_route_supported(route[0], route[2]):
         route = None

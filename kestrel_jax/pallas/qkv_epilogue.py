@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -147,13 +147,8 @@ def _chunk(n: int) -> int:
 
 def decode_qkv_problem(u: jax.Array, k_pages: jax.Array, tau: TauWeights | None, *, n_heads: int,
                        rotary_dim: int, factors: tuple[jax.Array, jax.Array] | None = None,
-                       tau_dots: TauDots | None = None, bias: jax.Array | None = None) -> str | None:
+                       tau_dots: TauDots | None = None) -> str | None:
     """Why `decode_qkv_kernel` cannot take these shapes (None: it can)."""
-    if bias is not None:
-        if tau is not None or factors is not None or tau_dots is not None:
-            return "a QKV bias is for rows without tau (tau is formed from the biased rows)"
-        if bias.shape != (u.shape[-1],):
-            return f"bias {bias.shape} must be [{u.shape[-1]}] (u's width)"
     if tau_dots is not None:
         if tau is not None or factors is not None:
             return "tau dots, tau weights and tau factors are exclusive"
@@ -200,13 +195,10 @@ def _bf16(x: jax.Array) -> jax.Array:
 
 def _kernel(u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: int, n_kv: int, dh: int, rot: int,
             has_tau: bool, has_factors: bool, has_dots: bool, chunk: int, fp8: bool, low: bool,
-            route: tuple[int, int] | None, has_bias: bool = False):
+            route: tuple[int, int] | None):
     # program ids are read here, outside any branch (the interpreter evaluates them only there)
     m, h = pl.program_id(0), pl.program_id(1)
-    bias_ref = None
-    if has_bias:
-        bias_ref, refs = refs[0], refs[1:]
-    mode: dict[str, Any] = dict(has_tau=has_tau, has_factors=has_factors, has_dots=has_dots, bias_ref=bias_ref)
+    mode = dict(has_tau=has_tau, has_factors=has_factors, has_dots=has_dots)
     if route is None:
         _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads=n_heads, n_kv=n_kv, dh=dh,
                rot=rot, chunk=chunk, fp8=fp8, low=low, **mode)
@@ -228,8 +220,7 @@ def _kernel(u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: i
 
 
 def _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: int, n_kv: int, dh: int,
-           rot: int, has_tau: bool, has_factors: bool, has_dots: bool, chunk: int, fp8: bool, low: bool,
-           bias_ref=None):
+           rot: int, has_tau: bool, has_factors: bool, has_dots: bool, chunk: int, fp8: bool, low: bool):
     tq_ref = tv_ref = dots_ref = None
     if has_tau:
         wq_ref, wv_ref, alpha_ref, _kp_in, _vp_in, q_ref, kp_ref, vp_ref = refs
@@ -249,12 +240,11 @@ def _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_hea
     cos, sin = jnp.cos(ang), jnp.sin(ang)
     rnd = _bf16 if low else (lambda x: x)  # bf16 u: round where the jnp path holds bf16
 
-    def load(col, width):  # u[m, col:col + width] (+ the bias, added in u.dtype as `Linear` does)
-        x = u_ref[m, pl.ds(col, width)].astype(f32)
-        return x if bias_ref is None else rnd(x + bias_ref[pl.ds(col, width)].astype(f32))
-
     def head(col):  # (first rotary half, second rotary half, pass-through channels) of one head
-        return load(col, half), load(col + half, half), load(col + rot, rest_w) if rest_w else None
+        a = u_ref[m, pl.ds(col, half)].astype(f32)
+        b = u_ref[m, pl.ds(col + half, half)].astype(f32)
+        c = u_ref[m, pl.ds(col + rot, rest_w)].astype(f32) if rest_w else None
+        return a, b, c
 
     def scaled(parts, t):  # x * tau in u.dtype
         return tuple(None if p is None else rnd(p * t) for p in parts)
@@ -330,7 +320,6 @@ def decode_qkv_kernel(
     tau_dots: TauDots | None = None,  # the tau dots from the QKV GEMM, instead of tau
     interpret: bool = False,
     num_warps: int | None = None,  # None: TAU_WARPS with tau, else PLAIN_WARPS
-    bias: jax.Array | None = None,  # [N]: u arrives without the QKV bias (no tau), added as `Linear` adds it
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """-> (q [M, H, Dh] in u.dtype, k_pages, v_pages with the M new rows written). With `factors`
     the kernel scales q and v by tau factors formed outside (`tau_factors`, rounded to u.dtype)
@@ -339,7 +328,7 @@ def decode_qkv_kernel(
     tau_w) instead of from the whole row and the tau weights."""
     q, kp, vp, _ = _decode_qkv(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
                                rotary_dim=rotary_dim, theta=theta, factors=factors, tau_dots=tau_dots,
-                               interpret=interpret, num_warps=num_warps, bias=bias)
+                               interpret=interpret, num_warps=num_warps)
     return q, kp, vp
 
 
@@ -396,12 +385,12 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
                 k_scale: jax.Array, v_scale: jax.Array, tau: TauWeights | None, *, n_heads: int, rotary_dim: int,
                 theta: float, factors: tuple[jax.Array, jax.Array] | None, interpret: bool, num_warps: int | None,
                 route: tuple[jax.Array, jax.Array, int, int] | None = None,  # (logits, n_valid, top_k, Nt)
-                tau_dots: TauDots | None = None, bias: jax.Array | None = None,
+                tau_dots: TauDots | None = None,
                 ) -> tuple[jax.Array, jax.Array, jax.Array, DenseRoute | None]:
     """The two public kernels' body (arguments as `decode_qkv_kernel`'s and `decode_qkv_route_kernel`'s)."""
     check_pool(k_pages, v_pages)
     problem = decode_qkv_problem(u, k_pages, tau, n_heads=n_heads, rotary_dim=rotary_dim, factors=factors,
-                                 tau_dots=tau_dots, bias=bias)
+                                 tau_dots=tau_dots)
     if problem is not None:
         raise ValueError(f"decode_qkv_kernel: {problem}")
     M, N = positions.shape[0], u.shape[1]  # u may have padding rows past the M decode rows
@@ -420,14 +409,12 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
     route_shapes: list[jax.ShapeDtypeStruct] = []
     if route is not None:  # the routing tables' inputs and outputs, as `route_tables` forms them
         route_ins, route_shapes = moe_route_triton.tables_io(route[0], route[1], route[2])
-    bias_args = [] if bias is None else [bias.astype(u.dtype)]
-    ins = [u, positions.astype(jnp.int32), slots.astype(jnp.int32), *scales, inv, *bias_args, *tau_args, *route_ins,
-           k_pages, v_pages]
+    ins = [u, positions.astype(jnp.int32), slots.astype(jnp.int32), *scales, inv, *tau_args, *route_ins, k_pages,
+           v_pages]
     kern = functools.partial(
         _kernel, n_heads=n_heads, n_kv=n_kv, dh=dh, rot=rotary_dim, has_tau=tau is not None,
         has_factors=factors is not None, has_dots=tau_dots is not None, chunk=_chunk(N), fp8=is_fp8(k_pages.dtype),
-        low=jnp.dtype(u.dtype) == jnp.dtype(jnp.bfloat16), route=None if route is None else (route[2], route[3]),
-        has_bias=bias is not None)
+        low=jnp.dtype(u.dtype) == jnp.dtype(jnp.bfloat16), route=None if route is None else (route[2], route[3]))
     q, kp, vp, *tables = pl.pallas_call(
         kern,
         out_shape=(jax.ShapeDtypeStruct((M, n_heads, dh), u.dtype),
