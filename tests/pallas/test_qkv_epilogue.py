@@ -406,3 +406,120 @@ def test_routed_kernel_lowers_at_md3_decode_shapes():
                                 _SDS((), f32), _SDS((96, 64, 8), f32), _SDS((32,), BF16), _SDS((8, 64), BF16),
                                 _SDS((1,), i32)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
+
+
+# ------------------------------------------------------------------------------------- prefill
+
+
+def _prefill_case(rng, M, H, Hkv, dh, rot, pool_dtype, tau):
+    """`_case` plus the tau factors as the model forms them for prefill rows (XLA, `tau_factors`)."""
+    u, positions, slots, pools, scales, tw = _case(rng, M, H, Hkv, dh, rot, pool_dtype, tau, P=24)
+    factors = qe.tau_factors(u, positions, tw)[:2] if tw is not None else None
+    return u, positions, slots, pools, scales, tw, factors
+
+
+@pytest.mark.parametrize("M,H,Hkv,dh,rot,pool_dtype,tau,split", [
+    (9, 4, 4, 16, 8, FP8, False, 0),  # MD3-like pool and rotary, no tau
+    (11, 4, 2, 32, 16, BF16, False, 3),  # GQA, a mixed step: 3 decode rows then 8 prefill rows
+    (12, 4, 4, 16, 8, FP8, True, 4),  # MD3: tau factors from XLA, mixed
+    (7, 4, 4, 32, 32, BF16, False, 0),  # MD2-like rotary over the whole head
+    (1, 2, 2, 16, 8, BF16, True, 0),  # one row
+])
+def test_prefill_kernel_matches_the_reference(M, H, Hkv, dh, rot, pool_dtype, tau, split):
+    """The prefill kernel (one program per row, all heads) against the jnp path (`decode_qkv_ref`:
+    `qkv_heads_ref` + `write_kv_ref`) within the module's bounds, padding rows writing nothing and
+    the rest of the pools bit-identical; with 0 < split the q rows come back as (decode rows, the
+    rest) and are their concatenation."""
+    rng = fresh_rng()
+    u, positions, slots, (kp, vp), (ks, vs), tw, factors = _prefill_case(rng, M, H, Hkv, dh, rot, pool_dtype, tau)
+    kw: dict[str, Any] = dict(n_heads=H, rotary_dim=rot, theta=10000.0)
+    out = qe.prefill_qkv_kernel(u, positions, slots, kp, vp, ks, vs, factors=factors, split=split, interpret=True,
+                                **kw)
+    assert len(out) == (3 if split == 0 else 4)
+    if split:
+        assert out[0].shape == (split, H, dh) and out[1].shape == (M - split, H, dh)
+    q = out[0] if split == 0 else jnp.concatenate(out[:2])
+    assert q.shape == (M, H, dh) and q.dtype == u.dtype
+    want = jax.jit(functools.partial(qe.decode_qkv_ref, **kw))(u, positions, slots, kp, vp, ks, vs, tw)
+    exact = None if tau else _unquantized(u, positions, slots, (kp, vp), (ks, vs), tw, kw)
+    _assert_matches_ref((q, out[-2], out[-1]), want, (kp, vp), slots, pool_dtype, exact)
+
+
+def test_prefill_kernel_equals_the_decode_kernel_row_for_row():
+    """Same rows through both kernels (factor mode, FP8 pool, GQA off): bit-identical q and pools;
+    the prefill kernel is the decode kernel's arithmetic over all heads of a row at once."""
+    rng = fresh_rng()
+    u, positions, slots, (kp, vp), (ks, vs), tw, factors = _prefill_case(rng, 10, 4, 4, 16, 8, FP8, True)
+    kw: dict[str, Any] = dict(n_heads=4, rotary_dim=8, theta=10000.0, interpret=True)
+    a = qe.prefill_qkv_kernel(u, positions, slots, kp, vp, ks, vs, factors=factors, **kw)
+    b = qe.decode_qkv_kernel(u, positions, slots, kp, vp, ks, vs, None, factors=factors, **kw)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_array_equal(_bits(x), _bits(y))
+
+
+def test_prefill_rows_of_u_past_m_are_not_read_and_bad_arguments_are_named():
+    rng = fresh_rng()
+    M = 6
+    u, positions, slots, (kp, vp), (ks, vs), _, _ = _prefill_case(rng, M, 4, 4, 16, 8, BF16, False)
+    kw: dict[str, Any] = dict(n_heads=4, rotary_dim=8, theta=10000.0, interpret=True)
+    padded = jnp.concatenate([u, jnp.full((3, u.shape[1]), jnp.nan, u.dtype)])
+    want = qe.prefill_qkv_kernel(u, positions, slots, kp, vp, ks, vs, split=2, **kw)
+    got = qe.prefill_qkv_kernel(padded, positions, slots, kp, vp, ks, vs, split=2, **kw)
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_array_equal(_bits(x), _bits(y))
+    for split in (-1, M):
+        with pytest.raises(ValueError, match="split"):
+            qe.prefill_qkv_kernel(u, positions, slots, kp, vp, ks, vs, split=split, **kw)
+    with pytest.raises(ValueError, match="at least M rows"):
+        qe.prefill_qkv_kernel(u[:2], positions, slots, kp, vp, ks, vs, **kw)
+    # 6 query heads (+ 2 x 2 KV heads) x 16: within decode_qkv_problem's limits, not a Triton block
+    u6 = jnp.zeros((1, 10 * 16), BF16)
+    kp2 = jnp.zeros((4, 2, 8, 16), FP8)
+    assert qe.decode_qkv_problem(u6, kp2, None, n_heads=6, rotary_dim=8) is None
+    assert "powers of two" in (qe.prefill_qkv_problem(u6, kp2, n_heads=6, rotary_dim=8) or "")
+    assert "width" in (qe.prefill_qkv_problem(jnp.zeros((1, 100), BF16), kp2, n_heads=4, rotary_dim=8) or "")
+
+
+def test_prefill_dispatch(monkeypatch: pytest.MonkeyPatch):
+    """`ops.prefill_qkv`: None on the reference backend, with the switch off, for shapes the kernel
+    refuses and for a split outside the rows; on the kernel backend the trace holds the kernel (and
+    with tau weights XLA's factors: tanh)."""
+    kp = jnp.zeros((4, 4, 8, 16), FP8)
+    rows = 6
+    u = jnp.zeros((rows, 12 * 16), BF16)
+    i6, s1 = jnp.zeros((rows,), jnp.int32), jnp.float32(1)
+    tw = qe.TauWeights(jnp.zeros((4, 192), BF16), jnp.zeros((4, 192), BF16), jnp.zeros((4,), BF16))
+
+    def call(u, tau=None, rot=8, split=0):
+        return ops.prefill_qkv(u, i6, i6, kp, kp, s1, s1, tau, n_heads=4, rotary_dim=rot, theta=1e4, split=split)
+
+    with ops.use_backend("reference"):
+        assert call(u) is None
+    with ops.use_backend("kernel"):
+        traced = str(jax.make_jaxpr(lambda u: call(u, tw, split=2))(u))
+        assert "name=kestrel_prefill_qkv" in traced and "tanh" in traced
+        assert len(jax.eval_shape(lambda: call(u, split=2))) == 4  # traced only: the kernel needs a GPU
+        assert len(jax.eval_shape(lambda: call(u))) == 3
+        assert call(u, rot=12) is None
+        assert call(u, split=rows) is None
+        monkeypatch.setenv("KESTREL_JAX_PREFILL_QKV_KERNEL", "0")  # the benchmarks' A/B switch
+        assert call(u) is None
+
+
+def test_prefill_kernel_lowers_at_md2_and_md3_prefill_shapes():
+    """A mixed MD2 step (64 decode rows + 1536 prefill rows, bf16 pool) and an MD3 prefill (2048
+    rows, FP8 pool, tau factors) lower for an H100 as one Triton launch aliasing the pools."""
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    i32, f32 = jnp.int32, jnp.float32
+    for M, pool_dtype, tau, split in [(1600, BF16, False, 64), (2048, FP8, True, 0)]:
+        pool = _SDS((4824, 32, 64, 64), pool_dtype)
+
+        def f(u, pos, slots, kp, vp, ks, vs, *fac, split=split):
+            return qe.prefill_qkv_kernel(u, pos, slots, kp, vp, ks, vs, n_heads=32, rotary_dim=32,
+                                         theta=1500000.0, factors=tuple(fac) or None, split=split)
+        fac = (_SDS((M, 32), f32), _SDS((M, 32), f32)) if tau else ()
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(f).trace(_SDS((M, 6144), BF16), _SDS((M,), i32), _SDS((M,), i32), pool, pool,
+                                    _SDS((), f32), _SDS((), f32), *fac).lower(lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text and "output_operand_alias" in text
