@@ -8,9 +8,13 @@ Per layer the decoder turns u = LN(x) @ W_qkv + b ([T, (H + 2 Hkv) * Dh]) into
 
 `qkv_heads_ref` is that math in jnp (the model's path everywhere but decode on a GPU, and the
 reference of the kernel); `decode_qkv_kernel` is all of it, KV write included, as one Pallas Triton
-launch for decode-size batches. Why: at batch 1 XLA runs it as six kernels per layer (GELU, the two
-tau dots, v * tau, rotary of q, rotary of k) plus the KV write kernel, each 1.3-2.4 us of mostly
-launch and tail on an H100 (sixth session trace, ~10 us per layer, 24 layers per token).
+launch for decode-size batches, and `prefill_qkv_kernel` the same for a prefill or mixed step's
+rows (one program per row, all heads; tau's factors from XLA), replacing XLA's two rotary
+concatenations, the q slice of a mixed step and the KV write kernel (H200, thirty-fourth session:
+MD2's mixed step -1.6%, prefill step -2.9%, MD3's prefill step -2.5%, bit-identical). Why the
+decode kernel: at batch 1 XLA runs it as six kernels per layer (GELU, the two tau dots, v * tau,
+rotary of q, rotary of k) plus the KV write kernel, each 1.3-2.4 us of mostly launch and tail on an
+H100 (sixth session trace, ~10 us per layer, 24 layers per token).
 
 Kernel: grid (rows M, query heads H); program (m, h) computes its head of q, and for h < Hkv its
 head of k and v and writes both rows to the pool. With `route` (an MoE layer's router logits from
