@@ -195,7 +195,7 @@ class Attention(nnx.Module):
         if fused is not None:
             q, k_pages, v_pages = fused
         elif q_split is not None:
-            q = q_split[-1]
+            q = q_split[-1]  # (the attention calls below take q_split's parts)
         else:
             u = u[:t]  # the decode GEMM's rows may come padded (`ops.small_linear_pair`)
             q, k, v = qkv_heads_ref(u, batch.positions, tau, n_heads=h, n_kv_heads=hkv, rotary_dim=rot, theta=theta,
