@@ -168,7 +168,7 @@ def run_prefill_case(model: str, M: int, split: int, layers: int, iters: int,
             tq, tv, _ = qe.tau_factors(u, pos, t, ops.tau_gelu())
             fac = (tq, tv)
         return qe.prefill_qkv_kernel(u, pos, sl, kp, vp, ks, vs, factors=fac, split=split,
-                                     num_warps=w or qe.PLAIN_WARPS, **kw)
+                                     num_warps=w or qe.PREFILL_WARPS, **kw)
 
     rows = []
     outs = {}

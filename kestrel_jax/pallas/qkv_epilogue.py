@@ -56,6 +56,10 @@ MAX_TAU_ROWS = 8
 # (the jnp path: 7.77 / 11.05); without tau 4 warps 1.77 / 1.91, 16 warps 1.87 / 2.25 (jnp 2.74 /
 # 5.17). Each tau program forms GELU(u) over the whole row and two dot products with it.
 TAU_WARPS, PLAIN_WARPS = 16, 4
+# Warps per program of the prefill kernel (one row, all heads). H200, thirty-fourth session
+# (`bench_qkv_epilogue.py --prefill`, us per layer, MD2 / MD3 at 1,600 rows): 2 warps 26.83 / 57.17,
+# 4 warps 25.71 / 53.69, 8 warps 25.02 / 53.14 (1,536 rows: 8 warps also fastest).
+PREFILL_WARPS = 8
 
 
 class TauWeights(NamedTuple):
@@ -528,7 +532,7 @@ def prefill_qkv_kernel(
     factors: tuple[jax.Array, jax.Array] | None = None,  # (tau_q, tau_v) [M, H] (`tau_factors`), MD3
     split: int = 0,
     interpret: bool = False,
-    num_warps: int = PLAIN_WARPS,
+    num_warps: int = PREFILL_WARPS,
 ) -> tuple[jax.Array, ...]:
     """Rotary, tau scaling (from `factors`) and the KV write of a prefill or mixed step's rows in
     one launch: one program per row, all heads at once (`decode_qkv_kernel` runs a program per row
