@@ -450,6 +450,8 @@ def prefill_qkv_problem(u: jax.Array, k_pages: jax.Array, *, n_heads: int, rotar
         return problem
     if not (_pow2(n_heads) and _pow2(k_pages.shape[1])):
         return f"head counts {n_heads} / {k_pages.shape[1]} must be powers of two (Triton blocks)"
+    if not _pow2(k_pages.shape[3]):  # v is one [Hkv, Dh] block
+        return f"head_dim {k_pages.shape[3]} must be a power of two (Triton blocks)"
     return None
 
 

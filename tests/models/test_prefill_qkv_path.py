@@ -58,7 +58,7 @@ def _run(model_name: Model, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> tu
     return [first, mixed, *kv], calls[0]
 
 
-@pytest.mark.parametrize("model_name", ["md2", "md3"])
+@pytest.mark.parametrize("model_name", ["md2"])  # MD3 (tau): the kernel tests' factor mode and dispatch (CI time)
 def test_steps_through_the_prefill_kernel_equal_the_jnp_path(model_name: Model, monkeypatch: pytest.MonkeyPatch):
     ref, n_ref = _run(model_name, False, monkeypatch)
     got, n_got = _run(model_name, True, monkeypatch)

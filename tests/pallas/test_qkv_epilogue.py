@@ -1,6 +1,7 @@
 """The decode QKV epilogue kernel (tau, rotary, KV write in one Pallas Triton launch): interpreted on
 the CPU against `decode_qkv_ref` (the model's jnp path), cross-lowered for an H100 at MD2 / MD3
-shapes, and the model's dispatch.
+shapes, and the model's dispatch. The prefill kernel (`prefill_qkv_kernel`: one program per row, a
+mixed step's q split in two; `ops.prefill_qkv`) is tested the same way, within the same bounds.
 
 Bounds: q and the new K/V rows are bf16 values computed with the jnp path's roundings; the kernel
 sums the tau dot products in another order and uses a polynomial erf (1.5e-7), so a tau factor may
@@ -424,6 +425,9 @@ def _prefill_case(rng, M, H, Hkv, dh, rot, pool_dtype, tau):
     (12, 4, 4, 16, 8, FP8, True, 4),  # MD3: tau factors from XLA, mixed
     (7, 4, 4, 32, 32, BF16, False, 0),  # MD2-like rotary over the whole head
     (1, 2, 2, 16, 8, BF16, True, 0),  # one row
+    (20, 4, 2, 16, 16, FP8, False, 19),  # GQA, FP8, rotary over the whole head; one prefill row after the split
+    (9, 4, 4, 32, 16, BF16, True, 2),  # tau factors into a bf16 pool, mixed, a padding row
+    (6, 4, 4, 16, 16, FP8, True, 0),  # tau factors with rotary over the whole head
 ])
 def test_prefill_kernel_matches_the_reference(M, H, Hkv, dh, rot, pool_dtype, tau, split):
     """The prefill kernel (one program per row, all heads) against the jnp path (`decode_qkv_ref`:
@@ -458,6 +462,9 @@ def test_prefill_kernel_equals_the_decode_kernel_row_for_row():
 
 
 def test_prefill_rows_of_u_past_m_are_not_read_and_bad_arguments_are_named():
+    """NaN rows of u past the M rows of `positions` change nothing (bit-identical results); a split
+    outside [0, M), too few rows of u and head counts that are not powers of two are named, and
+    `decode_qkv_problem`'s own problems pass through `prefill_qkv_problem`."""
     rng = fresh_rng()
     M = 6
     u, positions, slots, (kp, vp), (ks, vs), _, _ = _prefill_case(rng, M, 4, 4, 16, 8, BF16, False)
@@ -477,6 +484,10 @@ def test_prefill_rows_of_u_past_m_are_not_read_and_bad_arguments_are_named():
     kp2 = jnp.zeros((4, 2, 8, 16), FP8)
     assert qe.decode_qkv_problem(u6, kp2, None, n_heads=6, rotary_dim=8) is None
     assert "powers of two" in (qe.prefill_qkv_problem(u6, kp2, n_heads=6, rotary_dim=8) or "")
+    # head_dim 48 (rotary 32 + 16 passed through): the decode kernel's parts are powers of two, v's block is not
+    u48, kp48 = jnp.zeros((1, 8 * 48), BF16), jnp.zeros((4, 2, 8, 48), FP8)
+    assert qe.decode_qkv_problem(u48, kp48, None, n_heads=4, rotary_dim=32) is None
+    assert "head_dim 48" in (qe.prefill_qkv_problem(u48, kp48, n_heads=4, rotary_dim=32) or "")
     assert "width" in (qe.prefill_qkv_problem(jnp.zeros((1, 100), BF16), kp2, n_heads=4, rotary_dim=8) or "")
 
 
@@ -498,10 +509,15 @@ def test_prefill_dispatch(monkeypatch: pytest.MonkeyPatch):
     with ops.use_backend("kernel"):
         traced = str(jax.make_jaxpr(lambda u: call(u, tw, split=2))(u))
         assert "name=kestrel_prefill_qkv" in traced and "tanh" in traced
-        assert len(jax.eval_shape(lambda: call(u, split=2))) == 4  # traced only: the kernel needs a GPU
-        assert len(jax.eval_shape(lambda: call(u))) == 3
+        mixed = jax.eval_shape(lambda: call(u, split=2))  # traced only: the kernel needs a GPU
+        assert [x.shape for x in mixed] == [(2, 4, 16), (rows - 2, 4, 16), kp.shape, kp.shape]
+        assert [x.shape for x in jax.eval_shape(lambda: call(u))] == [(rows, 4, 16), kp.shape, kp.shape]
         assert call(u, rot=12) is None
-        assert call(u, split=rows) is None
+        assert call(u, split=rows) is None and call(u, split=-1) is None
+        # tau with fewer KV heads than query heads (the kernel refuses: v's tau is per query head)
+        kp2, u2 = jnp.zeros((4, 2, 8, 16), FP8), jnp.zeros((rows, 8 * 16), BF16)
+        tw2 = qe.TauWeights(jnp.zeros((4, 128), BF16), jnp.zeros((4, 128), BF16), jnp.zeros((4,), BF16))
+        assert ops.prefill_qkv(u2, i6, i6, kp2, kp2, s1, s1, tw2, n_heads=4, rotary_dim=8, theta=1e4) is None
         monkeypatch.setenv("KESTREL_JAX_PREFILL_QKV_KERNEL", "0")  # the benchmarks' A/B switch
         assert call(u) is None
 
