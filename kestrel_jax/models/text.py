@@ -371,6 +371,7 @@ class TextModel(nnx.Module):
         pad_rows = -(-t // 8) * 8  # the decode GEMM's and the MoE block's row tile
         n_next: jax.Array | None = None  # this layer's LayerNorm output, from the previous layer's kernel
         n16_next: jax.Array | None = None  # and its f16 copy, where that kernel formed one
+        block_ln = batch.cu_q_lens is not None  # prefill and mixed steps: `ops.residual_layer_norm`
         for i, block in enumerate(self.blocks):
             aux: dict[str, jax.Array] | None = {} if capture else None
             if aux is not None:
@@ -388,6 +389,8 @@ class TextModel(nnx.Module):
                     # recomputing earlier layers' residual adds inside this layer's (H100: with the
                     # kernel and no barrier, each residual fusion took ~1.5 us longer).
                     x = jax.lax.optimization_barrier(x)
+            if n_next is None and block_ln:  # the first block of a prefill or mixed step
+                _, n_next = ops.residual_layer_norm(x, (), block.ln.scale[...], block.ln.bias[...], eps=block.ln.eps)
             n = block.ln(x) if n_next is None else n_next  # [T or pad_rows, D]
             n_next = None
             router = block.mlp.router if isinstance(block.mlp, MoE) else None
@@ -416,7 +419,12 @@ class TextModel(nnx.Module):
             else:
                 m = block.mlp(n[:t], aux, batch.num_valid, logits) if isinstance(block.mlp, MoE) else \
                     block.mlp(self._dense_input(n[:t], batch))
-            x = (x + a) + m
+            if block_ln and nxt_block is not None:
+                # the residual and the next block's LayerNorm in one launch on a GPU
+                x, n_next = ops.residual_layer_norm(x, (a, m), nxt_block.ln.scale[...], nxt_block.ln.bias[...],
+                                                    eps=nxt_block.ln.eps)
+            else:
+                x = (x + a) + m
             if aux is not None:
                 captured.append(aux)
         new_cache = KVCache(tuple(ks), tuple(vs), cache.k_scale, cache.v_scale)

@@ -15,6 +15,7 @@ from flax import nnx
 
 from kestrel_jax.models.config import VisionConfig
 from kestrel_jax.models.layers import MLP, LayerNorm, Linear, gelu_tanh
+from kestrel_jax.pallas import ops
 
 
 def normalize_crops(crops_u8: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -61,6 +62,10 @@ class VisionBlock(nnx.Module):
     def __call__(self, x: jax.Array, attn_impl: str | None = None) -> jax.Array:
         x = x + self.attn(self.ln1(x), attn_impl)
         return x + self.mlp(self.ln2(x))
+
+
+def _add_norm(x: jax.Array, adds: tuple[jax.Array, ...], ln: LayerNorm) -> tuple[jax.Array, jax.Array]:
+    return ops.residual_layer_norm(x, adds, ln.scale[...], ln.bias[...], eps=ln.eps)
 
 
 @functools.lru_cache(maxsize=64)
@@ -169,9 +174,14 @@ class VisionEncoder(nnx.Module):
         """uint8 [n, S, S, 3] -> features [n, g*g, E] (after post_ln)."""
         x = patchify(normalize_crops(crops_u8, dtype), self.cfg.enc_patch_size)
         x = self.patch_emb(x) + self.pos_emb[...].astype(dtype)
-        for block in self.blocks:
-            x = block(x, attn_impl)
-        return self.post_ln(x)
+        # `VisionBlock.__call__`'s expressions, with each residual add and the LayerNorm after it
+        # in one `ops.residual_layer_norm` (one launch on a GPU where XLA takes two)
+        lns = [ln for block in self.blocks for ln in (block.ln1, block.ln2)] + [self.post_ln]
+        _, h = _add_norm(x, (), lns[0])
+        for i, block in enumerate(self.blocks):
+            x, h = _add_norm(x, (block.attn(h, attn_impl),), lns[2 * i + 1])
+            x, h = _add_norm(x, (block.mlp(h),), lns[2 * i + 2])
+        return h
 
     def project(self, features: jax.Array, tiling: tuple[int, int]) -> tuple[jax.Array, jax.Array, jax.Array]:
         """features [n, g*g, E] -> (image tokens [g*g, D], stitched grid, pooled [g*g, E])."""

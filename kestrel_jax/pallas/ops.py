@@ -348,6 +348,28 @@ def decode_moe_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, exper
     return kern.layer_norm_rows_kernel(x, scale, bias, eps=eps, pad_rows=pad_rows, f16_copy=f16)
 
 
+def residual_layer_norm(x: jax.Array, adds: tuple[jax.Array, ...], scale: jax.Array, bias: jax.Array, *,
+                        eps: float) -> tuple[jax.Array, jax.Array]:
+    """A block's residual adds and the next LayerNorm over prefill-sized rows: x [..., D] and 0-2
+    addends like it -> (x' = ((x + a) + m), each add rounded to x's dtype, LN(x')), as the
+    model's expressions compute them. On a GPU one launch (`layer_norm_blocks`) where XLA runs
+    two (statistics, then normalisation); KESTREL_JAX_BLOCK_LN=0 (read at trace time) keeps XLA's.
+    With no addends x' is x."""
+    from kestrel_jax.pallas import layer_norm_blocks as kern
+
+    if _want_kernel() and flag("KESTREL_JAX_BLOCK_LN", True):
+        D = x.shape[-1]
+        x2 = x.reshape(-1, D)
+        adds2 = tuple(a.reshape(-1, D) for a in adds)
+        rows = integer("KESTREL_JAX_BLOCK_LN_ROWS", kern.BLOCK_ROWS, low=1, high=64)
+        warps = integer("KESTREL_JAX_BLOCK_LN_WARPS", kern.NUM_WARPS, low=1, high=32)
+        if kern.residual_layer_norm_blocks_problem(x2, adds2, scale, bias, rows) is None:
+            xo, n = _jitted(kern.residual_layer_norm_blocks_kernel, ("eps", "block_rows", "num_warps"))(
+                x2, adds2, scale, bias, eps=eps, block_rows=rows, num_warps=warps)
+            return (x if not adds else xo.reshape(x.shape)), n.reshape(x.shape)
+    return kern.residual_layer_norm_blocks_ref(x, adds, scale, bias, eps=eps)
+
+
 def residual_layer_norm_wanted() -> bool:
     """Whether a decode MoE layer followed by another forms its residual in the next layer's
     LayerNorm launch (`decode_residual_layer_norm`): KESTREL_JAX_RESIDUAL_LN=1, read at trace time.

@@ -3,7 +3,8 @@
 prefill rows), interpreted on the CPU inside the runner's jitted steps, against the same steps on the
 jnp path. MD2 (no tau): outputs and KV pool bit-identical. MD3: tau's GELU differs between the paths
 (the kernel path forms the factors with the polynomial erf, `ops.tau_gelu`), so the sampled tokens
-must agree and values within bf16 rounding."""
+must agree and values within bf16 rounding. The same steps through the residual + LayerNorm kernel
+(`ops.residual_layer_norm`) likewise."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pytest
 
 from kestrel_jax.models.config import tiny_config
 from kestrel_jax.models.moondream import random_model
+from kestrel_jax.pallas import layer_norm_blocks as lnb
 from kestrel_jax.pallas import ops
 from kestrel_jax.pallas import qkv_epilogue as qe
 from kestrel_jax.serving import batch as bt
@@ -25,23 +27,25 @@ PAGE = 16
 Model = Literal["md2", "md3"]
 
 
-def _run(model_name: Model, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[np.ndarray], int]:
+def _force(monkeypatch: pytest.MonkeyPatch, op: str, patch: tuple[Any, str, Any], calls: list[int]) -> None:
+    """`ops.<op>` through its kernel (`patch`: the attribute to set while it runs, making the kernel
+    interpreted), the other ops staying on jnp; `calls` counts its traces."""
+    original = getattr(ops, op)
+
+    def forced(*args: Any, **kwargs: Any) -> Any:
+        with ops.use_backend("kernel"), monkeypatch.context() as m:
+            m.setattr(*patch)
+            out = original(*args, **kwargs)
+        assert out is not None
+        calls[0] += 1
+        return out
+
+    monkeypatch.setattr(ops, op, forced)
+
+
+def _run(model_name: Model) -> list[np.ndarray]:
     """A prefill of two prompts, then a mixed step (two decode rows + a third prompt); returns the
-    outputs, the KV pool and how many times the kernel was traced."""
-    calls = [0]
-    if kernel:
-        original = ops.prefill_qkv
-        interpreted = functools.partial(qe.prefill_qkv_kernel, interpret=True)
-
-        def forced(*args: Any, **kwargs: Any) -> Any:  # the kernel path for this op alone
-            with ops.use_backend("kernel"), monkeypatch.context() as m:
-                m.setattr(qe, "prefill_qkv_kernel", interpreted)
-                out = original(*args, **kwargs)
-            assert out is not None
-            calls[0] += 1
-            return out
-
-        monkeypatch.setattr(ops, "prefill_qkv", forced)
+    sampled outputs and the KV pool."""
     model = random_model(tiny_config(model_name, vision_layers=2), dtype=jnp.bfloat16, seed=3)
     r = Runner(model, RunnerConfig(num_pages=16, kv_dtype="bf16", max_seq_len=128, page_size=PAGE,
                                    vision_buckets=(2,)), out_rows=8)
@@ -55,13 +59,17 @@ def _run(model_name: Model, kernel: bool, monkeypatch: pytest.MonkeyPatch) -> tu
     pre2 = bt.text_prefill([(10, c)], tokens=32, max_seqs=2, pages=p, page_size=PAGE)
     mixed = np.asarray(r.mixed(*dec, None, *pre2, images))
     kv = [np.asarray(x.astype(jnp.float32)) for x in (*r.cache.k, *r.cache.v)]
-    return [first, mixed, *kv], calls[0]
+    return [first, mixed, *kv]
 
 
 @pytest.mark.parametrize("model_name", ["md2"])  # MD3 (tau): the kernel tests' factor mode and dispatch (CI time)
 def test_steps_through_the_prefill_kernel_equal_the_jnp_path(model_name: Model, monkeypatch: pytest.MonkeyPatch):
-    ref, n_ref = _run(model_name, False, monkeypatch)
-    got, n_got = _run(model_name, True, monkeypatch)
+    ref = _run(model_name)
+    calls = [0]
+    _force(monkeypatch, "prefill_qkv", (qe, "prefill_qkv_kernel", functools.partial(qe.prefill_qkv_kernel,
+                                                                                    interpret=True)), calls)
+    got = _run(model_name)
+    n_ref, n_got = 0, calls[0]
     layers = tiny_config(model_name).text.n_layers
     assert n_ref == 0 and n_got == 2 * layers  # every layer of both steps (traced once each)
     if model_name == "md2":
@@ -73,3 +81,19 @@ def test_steps_through_the_prefill_kernel_equal_the_jnp_path(model_name: Model, 
         for x, y in zip(got[2:], ref[2:], strict=True):  # KV: V carries tau (bf16 rounding apart)
             np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
     assert any(np.abs(k).sum() > 0 for k in ref[2:])
+
+
+def test_steps_through_the_layer_norm_kernel(monkeypatch: pytest.MonkeyPatch):
+    """The residual + LayerNorm kernel (`ops.residual_layer_norm`) interpreted inside the same
+    steps: its statistics are reduced in another order than XLA's, so the sampled tokens must
+    agree and the KV pool within bf16 rounding."""
+    ref = _run("md2")
+    calls = [0]
+    interpreted = functools.partial(lnb.residual_layer_norm_blocks_kernel, interpret=True)
+    _force(monkeypatch, "residual_layer_norm", (ops, "_jitted", lambda fn, static=(): interpreted), calls)
+    got = _run("md2")
+    assert calls[0] == 2 * tiny_config("md2").text.n_layers  # per step: the first block's, then all but the last
+    for x, y in zip(got[:2], ref[:2], strict=True):
+        np.testing.assert_array_equal(x[:, 0], y[:, 0])  # sampled tokens
+    for x, y in zip(got[2:], ref[2:], strict=True):
+        np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
