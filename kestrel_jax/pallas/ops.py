@@ -348,6 +348,14 @@ def decode_moe_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, exper
     return kern.layer_norm_rows_kernel(x, scale, bias, eps=eps, pad_rows=pad_rows, f16_copy=f16)
 
 
+def vision_qkv_split() -> bool:
+    """Whether the vision encoder forms q, k and v as three products over column slices of its
+    QKV weight instead of slicing one product's output (three copies of the activations before
+    the attention): KESTREL_JAX_VISION_QKV_SPLIT=1, read at trace time; off by default (not yet
+    measured faster)."""
+    return flag("KESTREL_JAX_VISION_QKV_SPLIT", False)
+
+
 def residual_layer_norm(x: jax.Array, adds: tuple[jax.Array, ...], scale: jax.Array, bias: jax.Array, *,
                         eps: float) -> tuple[jax.Array, jax.Array]:
     """A block's residual adds and the next LayerNorm over prefill-sized rows: x [..., D] and 0-2
