@@ -46,7 +46,10 @@ class VisionAttention(nnx.Module):
         h = self.n_heads
         if ops.vision_qkv_split() and self.qkv.bias is not None:
             w, b = self.qkv.kernel[...].astype(x.dtype), self.qkv.bias[...].astype(x.dtype)
-            q, k, v = (jnp.dot(x, w[:, j * e:(j + 1) * e]) + b[j * e:(j + 1) * e] for j in range(3))
+            # three operands behind a barrier: on one shared operand XLA's dot merger would join the
+            # products again (one GEMM whose output is sliced, with the bias adds in the slices)
+            xs = jax.lax.optimization_barrier((x, x, x))
+            q, k, v = (jnp.dot(xs[j], w[:, j * e:(j + 1) * e]) + b[j * e:(j + 1) * e] for j in range(3))
         else:
             q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
         q, k, v = (a.reshape(n, t, h, e // h) for a in (q, k, v))
