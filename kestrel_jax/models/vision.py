@@ -44,14 +44,7 @@ class VisionAttention(nnx.Module):
         "cudnn" (fused, NVIDIA GPUs; half precision only, else XLA is used)."""
         n, t, e = x.shape
         h = self.n_heads
-        if ops.vision_qkv_split() and self.qkv.bias is not None:
-            w, b = self.qkv.kernel[...].astype(x.dtype), self.qkv.bias[...].astype(x.dtype)
-            # three operands behind a barrier: on one shared operand XLA's dot merger would join the
-            # products again (one GEMM whose output is sliced, with the bias adds in the slices)
-            xs = jax.lax.optimization_barrier((x, x, x))
-            q, k, v = (jnp.dot(xs[j], w[:, j * e:(j + 1) * e]) + b[j * e:(j + 1) * e] for j in range(3))
-        else:
-            q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
+        q, k, v = jnp.split(self.qkv(x), 3, axis=-1)
         q, k, v = (a.reshape(n, t, h, e // h) for a in (q, k, v))
         # cuDNN's fused attention takes half precision only; scale 1/sqrt(head_dim), no mask
         fused = impl == "cudnn" and q.dtype in (jnp.bfloat16, jnp.float16)

@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kestrel_jax.models.layers import layer_norm
 
-BLOCK_ROWS = 4
+BLOCK_ROWS = 2
 NUM_WARPS = 4
 MAX_ADDS = 2
 
@@ -37,8 +37,16 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def default_block_rows(width: int) -> int:
+    """Rows per program: 2 for power-of-two widths, 1 where lanes past the width are masked.
+    Measured on the H200 (session 35, `tools/bench_layer_norm_blocks.py`, 4 warps): [1600, 2048]
+    with two addends 9.20 us at 2 rows (9.87 / 9.35 / 9.90 at 1 / 4 / 8); [2916, 1152] with one
+    addend 9.10 us at 1 row (9.54 / 10.14 / 12.83 at 2 / 4 / 8) against XLA's 11.37."""
+    return BLOCK_ROWS if width == _pow2_at_least(width) else 1
+
+
 def residual_layer_norm_blocks_problem(x: jax.Array, adds: tuple[jax.Array, ...], scale: jax.Array,
-                                       bias: jax.Array, block_rows: int = BLOCK_ROWS) -> str | None:
+                                       bias: jax.Array, block_rows: int = 1) -> str | None:
     """Why `residual_layer_norm_blocks_kernel` cannot take these shapes (None: it can)."""
     if x.ndim != 2:
         return f"x must be [rows, D], got {x.shape}"
@@ -99,7 +107,7 @@ def _kernel(*refs, n_adds: int, rows: int, width: int, block_rows: int, lanes: i
 
 @functools.partial(jax.jit, static_argnames=("eps", "block_rows", "num_warps", "interpret"))
 def residual_layer_norm_blocks_kernel(x: jax.Array, adds: tuple[jax.Array, ...], scale: jax.Array, bias: jax.Array,
-                                      *, eps: float, block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS,
+                                      *, eps: float, block_rows: int = 1, num_warps: int = NUM_WARPS,
                                       interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """x [T, D] and 0-2 addends like it -> (x' = ((x + a) + m) rounded per add, LN(x') [T, D]),
     both in x.dtype; with no addends x' is x itself (not copied)."""

@@ -348,15 +348,6 @@ def decode_moe_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, exper
     return kern.layer_norm_rows_kernel(x, scale, bias, eps=eps, pad_rows=pad_rows, f16_copy=f16)
 
 
-def vision_qkv_split() -> bool:
-    """Whether the vision encoder forms q, k and v as three products over column slices of its
-    QKV weight instead of slicing one product's output (three copies of the activations before
-    the attention): KESTREL_JAX_VISION_QKV_SPLIT=1, read at trace time; off by default. (H200,
-    session 35: without a barrier XLA merged the three products back into one and added the
-    biases in the slices: 4-image vision step -0.7% only.)"""
-    return flag("KESTREL_JAX_VISION_QKV_SPLIT", False)
-
-
 def residual_layer_norm(x: jax.Array, adds: tuple[jax.Array, ...], scale: jax.Array, bias: jax.Array, *,
                         eps: float) -> tuple[jax.Array, jax.Array]:
     """A block's residual adds and the next LayerNorm over prefill-sized rows: x [..., D] and 0-2
@@ -370,7 +361,7 @@ def residual_layer_norm(x: jax.Array, adds: tuple[jax.Array, ...], scale: jax.Ar
         D = x.shape[-1]
         x2 = x.reshape(-1, D)
         adds2 = tuple(a.reshape(-1, D) for a in adds)
-        rows = integer("KESTREL_JAX_BLOCK_LN_ROWS", kern.BLOCK_ROWS, low=1, high=64)
+        rows = integer("KESTREL_JAX_BLOCK_LN_ROWS", kern.default_block_rows(D), low=1, high=64)
         warps = integer("KESTREL_JAX_BLOCK_LN_WARPS", kern.NUM_WARPS, low=1, high=32)
         if kern.residual_layer_norm_blocks_problem(x2, adds2, scale, bias, rows) is None:
             xo, n = _jitted(kern.residual_layer_norm_blocks_kernel, ("eps", "block_rows", "num_warps"))(

@@ -86,7 +86,9 @@ def test_shape_checks():
     assert "must match x" in ok(x, (jnp.zeros((3, 64), BF16),), s, s)
     assert "must be [64]" in ok(x, (), jnp.ones((32,), BF16), s)
     assert "power of two" in ok(x, (), s, s, block_rows=3)
-    assert "too large" in ok(jnp.zeros((4, 8192), BF16), (), jnp.ones((8192,), BF16), jnp.ones((8192,), BF16))
+    assert "too large" in ok(jnp.zeros((4, 8192), BF16), (), jnp.ones((8192,), BF16), jnp.ones((8192,), BF16), 4)
+    # rows per program by default: 2 at power-of-two widths, 1 where lanes are masked (measured)
+    assert [L.default_block_rows(d) for d in (2048, 1152, 64, 48)] == [2, 1, 2, 1]
     assert "bf16 or f32" in ok(x.astype(jnp.float16), (), s.astype(jnp.float16), s.astype(jnp.float16))
     with pytest.raises(ValueError, match="residual_layer_norm_blocks_kernel: at most 2"):
         L.residual_layer_norm_blocks_kernel(x, (x, x, x), s, s, eps=1e-5, interpret=True)
@@ -110,17 +112,19 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch):
                                                    interpret=True)
 
     monkeypatch.setattr(ops, "_jitted", lambda fn, static=(): spy)
-    monkeypatch.setenv("KESTREL_JAX_BLOCK_LN_ROWS", "2")
     with ops.use_backend("kernel"):
+        ops.residual_layer_norm(x3[..., :48], tuple(a[..., :48] for a in adds3), scale[:48], bias[:48], eps=1e-5)
+        assert seen.pop() == {"shape": (6, 48), "adds": 2, "eps": 1e-5, "block_rows": 1, "num_warps": L.NUM_WARPS}
+        monkeypatch.setenv("KESTREL_JAX_BLOCK_LN_ROWS", "4")
         got = ops.residual_layer_norm(x3, adds3, scale, bias, eps=1e-5)
-        assert seen == [{"shape": (6, 64), "adds": 2, "eps": 1e-5, "block_rows": 2, "num_warps": L.NUM_WARPS}]
+        assert seen == [{"shape": (6, 64), "adds": 2, "eps": 1e-5, "block_rows": 4, "num_warps": L.NUM_WARPS}]
         assert got[0].shape == got[1].shape == (2, 3, 64)
         _check((got[0].reshape(6, 64), got[1].reshape(6, 64)), (ref[0].reshape(6, 64), ref[1].reshape(6, 64)), BF16)
         monkeypatch.setenv("KESTREL_JAX_BLOCK_LN", "0")  # the benchmarks' A/B switch: XLA's launches
         ops.residual_layer_norm(x3, adds3, scale, bias, eps=1e-5)
         monkeypatch.setenv("KESTREL_JAX_BLOCK_LN", "1")
-        ops.residual_layer_norm(jnp.zeros((4, 16384), BF16), (), jnp.ones((16384,), BF16), jnp.ones((16384,), BF16),
-                                eps=1e-5)  # a shape the kernel does not take: the jnp path
+        ops.residual_layer_norm(jnp.zeros((4, 8192), BF16), (), jnp.ones((8192,), BF16), jnp.ones((8192,), BF16),
+                                eps=1e-5)  # a shape the kernel does not take at 4 rows: the jnp path
     assert len(seen) == 1
 
 
