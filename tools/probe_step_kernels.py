@@ -308,6 +308,8 @@ def main() -> int:
     ap.add_argument("--host-trace", default=None, metavar="DIR",
                     help="profile a few blocking calls of each step into DIR and print the host threads' "
                          "events per call by inclusive time (what the launch spends its host time on)")
+    ap.add_argument("--fused-dense-decode", default="auto", choices=("auto", "on", "off"),
+                    help="RunnerConfig.fused_dense_decode (the dense layers' decode QKV + fc1 over joined weights)")
     a = ap.parse_args()
     ab = variant_sets(parse_ab(a.ab), parse_sets(a.sets))
     names = {n for _, env in ab or [] for n in env}
@@ -318,7 +320,8 @@ def main() -> int:
     per_seq = -(-a.prompt // page)
     max_seq = max(a.context + 1, a.prompt, a.tokens)
     cfg = RunnerConfig(num_pages=a.batch * per_row + 2 * per_seq, page_size=page,
-                       max_seq_len=-(-max_seq // page) * page, vision_buckets=(a.crops,))
+                       max_seq_len=-(-max_seq // page) * page, vision_buckets=(a.crops,),
+                       fused_dense_decode=a.fused_dense_decode)
     runner = Runner(model, cfg, out_rows=a.batch + 2)
     p = runner.max_pages_per_seq
     rng = np.random.default_rng(0)

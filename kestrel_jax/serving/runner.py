@@ -163,6 +163,10 @@ class RunnerConfig:
     # 64-client W2 the same either way (7,247-7,327 tok/s), a decode launch 4.2 vs 4.0 ms, a mixed
     # one 9.8 vs 11.0 ms. Off: kept for A/B runs.
     put_inputs: bool = False
+    # The dense layers' QKV and fc1 weights also kept side by side for the decode steps' one product
+    # (`TextModel.fuse_dense_decode`; MD2 at full size +1.4 GB, MD3 +0.23 GB): "auto" (on a GPU),
+    # "on" or "off".
+    fused_dense_decode: str = "auto"
 
 
 class StepOutputs(NamedTuple):
@@ -512,6 +516,13 @@ class Runner:
         # Params travel as flat lists (dispatching a flat list of arrays is much cheaper per step
         # than flattening the nested module state on every call): the text decoder and region
         # heads for prefill/decode, the vision encoder for the vision step.
+        if self.config.fused_dense_decode not in ("auto", "on", "off"):
+            raise ValueError(f"fused_dense_decode must be auto, on or off; got {self.config.fused_dense_decode!r}")
+        fused = self.config.fused_dense_decode == "on" or (
+            self.config.fused_dense_decode == "auto" and getattr(self.device, "platform", "cpu") == "gpu")
+        added = model.text.fuse_dense_decode(fused)
+        if added:
+            log.info("dense layers' QKV + fc1 weights joined for decode: +%.2f GB", added / 1e9)
         text_gd, text_state = nnx.split(model.text)
         region_gd, region_state = nnx.split(model.region)
         self.lm_params, lm_treedef = jax.tree.flatten((text_state, region_state))

@@ -1,0 +1,64 @@
+"""Dense layers' decode QKV + fc1 as one product over weights joined at load time
+(`TextModel.fuse_dense_decode`, `RunnerConfig.fused_dense_decode`): the runner's decode steps give
+the same outputs as with the separate weights (one GEMM's columns are the two GEMMs' columns), the
+joined weights are the two side by side, MoE layers get none, prefill keeps the separate ones, and
+a bad setting is refused."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kestrel_jax.models.config import tiny_config
+from kestrel_jax.models.moondream import random_model
+from kestrel_jax.models.text import MLP
+from kestrel_jax.serving import batch as bt
+from kestrel_jax.serving.runner import Runner, RunnerConfig
+
+PAGE = 16
+
+
+def _steps(family: Literal["md2", "md3"], fused: str) -> tuple[list[np.ndarray], Runner]:
+    model = random_model(tiny_config(family, vision_layers=2), dtype=jnp.bfloat16, seed=3)
+    r = Runner(model, RunnerConfig(num_pages=16, kv_dtype="bf16", max_seq_len=128, page_size=PAGE,
+                                   vision_buckets=(2,), fused_dense_decode=fused), out_rows=8)
+    p = r.max_pages_per_seq
+    a, b = [1, 700, 33, 4000, 12, 9, 81, 5], [1, 55, 66, 77, 88]
+    pre = bt.text_prefill([(2, a), (6, b)], tokens=32, max_seqs=2, pages=p, page_size=PAGE)
+    out = [np.asarray(r.prefill(*pre, jnp.zeros((1, 728, model.cfg.text.dim), model.dtype)))]
+    rows = [[2, len(a), int(out[0][0, 0])], [6, len(b), int(out[0][1, 0])]]
+    for _ in range(3):
+        dec = bt.text_decode([(s, n, tok, -1) for s, n, tok in rows], bucket=2, pages=p, page_size=PAGE)
+        out.append(np.asarray(r.decode(*dec, None)[1]))
+        for j, row in enumerate(rows):
+            row[1], row[2] = row[1] + 1, int(out[-1][j, 0])
+    out += [np.asarray(x.astype(jnp.float32)) for x in (*r.cache.k, *r.cache.v)]
+    return out, r
+
+
+@pytest.mark.parametrize("family", ["md2", "md3"])
+def test_decode_through_joined_weights_equals_separate(family: Literal["md2", "md3"]):
+    ref, r_off = _steps(family, "off")
+    got, r_on = _steps(family, "on")
+    for x, y in zip(got, ref, strict=True):
+        np.testing.assert_array_equal(x, y)
+    blocks = r_on.model.text.blocks
+    dense = [b for b in blocks if isinstance(b.mlp, MLP)]
+    assert len(dense) == (4 if family == "md2" else 2)  # tiny MD3: MoE from layer 2
+    assert all(b.dense_w is None for b in blocks if not isinstance(b.mlp, MLP))
+    for b in dense:
+        assert b.dense_w is not None and b.dense_b is not None
+        np.testing.assert_array_equal(np.asarray(b.dense_w[...]), np.concatenate(
+            [np.asarray(b.attn.qkv.kernel[...]), np.asarray(b.mlp.fc1.kernel[...])], axis=1))
+    assert len(r_on.lm_params) == len(r_off.lm_params) + 2 * len(dense)
+    assert all(b.dense_w is None for b in r_off.model.text.blocks)  # "off" (and "auto" on a CPU): none
+
+
+def test_bad_setting_is_refused():
+    model = random_model(tiny_config("md2", vision_layers=2), dtype=jnp.bfloat16, seed=3)
+    with pytest.raises(ValueError, match="fused_dense_decode must be auto, on or off"):
+        Runner(model, RunnerConfig(num_pages=16, max_seq_len=128, page_size=PAGE, vision_buckets=(2,),
+                                   fused_dense_decode="yes"), out_rows=8)
