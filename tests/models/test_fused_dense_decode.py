@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -55,6 +56,27 @@ def test_decode_through_joined_weights_equals_separate(family: Literal["md2", "m
             [np.asarray(b.attn.qkv.kernel[...]), np.asarray(b.mlp.fc1.kernel[...])], axis=1))
     assert len(r_on.lm_params) == len(r_off.lm_params) + 2 * len(dense)
     assert all(b.dense_w is None for b in r_off.model.text.blocks)  # "off" (and "auto" on a CPU): none
+
+
+def test_one_row_decode_keeps_the_separate_products(monkeypatch: pytest.MonkeyPatch):
+    """At one row the joined product's slices cost more than they save (measured): not used."""
+    from kestrel_jax.models.text import Block
+
+    model = random_model(tiny_config("md2", vision_layers=2), dtype=jnp.bfloat16, seed=3)
+    r = Runner(model, RunnerConfig(num_pages=16, kv_dtype="bf16", max_seq_len=128, page_size=PAGE,
+                                   vision_buckets=(2,), fused_dense_decode="on"), out_rows=8)
+    seen: list[int] = []
+    original = Block.dense_decode_in
+
+    def counted(self: Block, n: jax.Array) -> tuple[jax.Array, jax.Array] | None:
+        seen.append(n.shape[0])
+        return original(self, n)
+
+    monkeypatch.setattr(Block, "dense_decode_in", counted)
+    p = r.max_pages_per_seq
+    for bucket, rows in ((1, [(2, 5, 7, -1)]), (2, [(2, 5, 7, -1), (6, 3, 9, -1)])):
+        r.decode(*bt.text_decode(rows, bucket=bucket, pages=p, page_size=PAGE), None)
+    assert seen == [2] * 4  # the 2-row step's four dense layers only
 
 
 def test_bad_setting_is_refused():
