@@ -110,7 +110,7 @@ def residual_layer_norm_blocks_kernel(x: jax.Array, adds: tuple[jax.Array, ...],
                                       *, eps: float, block_rows: int = 1, num_warps: int = NUM_WARPS,
                                       interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """x [T, D] and 0-2 addends like it -> (x' = ((x + a) + m) rounded per add, LN(x') [T, D]),
-    both in x.dtype; with no addends x' is x itself (not copied)."""
+    both in x.dtype; with no addends x' is x as given (no output of the kernel)."""
     problem = residual_layer_norm_blocks_problem(x, adds, scale, bias, block_rows)
     if problem is not None:
         raise ValueError(f"residual_layer_norm_blocks_kernel: {problem}")

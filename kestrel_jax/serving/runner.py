@@ -513,17 +513,20 @@ class Runner:
         self.image_batches = tuple(sorted(self.config.vision_image_batches)) if 1 in self.vision_buckets else ()
         if any(g < 2 for g in self.image_batches):
             raise ValueError(f"vision_image_batches are image counts >= 2, got {self.config.vision_image_batches}")
-        # Params travel as flat lists (dispatching a flat list of arrays is much cheaper per step
-        # than flattening the nested module state on every call): the text decoder and region
-        # heads for prefill/decode, the vision encoder for the vision step.
         if self.config.fused_dense_decode not in ("auto", "on", "off"):
             raise ValueError(f"fused_dense_decode must be auto, on or off; got {self.config.fused_dense_decode!r}")
         fused = self.config.fused_dense_decode == "on" or (
             self.config.fused_dense_decode == "auto" and getattr(self.device, "platform", "cpu") == "gpu")
-        added = model.text.fuse_dense_decode(fused)
-        if added:
-            log.info("dense layers' QKV + fc1 weights joined for decode: +%.2f GB", added / 1e9)
+        # The joined weights are this runner's params (below): the model does not keep them, so a
+        # second runner on another device does not leave its copy on this one's.
+        self.joined_dense_bytes = model.text.fuse_dense_decode(fused)
+        if self.joined_dense_bytes:
+            log.info("dense layers' QKV + fc1 weights joined for decode: +%.2f GB", self.joined_dense_bytes / 1e9)
+        # Params travel as flat lists (dispatching a flat list of arrays is much cheaper per step
+        # than flattening the nested module state on every call): the text decoder and region
+        # heads for prefill/decode, the vision encoder for the vision step.
         text_gd, text_state = nnx.split(model.text)
+        model.text.fuse_dense_decode(False)
         region_gd, region_state = nnx.split(model.region)
         self.lm_params, lm_treedef = jax.tree.flatten((text_state, region_state))
         self._parts = _Parts(model.cfg, model.dtype, text_gd, region_gd, lm_treedef)

@@ -46,16 +46,28 @@ def test_decode_through_joined_weights_equals_separate(family: Literal["md2", "m
     got, r_on = _steps(family, "on")
     for x, y in zip(got, ref, strict=True):
         np.testing.assert_array_equal(x, y)
-    blocks = r_on.model.text.blocks
-    dense = [b for b in blocks if isinstance(b.mlp, MLP)]
-    assert len(dense) == (4 if family == "md2" else 2)  # tiny MD3: MoE from layer 2
-    assert all(b.dense_w is None for b in blocks if not isinstance(b.mlp, MLP))
-    for b in dense:
-        assert b.dense_w is not None and b.dense_b is not None
-        np.testing.assert_array_equal(np.asarray(b.dense_w[...]), np.concatenate(
-            [np.asarray(b.attn.qkv.kernel[...]), np.asarray(b.mlp.fc1.kernel[...])], axis=1))
-    assert len(r_on.lm_params) == len(r_off.lm_params) + 2 * len(dense)
-    assert all(b.dense_w is None for b in r_off.model.text.blocks)  # "off" (and "auto" on a CPU): none
+    per_layer = 2 * 256 * (3 * 256 + 512) + 2 * (3 * 256 + 512)  # bf16 [D, QKV + F] and its bias
+    dense = 4 if family == "md2" else 2  # tiny MD3: MoE from layer 2
+    assert r_on.joined_dense_bytes == dense * per_layer and r_off.joined_dense_bytes == 0
+    assert len(r_on.lm_params) == len(r_off.lm_params) + 2 * dense
+    # the runners' params hold them; the models keep none
+    assert all(b.dense_w is None and b.dense_b is None for r in (r_on, r_off) for b in r.model.text.blocks)
+
+
+def test_joined_weights_are_the_two_side_by_side():
+    model = random_model(tiny_config("md3", vision_layers=2), dtype=jnp.bfloat16, seed=3)
+    assert model.text.fuse_dense_decode() > 0
+    blocks = model.text.blocks
+    assert all(b.dense_w is None for b in blocks if not isinstance(b.mlp, MLP))  # MoE layers: none
+    for b in blocks:
+        if isinstance(b.mlp, MLP):
+            assert b.dense_w is not None and b.dense_b is not None
+            np.testing.assert_array_equal(np.asarray(b.dense_w[...]), np.concatenate(
+                [np.asarray(b.attn.qkv.kernel[...]), np.asarray(b.mlp.fc1.kernel[...])], axis=1))
+            np.testing.assert_array_equal(np.asarray(b.dense_b[...]), np.concatenate(
+                [np.asarray(b.attn.qkv.bias[...]), np.asarray(b.mlp.fc1.bias[...])]))
+    assert model.text.fuse_dense_decode(False) == 0
+    assert all(b.dense_w is None and b.dense_b is None for b in blocks)
 
 
 def test_one_row_decode_keeps_the_separate_products(monkeypatch: pytest.MonkeyPatch):
