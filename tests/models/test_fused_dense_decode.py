@@ -64,8 +64,10 @@ def test_joined_weights_are_the_two_side_by_side():
             assert b.dense_w is not None and b.dense_b is not None
             np.testing.assert_array_equal(np.asarray(b.dense_w[...]), np.concatenate(
                 [np.asarray(b.attn.qkv.kernel[...]), np.asarray(b.mlp.fc1.kernel[...])], axis=1))
-            np.testing.assert_array_equal(np.asarray(b.dense_b[...]), np.concatenate(
-                [np.asarray(b.attn.qkv.bias[...]), np.asarray(b.mlp.fc1.bias[...])]))
+            qb, fb = b.attn.qkv.bias, b.mlp.fc1.bias
+            assert qb is not None and fb is not None
+            np.testing.assert_array_equal(np.asarray(b.dense_b[...]),
+                                          np.concatenate([np.asarray(qb[...]), np.asarray(fb[...])]))
     assert model.text.fuse_dense_decode(False) == 0
     assert all(b.dense_w is None and b.dense_b is None for b in blocks)
 
