@@ -154,6 +154,7 @@ class Attention(nnx.Module):
         route_top_k: int | None = None,
         experts: ExpertWeights | None = None,
         u: jax.Array | None = None,
+        u_wide: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | DenseRoute | None]:
         """-> (output, k_pages, v_pages, router logits, routing tables or None). With `router` (the
         MoE layer's, which reads the same normalised input), decode on a GPU computes its logits in
@@ -163,7 +164,8 @@ class Attention(nnx.Module):
         arrive padded past the batch's rows (the decode LayerNorm kernel's normalised rows).
         `experts` (an MoE layer's): what decode attention may ask into L2 for the selected experts
         (`ops.l2_prefetch_mask`). `u`: the QKV product already formed (a dense layer's decode step
-        with `Block.dense_w`), else this layer forms it."""
+        with `Block.dense_w`), else this layer forms it; `u_wide`: the product it is the first
+        columns of (`ops.decode_qkv` may read that in place of the slice)."""
         cfg = self.cfg
         t = batch.positions.shape[0]
         hd, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -187,7 +189,7 @@ class Attention(nnx.Module):
                     routed = logits if out[3] is None else out[3]
             else:
                 fused = ops.decode_qkv(u, batch.positions, batch.slots, k_pages, v_pages, k_scale, v_scale, tau,
-                                       n_heads=h, rotary_dim=rot, theta=theta, tau_dots=dots)
+                                       n_heads=h, rotary_dim=rot, theta=theta, tau_dots=dots, wide=u_wide)
         # Prefill and mixed steps on a GPU: rotary, tau and the KV write in one kernel, q coming back
         # as (decode rows', prefill rows') where a mixed step's decode rows lead.
         nd = 0 if batch.decode is None else batch.decode.rows
@@ -346,14 +348,14 @@ class Block(nnx.Module):
         self.dense_w: DenseIn | None = nnx.data(None)
         self.dense_b: DenseIn | None = nnx.data(None)
 
-    def dense_decode_in(self, n: jax.Array) -> tuple[jax.Array, jax.Array] | None:
-        """A dense layer's decode (QKV product, fc1 product) from one GEMM over `dense_w`; None
-        without it."""
+    def dense_decode_in(self, n: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+        """A dense layer's decode (QKV product, fc1 product, the joined product they are slices
+        of) from one GEMM over `dense_w`; None without it."""
         if self.dense_w is None or self.dense_b is None:
             return None
         y = jnp.dot(n, self.dense_w[...].astype(n.dtype)) + self.dense_b[...].astype(n.dtype)
         split = self.attn.qkv.kernel.shape[1]
-        return y[:, :split], y[:, split:]
+        return y[:, :split], y[:, split:], y
 
 
 class KVScales(nnx.Variable):
@@ -449,7 +451,8 @@ class TextModel(nnx.Module):
             a, ks[i], vs[i], routed = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux,
                                                  router=router, route_top_k=top_k,
                                                  experts=block.mlp.experts() if isinstance(block.mlp, MoE) else None,
-                                                 u=None if dense_in is None else dense_in[0])
+                                                 u=None if dense_in is None else dense_in[0],
+                                                 u_wide=None if dense_in is None else dense_in[2])
             logits, route = (None, routed) if isinstance(routed, DenseRoute) else (routed, None)
             rows = None
             if isinstance(block.mlp, MoE) and rows_path:

@@ -440,7 +440,8 @@ def _gelu_poly(u: jax.Array) -> jax.Array:
 
 def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                k_scale: jax.Array, v_scale: jax.Array, tau: Any, *, n_heads: int, rotary_dim: int,
-               theta: float, tau_dots: Any = None) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+               theta: float, tau_dots: Any = None,
+               wide: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array] | None:
     """(q, k_pages, v_pages) from the fused QKV rows of a decode step in one kernel launch (tau,
     rotary and the KV write: `qkv_epilogue.decode_qkv_kernel`) when the kernel path is on and
     supports the shapes; None otherwise (the caller runs `qkv_heads_ref` and `write_kv`). With tau
@@ -451,7 +452,15 @@ def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: ja
     within the probe's spread); W2 at 64 clients A/B/A/B 6,432 / 6,682 / 6,467 / 6,437 tok/s.
     KESTREL_JAX_TAU_FACTORS=0 (read at trace time) keeps the XLA path there. `tau_dots`
     (`small_linear_pair`'s third item): the kernel forms tau from the dots the QKV GEMM formed, where it
-    takes them (else from `tau`), at any row count."""
+    takes them (else from `tau`), at any row count. `wide`: the product u was sliced from (its
+    first columns; a dense layer's joined QKV + fc1 product, `Block.dense_decode_in`), which the
+    kernel reads in place of the slice with KESTREL_JAX_DECODE_QKV_WIDE=1 (opt-in, read at trace
+    time: saves XLA's copy of the slice, 1.57 us per MD2 layer at 64 rows; not yet measured)."""
+    if wide is not None and tau is None and tau_dots is None and flag("KESTREL_JAX_DECODE_QKV_WIDE", False):
+        out = _decode_qkv(wide, positions, slots, k_pages, v_pages, k_scale, v_scale, None, n_heads=n_heads,
+                          rotary_dim=rotary_dim, theta=theta, route=None, u_cols=u.shape[1])
+        if out is not None:
+            return out[:3]
     out = _decode_qkv(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
                       rotary_dim=rotary_dim, theta=theta, route=None, tau_dots=tau_dots)
     return None if out is None else out[:3]
@@ -523,7 +532,8 @@ def decode_qkv_routed(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pa
 
 def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                 k_scale: jax.Array, v_scale: jax.Array, tau: Any, *, n_heads: int, rotary_dim: int, theta: float,
-                route: tuple[jax.Array, jax.Array, int, int] | None, tau_dots: Any = None) -> tuple | None:
+                route: tuple[jax.Array, jax.Array, int, int] | None, tau_dots: Any = None,
+                u_cols: int | None = None) -> tuple | None:
     """`decode_qkv`'s dispatch; with `route` (logits, num_valid, top_k, block_tokens) the routing
     tables come back fourth where the routed kernel takes the logits."""
     if not _want_kernel() or not flag("KESTREL_JAX_DECODE_QKV_KERNEL", True):  # 0: A/B runs
@@ -542,6 +552,12 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
                                             route[1], n_heads=n_heads, rotary_dim=rotary_dim, theta=theta,
                                             top_k=route[2], block_tokens=route[3], factors=factors, tau_dots=dots)
 
+    if u_cols is not None:  # u wider than the QKV product (no tau, no routing): its first u_cols columns
+        if route is not None or tau is not None or tau_dots is not None or kern.decode_qkv_problem(
+                u, k_pages, None, n_heads=n_heads, rotary_dim=rotary_dim, u_cols=u_cols) is not None:
+            return None
+        return kern.decode_qkv_kernel(u, positions, slots, k_pages, v_pages, k_scale, v_scale, None,
+                                      n_heads=n_heads, rotary_dim=rotary_dim, theta=theta, u_cols=u_cols)
     rows = positions.shape[0]  # u may carry padding rows past them (`gemv_rows`): the kernel reads the first
     # With the dots a program reads 2 x (columns / 64) floats per head, not its whole row: any rows.
     if tau_dots is not None and kern.decode_qkv_problem(

@@ -155,8 +155,14 @@ def _chunk(n: int) -> int:
 
 def decode_qkv_problem(u: jax.Array, k_pages: jax.Array, tau: TauWeights | None, *, n_heads: int,
                        rotary_dim: int, factors: tuple[jax.Array, jax.Array] | None = None,
-                       tau_dots: TauDots | None = None) -> str | None:
-    """Why `decode_qkv_kernel` cannot take these shapes (None: it can)."""
+                       tau_dots: TauDots | None = None, u_cols: int | None = None) -> str | None:
+    """Why `decode_qkv_kernel` cannot take these shapes (None: it can). `u_cols`: u is wider, its
+    first `u_cols` columns being the QKV product (no tau then)."""
+    if u_cols is not None:
+        if tau is not None or factors is not None or tau_dots is not None:
+            return "a wide u (u_cols) takes no tau"
+        if u.ndim != 2 or not 0 < u_cols <= u.shape[1]:
+            return f"u_cols {u_cols} must be in (0, u's width] for u {u.shape}"
     if tau_dots is not None:
         if tau is not None or factors is not None:
             return "tau dots, tau weights and tau factors are exclusive"
@@ -177,8 +183,9 @@ def decode_qkv_problem(u: jax.Array, k_pages: jax.Array, tau: TauWeights | None,
     if u.ndim != 2 or k_pages.ndim != 4:
         return f"u must be [M, N] and the pool [P, Hkv, S, Dh], got {u.shape} and {k_pages.shape}"
     P, hkv, S, dh = k_pages.shape
-    if u.shape[1] != (n_heads + 2 * hkv) * dh or n_heads % hkv:
-        return f"u width {u.shape[1]} is not (H {n_heads} + 2 Hkv {hkv}) x Dh {dh}"
+    width = u.shape[1] if u_cols is None else u_cols
+    if width != (n_heads + 2 * hkv) * dh or n_heads % hkv:
+        return f"u width {width} is not (H {n_heads} + 2 Hkv {hkv}) x Dh {dh}"
     half, rest = rotary_dim // 2, dh - rotary_dim
     if rotary_dim % 2 or not _pow2(half) or not (rest == 0 or _pow2(rest)):
         return f"rotary_dim {rotary_dim} / 2 and head_dim - rotary_dim {rest} must be powers of two (or 0)"
@@ -310,7 +317,7 @@ def _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_hea
                 ref[page, h, row, pl.ds(off, width)] = x.astype(ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("n_heads", "rotary_dim", "theta", "interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("n_heads", "rotary_dim", "theta", "interpret", "num_warps", "u_cols"))
 def decode_qkv_kernel(
     u: jax.Array,  # [>= M, (H + 2 Hkv) * Dh] bf16 / f32 fused QKV product (bias included); rows >= M unread
     positions: jax.Array,  # [M] int32
@@ -328,15 +335,17 @@ def decode_qkv_kernel(
     tau_dots: TauDots | None = None,  # the tau dots from the QKV GEMM, instead of tau
     interpret: bool = False,
     num_warps: int | None = None,  # None: TAU_WARPS with tau, else PLAIN_WARPS
+    u_cols: int | None = None,  # u wider than the QKV product: its first u_cols columns are (no tau)
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """-> (q [M, H, Dh] in u.dtype, k_pages, v_pages with the M new rows written). With `factors`
     the kernel scales q and v by tau factors formed outside (`tau_factors`, rounded to u.dtype)
     instead of forming them from `tau` itself (for batches past `MAX_TAU_ROWS`); with `tau_dots`
     it forms the factors from the dot products the QKV GEMM formed (`gemv_mgpu.gemv_rows`'
-    tau_w) instead of from the whole row and the tau weights."""
+    tau_w) instead of from the whole row and the tau weights. With `u_cols` u may carry more
+    columns past the QKV product (a dense layer's joined QKV + fc1 product): they are not read."""
     q, kp, vp, _ = _decode_qkv(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
                                rotary_dim=rotary_dim, theta=theta, factors=factors, tau_dots=tau_dots,
-                               interpret=interpret, num_warps=num_warps)
+                               interpret=interpret, num_warps=num_warps, u_cols=u_cols)
     return q, kp, vp
 
 
@@ -393,12 +402,12 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
                 k_scale: jax.Array, v_scale: jax.Array, tau: TauWeights | None, *, n_heads: int, rotary_dim: int,
                 theta: float, factors: tuple[jax.Array, jax.Array] | None, interpret: bool, num_warps: int | None,
                 route: tuple[jax.Array, jax.Array, int, int] | None = None,  # (logits, n_valid, top_k, Nt)
-                tau_dots: TauDots | None = None,
+                tau_dots: TauDots | None = None, u_cols: int | None = None,
                 ) -> tuple[jax.Array, jax.Array, jax.Array, DenseRoute | None]:
     """The two public kernels' body (arguments as `decode_qkv_kernel`'s and `decode_qkv_route_kernel`'s)."""
     check_pool(k_pages, v_pages)
     problem = decode_qkv_problem(u, k_pages, tau, n_heads=n_heads, rotary_dim=rotary_dim, factors=factors,
-                                 tau_dots=tau_dots)
+                                 tau_dots=tau_dots, u_cols=u_cols)
     if problem is not None:
         raise ValueError(f"decode_qkv_kernel: {problem}")
     M, N = positions.shape[0], u.shape[1]  # u may have padding rows past the M decode rows

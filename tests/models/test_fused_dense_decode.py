@@ -6,7 +6,7 @@ a bad setting is refused."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -82,7 +82,7 @@ def test_one_row_decode_keeps_the_separate_products(monkeypatch: pytest.MonkeyPa
     seen: list[int] = []
     original = Block.dense_decode_in
 
-    def counted(self: Block, n: jax.Array) -> tuple[jax.Array, jax.Array] | None:
+    def counted(self: Block, n: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array] | None:
         seen.append(n.shape[0])
         return original(self, n)
 
@@ -91,6 +91,40 @@ def test_one_row_decode_keeps_the_separate_products(monkeypatch: pytest.MonkeyPa
     for bucket, rows in ((1, [(2, 5, 7, -1)]), (2, [(2, 5, 7, -1), (6, 3, 9, -1)])):
         r.decode(*bt.text_decode(rows, bucket=bucket, pages=p, page_size=PAGE), None)
     assert seen == [2] * 4  # the 2-row step's four dense layers only
+
+
+def test_decode_qkv_kernel_reads_the_joined_product(monkeypatch: pytest.MonkeyPatch):
+    """KESTREL_JAX_DECODE_QKV_WIDE=1: the decode QKV epilogue kernel (interpreted here, the other ops
+    on jnp) reads the QKV columns of the joined product in place of their slice; the steps' outputs
+    are those of the jnp path within bf16 rounding (the kernel rounds as the jnp path does, but
+    its sin/cos and the KV write differ in the last bits), the sampled tokens equal."""
+    from kestrel_jax.pallas import ops
+    from kestrel_jax.pallas import qkv_epilogue as qe
+
+    ref, _ = _steps("md2", "on")
+    widths: list[int] = []
+    original, kernel = ops.decode_qkv, qe.decode_qkv_kernel
+
+    def interpreted(u: jax.Array, *args: Any, **kwargs: Any) -> Any:
+        widths.append(u.shape[1])
+        return kernel(u, *args, interpret=True, **kwargs)
+
+    def forced(*args: Any, **kwargs: Any) -> Any:
+        with ops.use_backend("kernel"), monkeypatch.context() as m:
+            m.setattr(qe, "decode_qkv_kernel", interpreted)
+            out = original(*args, **kwargs)
+        assert out is not None
+        return out
+
+    monkeypatch.setattr(ops, "decode_qkv", forced)
+    monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_WIDE", "1")
+    got, _ = _steps("md2", "on")
+    # the 2-row decode step's four dense layers (per trace): always the joined product's width
+    assert widths and len(widths) % 4 == 0 and set(widths) == {3 * 256 + 512}
+    for x, y in zip(got[:4], ref[:4], strict=True):
+        np.testing.assert_array_equal(x[:, 0], y[:, 0])  # sampled tokens
+    for x, y in zip(got[4:], ref[4:], strict=True):
+        np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
 
 
 def test_bad_setting_is_refused():

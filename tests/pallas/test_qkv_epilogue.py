@@ -228,6 +228,48 @@ def test_rows_of_u_past_the_decode_rows_are_not_read(tau):
         qe.decode_qkv_kernel(u[:2], positions, slots, kp, vp, ks, vs, tw, **kw)
 
 
+def test_a_wide_u_reads_only_its_first_columns(monkeypatch: pytest.MonkeyPatch):
+    """u as a dense layer's joined QKV + fc1 product hands it over (`u_cols`: the QKV product is its
+    first columns): the same q and pools as the narrow u, NaN in the columns past it never read;
+    the dispatch reads the wide product only with KESTREL_JAX_DECODE_QKV_WIDE=1 and no tau."""
+    rng = fresh_rng()
+    M = 3
+    u, positions, slots, (kp, vp), (ks, vs), _ = _case(rng, M, 4, 4, 16, 8, BF16, False)
+    wide = jnp.concatenate([u, jnp.full((M, 40), jnp.nan, u.dtype)], axis=1)
+    kw = dict(n_heads=4, rotary_dim=8, theta=10000.0, interpret=True)
+    want = qe.decode_qkv_kernel(u, positions, slots, kp, vp, ks, vs, None, **kw)
+    got = qe.decode_qkv_kernel(wide, positions, slots, kp, vp, ks, vs, None, u_cols=u.shape[1], **kw)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    problem = functools.partial(qe.decode_qkv_problem, wide, kp, n_heads=4, rotary_dim=8)
+    assert problem(None, u_cols=u.shape[1]) is None
+    assert "width" in (problem(None, u_cols=u.shape[1] - 16) or "")
+    assert "u_cols" in (problem(None, u_cols=wide.shape[1] + 1) or "")
+    tw = qe.TauWeights(jnp.zeros((4, 192), BF16), jnp.zeros((4, 192), BF16), jnp.zeros((4,), BF16))
+    assert "no tau" in (problem(tw, u_cols=u.shape[1]) or "")
+    with pytest.raises(ValueError, match="decode_qkv_kernel: a wide u"):
+        qe.decode_qkv_kernel(wide, positions, slots, kp, vp, ks, vs, tw, u_cols=u.shape[1], **kw)
+    # dispatch: which u reaches the kernel
+    seen: list[tuple[int, int | None]] = []
+    kernel = qe.decode_qkv_kernel
+
+    def spy(uu, *args, u_cols=None, **kwargs):
+        seen.append((uu.shape[1], u_cols))
+        return kernel(uu, *args, u_cols=u_cols, interpret=True, **kwargs)
+
+    monkeypatch.setattr(qe, "decode_qkv_kernel", spy)
+    args = (positions, slots, kp, vp, ks, vs)
+    with ops.use_backend("kernel"):
+        out = ops.decode_qkv(u, *args, None, n_heads=4, rotary_dim=8, theta=1e4, wide=wide)  # off by default
+        monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_WIDE", "1")
+        out_wide = ops.decode_qkv(u, *args, None, n_heads=4, rotary_dim=8, theta=1e4, wide=wide)
+        ops.decode_qkv(u, *args, tw, n_heads=4, rotary_dim=8, theta=1e4, wide=wide)  # tau: the narrow u
+    assert seen == [(192, None), (232, 192), (192, None)]
+    assert out is not None and out_wide is not None
+    for a, b in zip(out_wide, out, strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
 def _problem(u, kp, tau, rot=8) -> str:
     return qe.decode_qkv_problem(u, kp, tau, n_heads=4, rotary_dim=rot) or ""
 
@@ -291,6 +333,16 @@ def test_lowers_at_md2_and_md3_decode_shapes():
             text = jax.jit(f).trace(_SDS((M, 6144), BF16), _SDS((M,), i32), _SDS((M,), i32), pool, pool,
                                     _SDS((), f32), _SDS((), f32), tw).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text and "output_operand_alias" in text
+    # MD2's joined QKV + fc1 product at 64 rows (KESTREL_JAX_DECODE_QKV_WIDE)
+    pool = _SDS((4824, 32, 64, 64), BF16)
+
+    def w(u, pos, slots, kp, vp, ks, vs):
+        return qe.decode_qkv_kernel(u, pos, slots, kp, vp, ks, vs, None, n_heads=32, rotary_dim=32, theta=10000.0,
+                                    u_cols=6144)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(w).trace(_SDS((64, 14336), BF16), _SDS((64,), i32), _SDS((64,), i32), pool, pool,
+                                _SDS((), f32), _SDS((), f32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text
     # with the QKV GEMM's tau dots (96 column blocks) at 64 rows, the decode GEMM's largest row tile
     pool = _SDS((4824, 32, 64, 64), FP8)
 
