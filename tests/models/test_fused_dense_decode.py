@@ -1,6 +1,7 @@
 """Dense layers' decode QKV + fc1 as one product over weights joined at load time
 (`TextModel.fuse_dense_decode`, `RunnerConfig.fused_dense_decode`): the runner's decode steps give
-the same outputs as with the separate weights (one GEMM's columns are the two GEMMs' columns), the
+the same outputs as with the separate weights (one GEMM's columns are the two GEMMs' columns; a
+one-row step keeps the separate products), the
 joined weights are the two side by side, MoE layers get none, prefill keeps the separate ones, and
 a bad setting is refused."""
 
@@ -41,11 +42,30 @@ def _steps(family: Literal["md2", "md3"], fused: str) -> tuple[list[np.ndarray],
 
 
 @pytest.mark.parametrize("family", ["md2", "md3"])
-def test_decode_through_joined_weights_equals_separate(family: Literal["md2", "md3"]):
+def test_decode_through_joined_weights_equals_separate(family: Literal["md2", "md3"],
+                                                       monkeypatch: pytest.MonkeyPatch):
+    from kestrel_jax.models.text import Block
+
     ref, r_off = _steps(family, "off")
+    seen: list[int] = []  # rows of each joined product traced
+    original = Block.dense_decode_in
+
+    def counted(self: Block, n: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+        out = original(self, n)
+        if out is not None:
+            seen.append(n.shape[0])
+        return out
+
+    monkeypatch.setattr(Block, "dense_decode_in", counted)
     got, r_on = _steps(family, "on")
     for x, y in zip(got, ref, strict=True):
         np.testing.assert_array_equal(x, y)
+    # the 2-row decode step's dense layers took the joined product; a 1-row step does not (measured
+    # slower there: the products' slices become copies of their own)
+    traced = len(seen)
+    assert traced and set(seen) == {2}
+    r_on.decode(*bt.text_decode([(2, 20, 7, -1)], bucket=1, pages=r_on.max_pages_per_seq, page_size=PAGE), None)
+    assert len(seen) == traced
     per_layer = 2 * 256 * (3 * 256 + 512) + 2 * (3 * 256 + 512)  # bf16 [D, QKV + F] and its bias
     dense = 4 if family == "md2" else 2  # tiny MD3: MoE from layer 2
     assert r_on.joined_dense_bytes == dense * per_layer and r_off.joined_dense_bytes == 0
@@ -70,27 +90,6 @@ def test_joined_weights_are_the_two_side_by_side():
                                           np.concatenate([np.asarray(qb[...]), np.asarray(fb[...])]))
     assert model.text.fuse_dense_decode(False) == 0
     assert all(b.dense_w is None and b.dense_b is None for b in blocks)
-
-
-def test_one_row_decode_keeps_the_separate_products(monkeypatch: pytest.MonkeyPatch):
-    """At one row the joined product's slices cost more than they save (measured): not used."""
-    from kestrel_jax.models.text import Block
-
-    model = random_model(tiny_config("md2", vision_layers=2), dtype=jnp.bfloat16, seed=3)
-    r = Runner(model, RunnerConfig(num_pages=16, kv_dtype="bf16", max_seq_len=128, page_size=PAGE,
-                                   vision_buckets=(2,), fused_dense_decode="on"), out_rows=8)
-    seen: list[int] = []
-    original = Block.dense_decode_in
-
-    def counted(self: Block, n: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array] | None:
-        seen.append(n.shape[0])
-        return original(self, n)
-
-    monkeypatch.setattr(Block, "dense_decode_in", counted)
-    p = r.max_pages_per_seq
-    for bucket, rows in ((1, [(2, 5, 7, -1)]), (2, [(2, 5, 7, -1), (6, 3, 9, -1)])):
-        r.decode(*bt.text_decode(rows, bucket=bucket, pages=p, page_size=PAGE), None)
-    assert seen == [2] * 4  # the 2-row step's four dense layers only
 
 
 def test_decode_qkv_kernel_reads_the_joined_product(monkeypatch: pytest.MonkeyPatch):
