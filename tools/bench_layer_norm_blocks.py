@@ -93,7 +93,8 @@ def main() -> None:
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--variants", nargs="+", default=[f"{L.BLOCK_ROWS}x{L.NUM_WARPS}"], metavar="ROWSxWARPS")
+    p.add_argument("--variants", nargs="+", default=None, metavar="ROWSxWARPS",
+                   help="rows x warps per program (default: the model's choice for each case's width)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if jax.default_backend() != "gpu":
@@ -103,9 +104,10 @@ def main() -> None:
     info = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "layers": args.layers,
             "copy_GBps": round(copy, 1)}
     print(json.dumps(info), flush=True)
-    variants = [(int(v.split("x")[0]), int(v.split("x")[1])) for v in args.variants]
     results = []
     for name in args.cases.split(","):
+        variants = ([(int(v.split("x")[0]), int(v.split("x")[1])) for v in args.variants] if args.variants
+                    else [(L.default_block_rows(CASES[name][1]), L.NUM_WARPS)])
         for r in run_case(name, args.layers, args.iters, variants, copy):
             results.append(r)
             print(f"{r['case']:14s} {r['rows']}x{r['width']} +{r['addends']}  {r['variant']:12s} "

@@ -374,22 +374,28 @@ class TextModel(nnx.Module):
         self.lm_head = Linear(cfg.dim, cfg.vocab_size, dtype=dtype, rngs=rngs)
         self.kv_scales = KVScales(jnp.ones((cfg.n_layers, 2), jnp.float32))
 
-    def fuse_dense_decode(self, on: bool = True) -> int:
+    def fuse_dense_decode(self, on: bool = True, device: jax.Device | None = None) -> int:
         """Give each dense layer (MD2's every layer, MD3's first four) its QKV and fc1 weights side
         by side (`Block.dense_w`, `dense_b`), which its decode steps then read as one product; off removes
         them. A copy: the separate weights stay for prefill (MD2 at full size: +1.4 GB). -> bytes
         added. Why: XLA merges the two decode products into one GEMM anyway, concatenating the
         weights inside its Triton GEMM as it reads them; joined once here, the product is a plain
-        GEMM that cuBLAS can run too (H200, 64 rows: 19.1 us against 22.5 per MD2 layer)."""
+        GEMM that cuBLAS can run too (H200, 64 rows: 19.1 us against 22.5 per MD2 layer).
+        `device`: where the joined copies are made (default: where the weights are)."""
         added = 0
         for block in self.blocks:
             if not isinstance(block.mlp, MLP) or not on:
                 block.dense_w = block.dense_b = None
                 continue
             qkv, fc1 = block.attn.qkv, block.mlp.fc1
-            w = jnp.concatenate([qkv.kernel[...], fc1.kernel[...]], axis=1)
-            b = jnp.concatenate([qkv.bias[...] if qkv.bias is not None else jnp.zeros(qkv.kernel.shape[1], w.dtype),
-                                 fc1.bias[...] if fc1.bias is not None else jnp.zeros(fc1.kernel.shape[1], w.dtype)])
+            dt = qkv.kernel[...].dtype
+            parts = [qkv.kernel[...], fc1.kernel[...],
+                     qkv.bias[...] if qkv.bias is not None else jnp.zeros(qkv.kernel.shape[1], dt),
+                     fc1.bias[...] if fc1.bias is not None else jnp.zeros(fc1.kernel.shape[1], dt)]
+            if device is not None:
+                parts = [jax.device_put(a, device) for a in parts]
+            w = jnp.concatenate(parts[:2], axis=1)
+            b = jnp.concatenate(parts[2:])
             block.dense_w, block.dense_b = DenseIn(w), DenseIn(b.astype(w.dtype))
             added += w.nbytes + b.nbytes
         return added
@@ -416,7 +422,8 @@ class TextModel(nnx.Module):
         pad_rows = -(-t // 8) * 8  # the decode GEMM's and the MoE block's row tile
         n_next: jax.Array | None = None  # this layer's LayerNorm output, from the previous layer's kernel
         n16_next: jax.Array | None = None  # and its f16 copy, where that kernel formed one
-        block_ln = batch.cu_q_lens is not None  # prefill and mixed steps: `ops.residual_layer_norm`
+        # prefill and mixed steps: `ops.residual_layer_norm` (captures keep the jnp expressions)
+        block_ln = batch.cu_q_lens is not None and not capture
         for i, block in enumerate(self.blocks):
             aux: dict[str, jax.Array] | None = {} if capture else None
             if aux is not None:
@@ -469,7 +476,7 @@ class TextModel(nnx.Module):
                     continue
             if rows is not None:
                 m = combine_rows(rows, t, x.dtype)
-            elif dense_in is not None and isinstance(block.mlp, MLP):
+            elif dense_in is not None and isinstance(block.mlp, MLP):  # MLP.__call__ from its fc1 product
                 m = block.mlp.fc2(gelu_tanh(dense_in[1]))
             else:
                 m = block.mlp(n[:t], aux, batch.num_valid, logits) if isinstance(block.mlp, MoE) else \

@@ -60,6 +60,8 @@ class VisionBlock(nnx.Module):
         self.mlp = MLP(cfg.enc_dim, cfg.enc_ff_dim, cfg.enc_dim, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, attn_impl: str | None = None) -> jax.Array:
+        """The block's expressions (MOONDREAM.md §5). `VisionEncoder.encode_crops` runs them with
+        each residual add fused into the next LayerNorm's launch; tests compare the two."""
         x = x + self.attn(self.ln1(x), attn_impl)
         return x + self.mlp(self.ln2(x))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
@@ -375,10 +376,13 @@ def residual_layer_norm(x: jax.Array, adds: tuple[jax.Array, ...], scale: jax.Ar
         adds2 = tuple(a.reshape(-1, D) for a in adds)
         rows = integer("KESTREL_JAX_BLOCK_LN_ROWS", kern.default_block_rows(D), low=1, high=64)
         warps = integer("KESTREL_JAX_BLOCK_LN_WARPS", kern.NUM_WARPS, low=1, high=32)
-        if kern.residual_layer_norm_blocks_problem(x2, adds2, scale, bias, rows) is None:
+        problem = kern.residual_layer_norm_blocks_problem(x2, adds2, scale, bias, rows)
+        if problem is None:
             xo, n = _jitted(kern.residual_layer_norm_blocks_kernel, ("eps", "block_rows", "num_warps"))(
                 x2, adds2, scale, bias, eps=eps, block_rows=rows, num_warps=warps)
             return (x if not adds else xo.reshape(x.shape)), n.reshape(x.shape)
+        if "KESTREL_JAX_BLOCK_LN_ROWS" in os.environ and "block" in problem:  # an A/B run would time XLA unawares
+            raise ValueError(f"KESTREL_JAX_BLOCK_LN_ROWS={rows} does not fit [{x2.shape[0]}, {D}]: {problem}")
     return kern.residual_layer_norm_blocks_ref(x, adds, scale, bias, eps=eps)
 
 

@@ -30,6 +30,7 @@ import gc
 import logging
 import math
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
@@ -119,6 +120,9 @@ def gpu_memory_info(device: Any) -> tuple[int, int] | None:
     except AttributeError:  # a driver library without these entry points
         return None
     return (int(free.value), int(total.value)) if rc == 0 and total.value else None
+
+
+_JOIN_LOCK = threading.Lock()  # `TextModel.fuse_dense_decode` + split + unjoin, one runner at a time
 
 
 @dataclass(frozen=True)
@@ -517,16 +521,20 @@ class Runner:
             raise ValueError(f"fused_dense_decode must be auto, on or off; got {self.config.fused_dense_decode!r}")
         fused = self.config.fused_dense_decode == "on" or (
             self.config.fused_dense_decode == "auto" and getattr(self.device, "platform", "cpu") == "gpu")
-        # The joined weights are this runner's params (below): the model does not keep them, so a
-        # second runner on another device does not leave its copy on this one's.
-        self.joined_dense_bytes = model.text.fuse_dense_decode(fused)
-        if self.joined_dense_bytes:
-            log.info("dense layers' QKV + fc1 weights joined for decode: +%.2f GB", self.joined_dense_bytes / 1e9)
         # Params travel as flat lists (dispatching a flat list of arrays is much cheaper per step
         # than flattening the nested module state on every call): the text decoder and region
-        # heads for prefill/decode, the vision encoder for the vision step.
-        text_gd, text_state = nnx.split(model.text)
-        model.text.fuse_dense_decode(False)
+        # heads for prefill/decode, the vision encoder for the vision step. The joined weights are
+        # made on this runner's device and held by its params only: the model carries them just
+        # for the split, under a lock (an engine starts one runner per device at once, all on one
+        # model).
+        with _JOIN_LOCK:
+            try:
+                self.joined_dense_bytes = model.text.fuse_dense_decode(fused, device=self.device)
+                text_gd, text_state = nnx.split(model.text)
+            finally:
+                model.text.fuse_dense_decode(False)
+        if self.joined_dense_bytes:
+            log.info("dense layers' QKV + fc1 weights joined for decode: +%.2f GB", self.joined_dense_bytes / 1e9)
         region_gd, region_state = nnx.split(model.region)
         self.lm_params, lm_treedef = jax.tree.flatten((text_state, region_state))
         self._parts = _Parts(model.cfg, model.dtype, text_gd, region_gd, lm_treedef)

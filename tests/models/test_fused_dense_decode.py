@@ -1,9 +1,9 @@
 """Dense layers' decode QKV + fc1 as one product over weights joined at load time
 (`TextModel.fuse_dense_decode`, `RunnerConfig.fused_dense_decode`): the runner's decode steps give
 the same outputs as with the separate weights (one GEMM's columns are the two GEMMs' columns; a
-one-row step keeps the separate products), the
-joined weights are the two side by side, MoE layers get none, prefill keeps the separate ones, and
-a bad setting is refused."""
+one-row step keeps the separate products), the joined weights are the two side by side, MoE layers
+get none, prefill keeps the separate ones, runners started at once on one model all get them, and a
+bad setting is refused."""
 
 from __future__ import annotations
 
@@ -124,6 +124,20 @@ def test_decode_qkv_kernel_reads_the_joined_product(monkeypatch: pytest.MonkeyPa
         np.testing.assert_array_equal(x[:, 0], y[:, 0])  # sampled tokens
     for x, y in zip(got[4:], ref[4:], strict=True):
         np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
+
+
+def test_runners_started_at_once_on_one_model_all_get_them():
+    """An engine starts one runner per device at once, all on one model: each joins, splits and
+    unjoins it in turn (a lock), so every runner's params hold the joined weights."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = random_model(tiny_config("md2", vision_layers=2), dtype=jnp.bfloat16, seed=3)
+    cfg = RunnerConfig(num_pages=16, kv_dtype="bf16", max_seq_len=128, page_size=PAGE, vision_buckets=(2,),
+                       fused_dense_decode="on")
+    with ThreadPoolExecutor(4) as pool:
+        runners = list(pool.map(lambda _: Runner(model, cfg, out_rows=8), range(4)))
+    assert len({len(r.lm_params) for r in runners}) == 1 and all(r.joined_dense_bytes for r in runners)
+    assert all(b.dense_w is None for b in model.text.blocks)
 
 
 def test_bad_setting_is_refused():

@@ -8,7 +8,6 @@ must agree and values within bf16 rounding. The same steps through the residual 
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Literal
 
 import jax.numpy as jnp
@@ -64,12 +63,21 @@ def _run(model_name: Model) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("model_name", ["md2"])  # MD3 (tau): the kernel tests' factor mode and dispatch (CI time)
 def test_steps_through_the_prefill_kernel_equal_the_jnp_path(model_name: Model, monkeypatch: pytest.MonkeyPatch):
+    kernel_runs = [0]
+    kernel = qe.prefill_qkv_kernel
+
+    def interpreted(*args: Any, **kwargs: Any) -> Any:
+        kernel_runs[0] += 1
+        return kernel(*args, interpret=True, **kwargs)
+
+    monkeypatch.setattr(qe, "prefill_qkv_kernel", interpreted)  # counts any use on the jnp path too
     ref = _run(model_name)
+    n_ref = kernel_runs[0]
     calls = [0]
-    _force(monkeypatch, "prefill_qkv", (qe, "prefill_qkv_kernel", functools.partial(qe.prefill_qkv_kernel,
-                                                                                    interpret=True)), calls)
+    _force(monkeypatch, "prefill_qkv", (qe, "prefill_qkv_kernel", interpreted), calls)
     got = _run(model_name)
-    n_ref, n_got = 0, calls[0]
+    n_got = kernel_runs[0] - n_ref
+    assert calls[0] == n_got
     layers = tiny_config(model_name).text.n_layers
     assert n_ref == 0 and n_got == 2 * layers  # every layer of both steps (traced once each)
     if model_name == "md2":
@@ -88,11 +96,16 @@ def test_steps_through_the_layer_norm_kernel(monkeypatch: pytest.MonkeyPatch):
     steps: its statistics are reduced in another order than XLA's, so the sampled tokens must
     agree and the KV pool within bf16 rounding."""
     ref = _run("md2")
-    calls = [0]
-    interpreted = functools.partial(lnb.residual_layer_norm_blocks_kernel, interpret=True)
+    calls, kernel_runs = [0], [0]
+
+    def interpreted(*args: Any, **kwargs: Any) -> Any:
+        kernel_runs[0] += 1
+        return lnb.residual_layer_norm_blocks_kernel(*args, interpret=True, **kwargs)
+
     _force(monkeypatch, "residual_layer_norm", (ops, "_jitted", lambda fn, static=(): interpreted), calls)
     got = _run("md2")
-    assert calls[0] == 2 * tiny_config("md2").text.n_layers  # per step: the first block's, then all but the last
+    # per step: the first block's, then all but the last; each through the kernel
+    assert calls[0] == kernel_runs[0] == 2 * tiny_config("md2").text.n_layers
     for x, y in zip(got[:2], ref[:2], strict=True):
         np.testing.assert_array_equal(x[:, 0], y[:, 0])  # sampled tokens
     for x, y in zip(got[2:], ref[2:], strict=True):

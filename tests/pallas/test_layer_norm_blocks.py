@@ -10,7 +10,6 @@ sums in the kernel's order, not XLA's: within one step of x's dtype at the outpu
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -20,6 +19,7 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 from kernel_helpers import as_f32, fresh_rng
 
+from kestrel_jax.models import vision
 from kestrel_jax.models.config import tiny_config
 from kestrel_jax.models.moondream import random_model
 from kestrel_jax.pallas import layer_norm_blocks as L
@@ -123,9 +123,13 @@ def test_dispatch(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setenv("KESTREL_JAX_BLOCK_LN", "0")  # the benchmarks' A/B switch: XLA's launches
         ops.residual_layer_norm(x3, adds3, scale, bias, eps=1e-5)
         monkeypatch.setenv("KESTREL_JAX_BLOCK_LN", "1")
-        ops.residual_layer_norm(jnp.zeros((4, 8192), BF16), (), jnp.ones((8192,), BF16), jnp.ones((8192,), BF16),
-                                eps=1e-5)  # a shape the kernel does not take at 4 rows: the jnp path
+        monkeypatch.delenv("KESTREL_JAX_BLOCK_LN_ROWS")
+        ops.residual_layer_norm(jnp.zeros((4, 32768), BF16), (), jnp.ones((32768,), BF16), jnp.ones((32768,), BF16),
+                                eps=1e-5)  # a shape the kernel does not take: the jnp path
     assert len(seen) == 1
+    monkeypatch.setenv("KESTREL_JAX_BLOCK_LN_ROWS", "3")  # refused by the kernel: named, not a silent XLA run
+    with ops.use_backend("kernel"), pytest.raises(ValueError, match="KESTREL_JAX_BLOCK_LN_ROWS=3"):
+        ops.residual_layer_norm(x3, adds3, scale, bias, eps=1e-5)
 
 
 def test_lowers_at_vision_and_prefill_shapes():
@@ -141,16 +145,18 @@ def test_lowers_at_vision_and_prefill_shapes():
 
 
 def interpret_residual_layer_norm(monkeypatch: pytest.MonkeyPatch, calls: list[int]) -> None:
-    """`ops.residual_layer_norm` through the kernel, interpreted (the other ops stay on jnp)."""
+    """`ops.residual_layer_norm` through the kernel, interpreted (the other ops stay on jnp);
+    `calls` counts the kernel's runs (not the op's: a refused shape would take the jnp path)."""
     original = ops.residual_layer_norm
-    interpreted = functools.partial(L.residual_layer_norm_blocks_kernel, interpret=True)
+
+    def interpreted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return L.residual_layer_norm_blocks_kernel(*args, interpret=True, **kwargs)
 
     def forced(*args: Any, **kwargs: Any) -> Any:
         with ops.use_backend("kernel"), monkeypatch.context() as m:
             m.setattr(ops, "_jitted", lambda fn, static=(): interpreted)
-            out = original(*args, **kwargs)
-        calls[0] += 1
-        return out
+            return original(*args, **kwargs)
 
     monkeypatch.setattr(ops, "residual_layer_norm", forced)
 
@@ -159,6 +165,13 @@ def test_vision_encoder_through_the_kernel(monkeypatch: pytest.MonkeyPatch):
     model = random_model(tiny_config("md2", vision_layers=2), dtype=BF16, seed=5)
     crops = jnp.asarray(fresh_rng().integers(0, 256, (2, 378, 378, 3)), jnp.uint8)
     ref = as_f32(model.vision.encode_crops(crops, BF16))
+    # the jnp path is the blocks' own expressions (`VisionBlock.__call__`), chained
+    enc = model.vision
+    x = enc.patch_emb(vision.patchify(vision.normalize_crops(crops, BF16), enc.cfg.enc_patch_size))
+    x = x + enc.pos_emb[...].astype(BF16)
+    for block in enc.blocks:
+        x = block(x)
+    np.testing.assert_array_equal(as_f32(enc.post_ln(x)), ref)
     calls = [0]
     interpret_residual_layer_norm(monkeypatch, calls)
     got = as_f32(model.vision.encode_crops(crops, BF16))
