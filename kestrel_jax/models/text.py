@@ -155,6 +155,7 @@ class Attention(nnx.Module):
         experts: ExpertWeights | None = None,
         u: jax.Array | None = None,
         u_wide: jax.Array | None = None,
+        project: bool = True,
     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | DenseRoute | None]:
         """-> (output, k_pages, v_pages, router logits, routing tables or None). With `router` (the
         MoE layer's, which reads the same normalised input), decode on a GPU computes its logits in
@@ -215,7 +216,7 @@ class Attention(nnx.Module):
             pf, pf_experts = self._prefetch(t, routed, experts)
             blocks = t * (route_top_k or 1)
             gemm = decode or dense_proj_kernel()
-            if gemm:  # the split-KV merge inside the projection's launch (opt-in)
+            if gemm and project:  # the split-KV merge inside the projection's launch (opt-in)
                 y = ops.decode_attention_projected(
                     q, k_pages, v_pages, batch.kv_lens, batch.page_table, k_scale, v_scale, self.proj.kernel[...],
                     self.proj.bias[...] if self.proj.bias is not None else None, sm_scale=scale,
@@ -225,6 +226,8 @@ class Attention(nnx.Module):
             o = ops.decode_attention(q, k_pages, v_pages, batch.kv_lens, batch.page_table, k_scale, v_scale,
                                      sm_scale=scale, prefetch=pf, prefetch_experts=pf_experts,
                                      prefetch_max_blocks=blocks)
+            if not project:
+                return o.reshape(t, h * hd), k_pages, v_pages, routed
             return self._project(o.reshape(t, h * hd), gemm), k_pages, v_pages, routed
         else:
             assert batch.prefix_lens is not None
@@ -348,6 +351,8 @@ class Block(nnx.Module):
         # weight and bias side by side: `TextModel.fuse_dense_decode`
         self.dense_w: DenseIn | None = nnx.data(None)
         self.dense_b: DenseIn | None = nnx.data(None)
+        self.dense_out_w: DenseIn | None = nnx.data(None)
+        self.dense_out_b: DenseIn | None = nnx.data(None)
 
     def dense_decode_in(self, n: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array] | None:
         """A dense layer's decode (QKV product, fc1 product, the joined product they are slices
@@ -385,7 +390,7 @@ class TextModel(nnx.Module):
         added = 0
         for block in self.blocks:
             if not isinstance(block.mlp, MLP) or not on:
-                block.dense_w = block.dense_b = None
+                block.dense_w = block.dense_b = block.dense_out_w = block.dense_out_b = None
                 continue
             qkv, fc1 = block.attn.qkv, block.mlp.fc1
             dt = qkv.kernel[...].dtype
@@ -398,6 +403,15 @@ class TextModel(nnx.Module):
             b = jnp.concatenate(parts[2:])
             block.dense_w, block.dense_b = DenseIn(w), DenseIn(b.astype(w.dtype))
             added += w.nbytes + b.nbytes
+            proj, fc2 = block.attn.proj, block.mlp.fc2
+            outs = [proj.kernel[...], fc2.kernel[...]]
+            ob = sum(lin.bias[...].astype(jnp.float32) for lin in (proj, fc2) if lin.bias is not None)
+            if device is not None:
+                outs = [jax.device_put(a, device) for a in outs]
+                ob = jax.device_put(ob, device)
+            wo = jnp.concatenate(outs, axis=0)
+            block.dense_out_w, block.dense_out_b = DenseIn(wo), DenseIn(jnp.asarray(ob, wo.dtype))
+            added += wo.nbytes + wo.shape[1] * wo.dtype.itemsize
         return added
 
     def embed(self, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:  # [T] -> [T, D]
@@ -456,11 +470,14 @@ class TextModel(nnx.Module):
             # session 35: batch-1 step +22.8 us; at 64 rows -32 us)
             joined = batch.cu_q_lens is None and aux is None and t > 1
             dense_in = block.dense_decode_in(n[:t]) if joined else None
+            out_joined = dense_in is not None and block.dense_out_w is not None and \
+                flag("KESTREL_JAX_DENSE_OUT_JOINED", False)
             a, ks[i], vs[i], routed = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux,
                                                  router=router, route_top_k=top_k,
                                                  experts=block.mlp.experts() if isinstance(block.mlp, MoE) else None,
                                                  u=None if dense_in is None else dense_in[0],
-                                                 u_wide=None if dense_in is None else dense_in[2])
+                                                 u_wide=None if dense_in is None else dense_in[2],
+                                                 project=not out_joined)
             logits, route = (None, routed) if isinstance(routed, DenseRoute) else (routed, None)
             rows = None
             if isinstance(block.mlp, MoE) and rows_path:
@@ -476,6 +493,12 @@ class TextModel(nnx.Module):
                     continue
             if rows is not None:
                 m = combine_rows(rows, t, x.dtype)
+            elif out_joined and dense_in is not None and block.dense_out_w is not None and block.dense_out_b is not None:
+                # the output projection and fc2 as one product over joined weights: a is attention's
+                # unprojected output
+                g = jnp.concatenate([a, gelu_tanh(dense_in[1])], axis=1)
+                x = x + (jnp.dot(g, block.dense_out_w[...]) + block.dense_out_b[...])
+                continue
             elif dense_in is not None and isinstance(block.mlp, MLP):  # MLP.__call__ from its fc1 product
                 m = block.mlp.fc2(gelu_tanh(dense_in[1]))
             else:
