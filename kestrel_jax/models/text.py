@@ -336,7 +336,9 @@ class MoE(nnx.Module):
 
 class DenseIn(nnx.Variable):
     """A dense layer's QKV and fc1 weights (or biases) side by side, [D, QKV + F] (or [QKV + F]):
-    the decode steps' one product over the normalised rows (`TextModel.fuse_dense_decode`)."""
+    the decode steps' one product over the normalised rows; or its output projection's and fc2's
+    weights stacked, [D + F, D] (and their biases summed, [D]): the one product over attention's
+    output and GELU(fc1) side by side (`TextModel.fuse_dense_decode`)."""
 
 
 class Block(nnx.Module):
@@ -363,6 +365,16 @@ class Block(nnx.Module):
         split = self.attn.qkv.kernel.shape[1]
         return y[:, :split], y[:, split:], y
 
+    def dense_decode_out(self, o: jax.Array, h: jax.Array) -> jax.Array:
+        """A dense layer's decode output projection of attention's output `o` plus its MLP's
+        fc2(GELU_tanh(h)) (h: the fc1 product), as one product over `dense_out_w` ([proj; fc2]
+        stacked along the input dimension) with the two biases summed: one GEMM and one pass over
+        its split-K partial sums instead of two of each (the sum is rounded to bf16 once, not each
+        term)."""
+        assert self.dense_out_w is not None and self.dense_out_b is not None
+        g = jnp.concatenate([o, gelu_tanh(h)], axis=1)
+        return jnp.dot(g, self.dense_out_w[...].astype(g.dtype)) + self.dense_out_b[...].astype(g.dtype)
+
 
 class KVScales(nnx.Variable):
     """Per-layer (k_scale, v_scale) for an FP8 KV cache, from the checkpoint when it has them."""
@@ -381,13 +393,18 @@ class TextModel(nnx.Module):
 
     def fuse_dense_decode(self, on: bool = True, device: jax.Device | None = None) -> int:
         """Give each dense layer (MD2's every layer, MD3's first four) its QKV and fc1 weights side
-        by side (`Block.dense_w`, `dense_b`), which its decode steps then read as one product; off removes
-        them. A copy: the separate weights stay for prefill (MD2 at full size: +1.4 GB). -> bytes
-        added. Why: XLA merges the two decode products into one GEMM anyway, concatenating the
-        weights inside its Triton GEMM as it reads them; joined once here, the product is a plain
-        GEMM that cuBLAS can run too (H200, 64 rows: 19.1 us against 22.5 per MD2 layer).
+        by side (`Block.dense_w`, `dense_b`), which its decode steps then read as one product, and
+        its output projection's and fc2's stacked (`Block.dense_out_w`, `dense_out_b`; not with
+        KESTREL_JAX_DENSE_OUT_JOINED=0), read as one product too; off removes them. Copies: the
+        separate weights stay for prefill (MD2 at full size: +1.4 GB and +1.0 GB). -> bytes added.
+        Why: XLA merges the two input products into one GEMM anyway, concatenating the weights
+        inside its Triton GEMM as it reads them; joined once here, the product is a plain GEMM that
+        cuBLAS can run too (H200, 64 rows: 19.1 us against 22.5 per MD2 layer). The two output
+        products were two split-K GEMMs, each with its partial sums to add (H200, 64 rows: 17.5 +
+        GELU and sum passes 7.6 us per MD2 layer; joined 15.1 + 5.4).
         `device`: where the joined copies are made (default: where the weights are)."""
         added = 0
+        out = flag("KESTREL_JAX_DENSE_OUT_JOINED", True)
         for block in self.blocks:
             if not isinstance(block.mlp, MLP) or not on:
                 block.dense_w = block.dense_b = block.dense_out_w = block.dense_out_b = None
@@ -403,14 +420,17 @@ class TextModel(nnx.Module):
             b = jnp.concatenate(parts[2:])
             block.dense_w, block.dense_b = DenseIn(w), DenseIn(b.astype(w.dtype))
             added += w.nbytes + b.nbytes
+            block.dense_out_w = block.dense_out_b = None
+            if not out:
+                continue
             proj, fc2 = block.attn.proj, block.mlp.fc2
             outs = [proj.kernel[...], fc2.kernel[...]]
-            ob = sum(lin.bias[...].astype(jnp.float32) for lin in (proj, fc2) if lin.bias is not None)
+            ob = sum((lin.bias[...].astype(jnp.float32) for lin in (proj, fc2) if lin.bias is not None),
+                     jnp.zeros(proj.kernel.shape[1], jnp.float32))
             if device is not None:
-                outs = [jax.device_put(a, device) for a in outs]
-                ob = jax.device_put(ob, device)
+                outs, ob = [jax.device_put(a, device) for a in outs], jax.device_put(ob, device)
             wo = jnp.concatenate(outs, axis=0)
-            block.dense_out_w, block.dense_out_b = DenseIn(wo), DenseIn(jnp.asarray(ob, wo.dtype))
+            block.dense_out_w, block.dense_out_b = DenseIn(wo), DenseIn(ob.astype(wo.dtype))
             added += wo.nbytes + wo.shape[1] * wo.dtype.itemsize
         return added
 
@@ -470,8 +490,7 @@ class TextModel(nnx.Module):
             # session 35: batch-1 step +22.8 us; at 64 rows -32 us)
             joined = batch.cu_q_lens is None and aux is None and t > 1
             dense_in = block.dense_decode_in(n[:t]) if joined else None
-            out_joined = dense_in is not None and block.dense_out_w is not None and \
-                flag("KESTREL_JAX_DENSE_OUT_JOINED", False)
+            out_joined = dense_in is not None and block.dense_out_w is not None
             a, ks[i], vs[i], routed = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux,
                                                  router=router, route_top_k=top_k,
                                                  experts=block.mlp.experts() if isinstance(block.mlp, MoE) else None,
@@ -493,11 +512,8 @@ class TextModel(nnx.Module):
                     continue
             if rows is not None:
                 m = combine_rows(rows, t, x.dtype)
-            elif out_joined and dense_in is not None and block.dense_out_w is not None and block.dense_out_b is not None:
-                # the output projection and fc2 as one product over joined weights: a is attention's
-                # unprojected output
-                g = jnp.concatenate([a, gelu_tanh(dense_in[1])], axis=1)
-                x = x + (jnp.dot(g, block.dense_out_w[...]) + block.dense_out_b[...])
+            elif out_joined and dense_in is not None:  # `a`: attention's output before its projection
+                x = x + block.dense_decode_out(a, dense_in[1])
                 continue
             elif dense_in is not None and isinstance(block.mlp, MLP):  # MLP.__call__ from its fc1 product
                 m = block.mlp.fc2(gelu_tanh(dense_in[1]))

@@ -167,9 +167,9 @@ class RunnerConfig:
     # 64-client W2 the same either way (7,247-7,327 tok/s), a decode launch 4.2 vs 4.0 ms, a mixed
     # one 9.8 vs 11.0 ms. Off: kept for A/B runs.
     put_inputs: bool = False
-    # The dense layers' QKV and fc1 weights also kept side by side for the decode steps' one product
-    # (`TextModel.fuse_dense_decode`; MD2 at full size +1.4 GB, MD3 +0.23 GB): "auto" (on a GPU),
-    # "on" or "off".
+    # The dense layers' QKV and fc1 weights also kept side by side for the decode steps' one product,
+    # and their output projection's and fc2's stacked for another (`TextModel.fuse_dense_decode`;
+    # MD2 at full size +1.4 + 1.0 GB, MD3 +0.23 + 0.17 GB): "auto" (on a GPU), "on" or "off".
     fused_dense_decode: str = "auto"
 
 
@@ -534,7 +534,8 @@ class Runner:
             finally:
                 model.text.fuse_dense_decode(False)
         if self.joined_dense_bytes:
-            log.info("dense layers' QKV + fc1 weights joined for decode: +%.2f GB", self.joined_dense_bytes / 1e9)
+            log.info("dense layers' decode weights joined (QKV + fc1, proj + fc2): +%.2f GB",
+                     self.joined_dense_bytes / 1e9)
         region_gd, region_state = nnx.split(model.region)
         self.lm_params, lm_treedef = jax.tree.flatten((text_state, region_state))
         self._parts = _Parts(model.cfg, model.dtype, text_gd, region_gd, lm_treedef)

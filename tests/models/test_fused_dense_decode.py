@@ -1,12 +1,14 @@
-"""Dense layers' decode QKV + fc1 as one product over weights joined at load time
-(`TextModel.fuse_dense_decode`, `RunnerConfig.fused_dense_decode`): the runner's decode steps give
-the same outputs as with the separate weights (one GEMM's columns are the two GEMMs' columns; a
-one-row step keeps the separate products), the joined weights are the two side by side, MoE layers
-get none, prefill keeps the separate ones, runners started at once on one model all get them, and a
-bad setting is refused."""
+"""Dense layers' decode QKV + fc1, and output projection + fc2, each as one product over weights
+joined at load time (`TextModel.fuse_dense_decode`, `RunnerConfig.fused_dense_decode`): the
+runner's decode steps give the same outputs as with the separate weights (the input product's
+columns are the two GEMMs' columns: bit-identical; the output product rounds the sum of its two
+terms once: within bf16 rounding, the same tokens; a one-row step keeps the separate products), the
+joined weights are the separate ones side by side / stacked, MoE layers get none, prefill keeps the
+separate ones, runners started at once on one model all get them, and a bad setting is refused."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Literal
 
 import jax
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 
 from kestrel_jax.models.config import tiny_config
+from kestrel_jax.models.layers import gelu_tanh
 from kestrel_jax.models.moondream import random_model
 from kestrel_jax.models.text import MLP
 from kestrel_jax.serving import batch as bt
@@ -41,12 +44,24 @@ def _steps(family: Literal["md2", "md3"], fused: str) -> tuple[list[np.ndarray],
     return out, r
 
 
+@functools.cache
+def _separate(family: Literal["md2", "md3"]) -> tuple[list[np.ndarray], Runner]:
+    """The steps over the separate weights (the reference of the tests below)."""
+    return _steps(family, "off")
+
+
+def _dense_layers(family: str) -> int:
+    return 4 if family == "md2" else 2  # tiny MD3: MoE from layer 2
+
+
 @pytest.mark.parametrize("family", ["md2", "md3"])
 def test_decode_through_joined_weights_equals_separate(family: Literal["md2", "md3"],
                                                        monkeypatch: pytest.MonkeyPatch):
+    """The QKV + fc1 product alone (KESTREL_JAX_DENSE_OUT_JOINED=0): bit-identical steps."""
     from kestrel_jax.models.text import Block
 
-    ref, r_off = _steps(family, "off")
+    monkeypatch.setenv("KESTREL_JAX_DENSE_OUT_JOINED", "0")
+    ref, r_off = _separate(family)
     seen: list[int] = []  # rows of each joined product traced
     original = Block.dense_decode_in
 
@@ -67,11 +82,39 @@ def test_decode_through_joined_weights_equals_separate(family: Literal["md2", "m
     r_on.decode(*bt.text_decode([(2, 20, 7, -1)], bucket=1, pages=r_on.max_pages_per_seq, page_size=PAGE), None)
     assert len(seen) == traced
     per_layer = 2 * 256 * (3 * 256 + 512) + 2 * (3 * 256 + 512)  # bf16 [D, QKV + F] and its bias
-    dense = 4 if family == "md2" else 2  # tiny MD3: MoE from layer 2
+    dense = _dense_layers(family)
     assert r_on.joined_dense_bytes == dense * per_layer and r_off.joined_dense_bytes == 0
     assert len(r_on.lm_params) == len(r_off.lm_params) + 2 * dense
     # the runners' params hold them; the models keep none
     assert all(b.dense_w is None and b.dense_b is None for r in (r_on, r_off) for b in r.model.text.blocks)
+
+
+@pytest.mark.parametrize("family", ["md2", "md3"])
+def test_decode_through_joined_output_weights(family: Literal["md2", "md3"], monkeypatch: pytest.MonkeyPatch):
+    """With the output projection + fc2 product as well (the default): the same sampled tokens,
+    logprobs, region outputs and KV within bf16 rounding of the separate products' sum."""
+    from kestrel_jax.models.text import Block
+
+    ref, r_off = _separate(family)
+    seen: list[int] = []
+    original = Block.dense_decode_out
+
+    def counted(self: Block, o: jax.Array, h: jax.Array) -> jax.Array:
+        seen.append(o.shape[0])
+        return original(self, o, h)
+
+    monkeypatch.setattr(Block, "dense_decode_out", counted)
+    got, r_on = _steps(family, "on")
+    dense = _dense_layers(family)
+    assert seen and len(seen) % dense == 0 and set(seen) == {2}  # the 2-row steps' dense layers
+    for x, y in zip(got[:4], ref[:4], strict=True):
+        np.testing.assert_array_equal(x[:, 0], y[:, 0])  # sampled tokens
+        np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
+    for x, y in zip(got[4:], ref[4:], strict=True):
+        np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
+    per_layer = 2 * 256 * (3 * 256 + 512) + 2 * (3 * 256 + 512) + 2 * (256 + 512) * 256 + 2 * 256
+    assert r_on.joined_dense_bytes == dense * per_layer
+    assert len(r_on.lm_params) == len(r_off.lm_params) + 4 * dense
 
 
 def test_joined_weights_are_the_two_side_by_side():
@@ -88,8 +131,34 @@ def test_joined_weights_are_the_two_side_by_side():
             assert qb is not None and fb is not None
             np.testing.assert_array_equal(np.asarray(b.dense_b[...]),
                                           np.concatenate([np.asarray(qb[...]), np.asarray(fb[...])]))
+            # the output weights stacked, [proj; fc2], and their biases summed
+            assert b.dense_out_w is not None and b.dense_out_b is not None
+            np.testing.assert_array_equal(np.asarray(b.dense_out_w[...]), np.concatenate(
+                [np.asarray(b.attn.proj.kernel[...]), np.asarray(b.mlp.fc2.kernel[...])], axis=0))
+            pb, f2b = b.attn.proj.bias, b.mlp.fc2.bias
+            assert pb is not None and f2b is not None
+            np.testing.assert_array_equal(np.asarray(b.dense_out_b[...]), np.asarray(
+                (pb[...].astype(jnp.float32) + f2b[...].astype(jnp.float32)).astype(jnp.bfloat16)))
     assert model.text.fuse_dense_decode(False) == 0
-    assert all(b.dense_w is None and b.dense_b is None for b in blocks)
+    assert all(b.dense_w is None and b.dense_b is None and b.dense_out_w is None for b in blocks)
+
+
+def test_joined_output_product_is_projection_plus_fc2(monkeypatch: pytest.MonkeyPatch):
+    """Block.dense_decode_out in float32: proj(o) + fc2(GELU_tanh(h)); none with the switch off."""
+    model = random_model(tiny_config("md2", vision_layers=2), dtype=jnp.float32, seed=4)
+    b = model.text.blocks[1]
+    assert isinstance(b.mlp, MLP) and b.attn.proj.bias is not None and b.mlp.fc2.bias is not None
+    keys = jax.random.split(jax.random.key(int(np.random.default_rng().integers(1 << 30))), 4)
+    b.attn.proj.bias[...] = jax.random.normal(keys[2], (256,), jnp.float32)  # (random_model's are 0)
+    b.mlp.fc2.bias[...] = jax.random.normal(keys[3], (256,), jnp.float32)
+    model.text.fuse_dense_decode()
+    o = jax.random.normal(keys[0], (5, 256), jnp.float32)
+    h = jax.random.normal(keys[1], (5, 512), jnp.float32)
+    want = b.attn.proj(o) + b.mlp.fc2(gelu_tanh(h))
+    np.testing.assert_allclose(np.asarray(b.dense_decode_out(o, h)), np.asarray(want), rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("KESTREL_JAX_DENSE_OUT_JOINED", "0")
+    model.text.fuse_dense_decode()
+    assert all(x.dense_w is not None and x.dense_out_w is None for x in model.text.blocks)
 
 
 def test_decode_qkv_kernel_reads_the_joined_product(monkeypatch: pytest.MonkeyPatch):
