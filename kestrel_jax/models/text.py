@@ -232,15 +232,14 @@ class Attention(nnx.Module):
         else:
             assert batch.prefix_lens is not None
             q_pre = q[nd:] if q_split is None else q_split[-1]
-            od = None
+            o = ops.prefill_attention(q_pre, k_pages, v_pages, batch.cu_q_lens, batch.kv_lens,
+                                      batch.page_table, batch.prefix_lens, k_scale, v_scale,
+                                      sm_scale=scale)
             if batch.decode is not None:  # one query per sequence: the decode kernel's shape
                 q_dec = q[:nd] if q_split is None else q_split[0]
                 od = ops.decode_attention(q_dec, k_pages, v_pages, batch.decode.kv_lens, batch.decode.page_table,
                                           k_scale, v_scale, sm_scale=scale)
-            # the decode rows' outputs first, then the prefill rows'
-            o = ops.prefill_attention(q_pre, k_pages, v_pages, batch.cu_q_lens, batch.kv_lens,
-                                      batch.page_table, batch.prefix_lens, k_scale, v_scale,
-                                      sm_scale=scale, lead=od)
+                o = jnp.concatenate([od, o])
             return self._project(o.reshape(t, h * hd), decode), k_pages, v_pages, logits
 
     def _prefetch(self, t: int, routed: jax.Array | DenseRoute | None, experts: ExpertWeights | None,

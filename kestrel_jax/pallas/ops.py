@@ -171,27 +171,15 @@ def l2_prefetch_mask() -> int:
 
 def prefill_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, cu_q_lens: jax.Array,
                       kv_lens: jax.Array, page_table: jax.Array, prefix_lens: jax.Array, k_scale: jax.Array,
-                      v_scale: jax.Array, *, sm_scale: float, lead: jax.Array | None = None) -> jax.Array:
-    """`lead` ([N, H, D], a mixed step's decode rows' attention output): it comes first in the
-    result, [N + T, H, D]. XLA concatenates the two; with KESTREL_JAX_MIXED_OUT_IN_PLACE=1 (opt-in,
-    read at trace time; not yet measured) the kernel leaves N rows free at the top of its output
-    and `lead` is written into them in place."""
+                      v_scale: jax.Array, *, sm_scale: float) -> jax.Array:
     if _want_kernel():
         from kestrel_jax.pallas import paged_attention_prefill_mgpu as kern
 
         if kern.prefill_attention_kernel_supported(q, k_pages, page_table):
-            offset = lead.shape[0] if lead is not None and flag("KESTREL_JAX_MIXED_OUT_IN_PLACE", False) else 0
-            o = _jitted(kern.prefill_attention_kernel, ("sm_scale", "out_offset"))(
-                q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, prefix_lens, k_scale, v_scale, sm_scale=sm_scale,
-                out_offset=offset)
-            if lead is None:
-                return o
-            if offset:
-                return jax.lax.dynamic_update_slice(o, lead.astype(o.dtype), (0, 0, 0))
-            return jnp.concatenate([lead, o])
-    o = attn_ref_mod.prefill_attention_ref(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table,
-                                           prefix_lens, k_scale, v_scale, sm_scale=sm_scale)
-    return o if lead is None else jnp.concatenate([lead, o])
+            return _jitted(kern.prefill_attention_kernel, ("sm_scale",))(
+                q, k_pages, v_pages, cu_q_lens, kv_lens, page_table, prefix_lens, k_scale, v_scale, sm_scale=sm_scale)
+    return attn_ref_mod.prefill_attention_ref(q, k_pages, v_pages, cu_q_lens, kv_lens, page_table,
+                                              prefix_lens, k_scale, v_scale, sm_scale=sm_scale)
 
 
 # --------------------------------------------------------------------------------------------

@@ -134,14 +134,8 @@ def prefill_attention_kernel(
     acc_in_place: bool | None = None,
     interpret: bool = False,
     detect_races: bool = False,
-    out_offset: int = 0,
 ) -> jax.Array:  # [T, H, D] in q.dtype; padding rows are zero
-    """`out_offset`: the output has that many rows before q's (left unwritten: a mixed step's
-    decode rows, which the caller writes in place, `ops.prefill_attention(lead=...)`), [offset + T,
-    H, D]."""
     check_pool(k_pages, v_pages)
-    if out_offset < 0:
-        raise ValueError(f"out_offset must be >= 0, got {out_offset}")
     if not prefill_attention_kernel_supported(q, k_pages, page_table):
         raise KVLayoutError(f"prefill kernel does not support q {q.shape} {q.dtype}, pool {k_pages.shape} "
                             f"{k_pages.dtype}; use prefill_attention_ref")
@@ -394,7 +388,7 @@ def prefill_attention_kernel(
             while size >= 1:
                 here = n_own & size
                 src = o_smem.at[wg, pl.ds(start, size)]
-                dst = o_ref.at[pl.ds(out_offset + row0 + start, size), hq]
+                dst = o_ref.at[pl.ds(row0 + start, size), hq]
                 pl.when(here != 0)(functools.partial(plgpu.copy_smem_to_gmem, src, dst))
                 start = start + here
                 size //= 2
@@ -402,7 +396,7 @@ def prefill_attention_kernel(
 
     kern = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((out_offset + T, H, D), q.dtype),
+        out_type=jax.ShapeDtypeStruct((T, H, D), q.dtype),
         grid=(n_blocks, H),
         grid_names=("blk", "h"),
         kernel_name="kestrel_prefill_attention",
@@ -429,5 +423,5 @@ def prefill_attention_kernel(
     )
     out = kern(q, k_pages, v_pages, own_buffer(cu_q_lens, jnp.int32), own_buffer(kv_lens, jnp.int32), page_table,
                own_buffer(prefix_lens, jnp.int32), own_buffer(k_scale, jnp.float32), own_buffer(v_scale, jnp.float32))
-    return out[:out_offset + T0] if T0 != T else out
+    return out[:T0] if T0 != T else out
 

@@ -31,7 +31,6 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 from kernel_helpers import as_f32, fresh_rng
 
-from kestrel_jax.pallas import ops
 from kestrel_jax.pallas import paged_attention as pa
 from kestrel_jax.pallas import paged_attention_mgpu as pm
 from kestrel_jax.pallas import paged_attention_prefill_mgpu as pp
@@ -304,52 +303,6 @@ def test_prefill_kernel_interpreted(dtype, page, group, segs, pad, consumers, ra
         assert not np.any(as_f32(out)[int(cu[-1]):]), "padding rows must be zero"
 
 
-def test_prefill_kernel_leaves_rows_for_a_mixed_steps_decode_outputs(monkeypatch: pytest.MonkeyPatch):
-    """`out_offset`: the prefill rows land below N rows the kernel never writes (a mixed step's
-    decode rows: `ops.prefill_attention(lead=...)` writes them in place with
-    KESTREL_JAX_MIXED_OUT_IN_PLACE=1, and concatenates them otherwise)."""
-    rng = fresh_rng()
-    segs, page, pad, off = [_PREFIX_EQ, _TEXT_ONLY], 64, 3, 8
-    kvl = np.array([n + c for n, c, _ in segs], np.int32)
-    max_pages = -(-int(kvl.max()) // page) + 1
-    k_pages, v_pages, table, ks, vs = _make_pool(rng, len(segs) * max_pages + 2, 1, page, BF16, kvl, max_pages,
-                                                 len(segs))
-    cu = np.r_[0, np.cumsum([n for n, _, _ in segs])].astype(np.int32)
-    q = jnp.asarray(rng.standard_normal((int(cu[-1]) + pad, 2, 64)), BF16)
-    args = (q, k_pages, v_pages, jnp.asarray(cu), jnp.asarray(kvl), table,
-            jnp.asarray([p for _, _, p in segs], jnp.int32), ks, vs)
-    ref = pa.prefill_attention_ref(*args, sm_scale=SM_SCALE)
-    with pytest.raises(ValueError, match="out_offset"):
-        pp.prefill_attention_kernel(*args, sm_scale=SM_SCALE, interpret=True, out_offset=-1)
-    # the dispatch, the kernel interpreted: lead rows first either way
-    lead = jnp.asarray(rng.standard_normal((off, 2, 64)), BF16)
-    calls: list[int] = []
-
-    def interpreted(fn, static=()):
-        def run(*a, out_offset=0, **kw):
-            calls.append(out_offset)
-            return pp.prefill_attention_kernel(*a, out_offset=out_offset, interpret=True, **kw)
-        return run
-
-    monkeypatch.setattr(ops, "_jitted", interpreted)
-    outs = []
-    with ops.use_backend("kernel"):
-        for switch in ("0", "1"):
-            monkeypatch.setenv("KESTREL_JAX_MIXED_OUT_IN_PLACE", switch)
-            outs.append(ops.prefill_attention(*args, sm_scale=SM_SCALE, lead=lead))
-    assert calls == [0, off]
-    np.testing.assert_array_equal(as_f32(outs[1]), as_f32(outs[0]))  # in place == concatenated
-    out = outs[1]
-    assert out.shape == (off + q.shape[0], 2, 64) and out.dtype == q.dtype
-    np.testing.assert_array_equal(as_f32(out[:off]), as_f32(lead))
-    _check(out[off:], ref, _vmax(v_pages, np.asarray(table), kvl, vs), atol=2.0**-8, what="prefill")
-    assert not np.any(as_f32(out)[off + int(cu[-1]):]), "padding rows must be zero"
-    # the jnp path: the same layout
-    ref_lead = ops.prefill_attention(*args, sm_scale=SM_SCALE, lead=lead)
-    np.testing.assert_array_equal(as_f32(ref_lead[:off]), as_f32(lead))
-    np.testing.assert_array_equal(as_f32(ref_lead[off:]), as_f32(ref))
-
-
 def test_kernels_reject_unsupported_shapes():
     q = jnp.zeros((2, 4, 128), BF16)
     pool = jnp.zeros((4, 4, 16, 128), FP8)
@@ -413,8 +366,8 @@ def test_kernels_lower_at_production_shapes(dtype):
     text = _lower_for_h100(pm.write_kv_kernel, pool, pool, _SDS((1024, 32, 64), BF16), _SDS((1024, 32, 64), BF16),
                            _SDS((1024,), jnp.int32), _F32, _F32)
     assert "output_operand_alias" in text  # the pools are updated in place
-    for B, T, off in [(1, 740, 0), (1, 1024, 0), (16, 16 * 740, 0), (2, 1536, 64)][: 4 if fp8 else 1]:
-        pre = functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE, out_offset=off)
+    for B, T in [(1, 740), (1, 1024), (16, 16 * 740)][: 3 if fp8 else 1]:
+        pre = functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE)
         _lower_for_h100(pre, _SDS((T, 32, 64), BF16), pool, pool, _SDS((B + 1,), jnp.int32),
                         _SDS((B,), jnp.int32), _SDS((B, 32), jnp.int32), _SDS((B,), jnp.int32), _F32, _F32)
     print(f"lowered in {time.time() - t0:.1f}s")
