@@ -15,8 +15,23 @@ bf16 inputs and the same dequantised weights):
   bf16 (the activation, each expert's output, the layer output), each <= 2^-9 relative; errors
   of many terms add in quadrature, so the normalised error is a few 2^-9. Bound 1e-2 (~5 * 2^-9).
 * FP8-W8A8 against an oracle that quantises activations the same way (`quantize_rows` on the
-  tokens and on the bf16 activation): as above, plus rare one-code differences where the kernel's
-  and the oracle's bf16 activations straddle an e4m3 rounding boundary. Bound 2e-2.
+  tokens and on the bf16 activation): the tokens' codes are the kernel's exactly (the same bf16
+  rows, the same compiled arithmetic), but the activation's need not be. The kernel's f32
+  activation differs from the oracle's float64 one by at most `_activation_slack` (the f32 up GEMM:
+  <= (K + 2) * 2^-24 * sum |terms|, in any summation order; the A&S erf and f32 epilogue), a
+  worst case of ~5e-4 relative (the interpreted kernel's actual error is ~1e-7); where that
+  interval holds a bf16 rounding midpoint the kernel may round either way, and one bf16 ulp
+  (2^-8..2^-7) can move the value, or the row's absmax and so its scale, across an e4m3 boundary:
+  one code, up to 32 / 448 of the row's absmax, which the down GEMM turns into an output error of
+  weight * step * |down column| (seed 1606670120, T=300: activation 5.1406256 in float64, 6e-7
+  above the bf16 midpoint 5.140625; the kernel's 5.125 and the oracle's 5.15625 quantise to codes
+  384 and 416, 0.41 apart: 2.7% of max |oracle| on one output row). A one-code flip is no rounding
+  noise, so no global bound covers it without hiding real errors: `oracle_err` instead gives every
+  output element the largest change that every e4m3 code the kernel may legitimately hold (each
+  bf16 candidate of the slack interval, at each scale its row's candidates allow) can make, and
+  holds the rest to the bf16 bound (measured beyond the allowance: <= 4e-3). Most elements get no
+  allowance (no midpoint in their interval, or both neighbours quantise alike); an output row's is
+  ~0.5% of max |oracle| on average, a few % at most. A scale 2% off or a dropped expert fails.
 * FP8-W8A8 against the unquantised oracle (what activation quantisation itself costs): each
   e4m3 element carries <= 2^-4 relative rounding error (3 mantissa bits), ~2^-4/sqrt(3) RMS, and
   two quantised GEMMs follow each other: ~5% RMS. Bound 0.1.
@@ -27,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import sys
 from typing import Any
 
@@ -74,14 +90,17 @@ FP8 = jnp.float8_e4m3fn
 # unit while keeping the interpreter's step count (its cost) low.
 E, I = 8, 128  # noqa: E741 (the spec's name for the expert inner width)
 D_BF16, D_FP8 = 128, 256
-TOL_BF16, TOL_W8A8_EMULATED, TOL_W8A8_VS_EXACT = 1e-2, 2e-2, 0.1
+TOL_BF16, TOL_W8A8_VS_EXACT = 1e-2, 0.1
+TOL_W8A8_EMULATED = TOL_BF16  # beyond the per-element allowance of `oracle_err` (module docstring)
 INTERPRET = plgpu.InterpretGPUParams()
 SMALL_CTAS, SMALL_STAGES = 3, 3  # few CTAs so each runs several units; a short ring that wraps
 
 
 @pytest.fixture
 def rng() -> np.random.Generator:
-    seed = int(np.random.SeedSequence().entropy) % 2**32  # type: ignore[arg-type]
+    """A fresh seed per test; KESTREL_TEST_SEED=<seed> replays a printed one."""
+    forced = os.environ.get("KESTREL_TEST_SEED")
+    seed = int(forced) if forced else int(np.random.SeedSequence().entropy) % 2**32  # type: ignore[arg-type]
     print(f"test seed = {seed}")
     return np.random.default_rng(seed)
 
@@ -135,6 +154,62 @@ def fake_quant(rows: np.ndarray) -> np.ndarray:
 
 def oracle(x: jax.Array, routing: Routing, ex: ExpertWeights, *, w8a8: bool = False) -> np.ndarray:
     """float64 model of the MoE FFN; with w8a8, activations rounded through e4m3 like the kernel."""
+    return _oracle(x, routing, ex, w8a8=w8a8)[0]
+
+
+def oracle_err(out: np.ndarray, x: jax.Array, routing: Routing, ex: ExpertWeights, *, w8a8: bool = False) -> float:
+    """`rel_err` against `oracle`, less, per element, the W8A8 allowance for the activation codes the
+    kernel may legitimately hold otherwise (module docstring); without w8a8, `rel_err` itself."""
+    ref, allowance = _oracle(x, routing, ex, w8a8=w8a8)
+    assert np.isfinite(out).all(), "kernel output has non-finite values"
+    return float(np.max(np.abs(out - ref) - allowance) / np.abs(ref).max())
+
+
+F32_U = 2.0**-24  # unit roundoff of float32
+GELU_SLOPE = 1.13  # max |GELU'(h)| (1.1289 at h = 1.4)
+ERF_ABS = 1.5e-7  # Abramowitz-Stegun 7.1.26
+
+
+def _activation_slack(h: np.ndarray, g: np.ndarray, h_terms: np.ndarray, g_terms: np.ndarray, K: int) -> np.ndarray:
+    """Bound on |kernel's f32 activation - float64 GELU(h) * (g + 1)|. Each GEMM output: K - 1 f32
+    additions of exact e4m3 products, two scale products (the oracle's f32-rounded weights one
+    more), so <= gamma_(K+2) * sum |terms|; GELU moves it by <= 1.13 times that, plus the A&S erf
+    error (|h| / 2 * 1.5e-7) and the epilogue's f32 roundings (<= 16 u |h| and 4 u |result|)."""
+    gamma = (K + 2) * F32_U / (1 - (K + 2) * F32_U)
+    dh, dg = gamma * h_terms, gamma * g_terms
+    gelu = 0.5 * h * (1.0 + np.vectorize(math.erf)(h / math.sqrt(2.0)))
+    dgelu = GELU_SLOPE * dh + (0.5 * ERF_ABS + 16 * F32_U) * np.abs(h)
+    g1 = np.abs(g + 1.0)
+    return dgelu * g1 + (np.abs(gelu) + dgelu) * (dg + 2 * F32_U * (g1 + dg)) + 4 * F32_U * np.abs(gelu * (g + 1.0))
+
+
+def _bf16(v: np.ndarray) -> np.ndarray:
+    return np.asarray(jnp.asarray(np.asarray(v, np.float32), jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+def _code_allowance(a: np.ndarray, slack: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """-> (the oracle's e4m3-rounded activation, per element the largest |difference| to any value
+    the kernel may hold): its f32 activation lies in a +- slack, so its bf16 one in [lo, hi] (bf16
+    rounding is monotone) and its row absmax m in [m_lo, m_hi]. At each candidate m the codes are
+    monotone in the value, so the ends of [lo, hi] clipped to +-m bound them; an appended column m
+    makes `quantize_rows` use that scale."""
+    q0 = fake_quant(_bf16(a))
+    lo, hi = _bf16(a - slack), _bf16(a + slack)
+    m_lo = np.where((lo <= 0) & (hi >= 0), 0.0, np.minimum(np.abs(lo), np.abs(hi))).max(-1)
+    m_hi = np.maximum(np.abs(lo), np.abs(hi)).max(-1)
+    bits = [np.asarray(jnp.asarray(m, jnp.bfloat16)).view(np.uint16).astype(np.int64) for m in (m_lo, m_hi)]
+    allow = np.zeros_like(a)
+    for step in range(int((bits[1] - bits[0]).max()) + 1):  # every bf16 absmax candidate (mostly one)
+        m_bits = np.minimum(bits[0] + step, bits[1]).astype(np.uint16)
+        m = np.asarray(m_bits.view(jnp.bfloat16).astype(np.float32), np.float64)[:, None]
+        for end in (lo, hi):
+            q = fake_quant(np.concatenate([np.clip(end, -m, m), m], axis=1))[:, :-1]
+            allow = np.maximum(allow, np.abs(q - q0))
+    return q0, allow
+
+
+def _oracle(x: jax.Array, routing: Routing, ex: ExpertWeights, *, w8a8: bool) -> tuple[np.ndarray, np.ndarray]:
+    """-> (float64 output, W8A8 per-element allowance: zeros without w8a8)."""
     up, down = dense_weights(ex)
     xs = np.asarray(x.astype(jnp.float32), np.float64)
     if w8a8:
@@ -149,10 +224,17 @@ def oracle(x: jax.Array, routing: Routing, ex: ExpertWeights, *, w8a8: bool = Fa
     h, g = z[:, :I], z[:, I:]
     erf = np.vectorize(math.erf)
     a = 0.5 * h * (1.0 + erf(h / math.sqrt(2.0))) * (g + 1.0)
+    allowance = np.zeros((T, D))
     if w8a8:
-        a = fake_quant(np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32), np.float64))
+        # Per expert for all rows, then picked (BLAS; [T*k, N, K] copies of |weights| cost more).
+        a_idx = np.arange(T * k)
+        terms = np.einsum("end,ad->ean", np.abs(up), np.abs(xs[tok]), optimize=True)[e, a_idx]
+        a, code_allow = _code_allowance(a, _activation_slack(h, g, terms[:, :I], terms[:, I:], D))
+        # What those codes can move each output element: sum_k w_k sum_i allow_i |down[e_k, :, i]|.
+        moved = np.einsum("edi,ai->ead", np.abs(down), code_allow, optimize=True)[e, a_idx]
+        allowance = np.einsum("tk,tkd->td", w, moved.reshape(T, k, D))
     y = np.einsum("adi,ai->ad", down[e], a).reshape(T, k, D)
-    return np.einsum("tk,tkd->td", w, y)
+    return np.einsum("tk,tkd->td", w, y), allowance
 
 
 def run_kernel(x, routing, ex, cfg: MoEKernelConfig, num_valid=None) -> np.ndarray:
@@ -316,7 +398,7 @@ def test_kernel_matches_oracle(rng, T, fp8):
     cfg = small_config(T)
     w8a8 = fp8 and cfg.w8a8
     out = run_kernel(x, routing, ex, cfg)
-    err = rel_err(out, oracle(x, routing, ex, w8a8=w8a8))
+    err = oracle_err(out, x, routing, ex, w8a8=w8a8)
     assert err <= (TOL_W8A8_EMULATED if w8a8 else TOL_BF16), err
     if w8a8:
         assert rel_err(out, oracle(x, routing, ex)) <= TOL_W8A8_VS_EXACT
@@ -335,7 +417,7 @@ def test_moe_ref_matches_oracle(rng, fp8):
     assert rel_err(out, oracle(x, routing, ex)) <= TOL_BF16
     if fp8:
         out = np.asarray(ref(x, routing, ex, quantize_activations=True).astype(jnp.float32), np.float64)
-        assert rel_err(out, oracle(x, routing, ex, w8a8=True)) <= TOL_W8A8_EMULATED
+        assert oracle_err(out, x, routing, ex, w8a8=True) <= TOL_W8A8_EMULATED
 
 
 @pytest.mark.parametrize("T,w8a8,f16", [(100, False, True), (100, False, False), (2, False, False)],
@@ -348,7 +430,7 @@ def test_kernel_fp8_modes_in_both_regimes(rng, T, w8a8, f16):
     x = jnp.asarray(rng.standard_normal((T, D_FP8)), jnp.bfloat16)
     routing = random_routing(rng, T, 2)
     out = run_kernel(x, routing, ex, small_config(T, w8a8=w8a8, f16_operands=f16))
-    assert rel_err(out, oracle(x, routing, ex, w8a8=w8a8)) <= (TOL_W8A8_EMULATED if w8a8 else TOL_BF16)
+    assert oracle_err(out, x, routing, ex, w8a8=w8a8) <= (TOL_W8A8_EMULATED if w8a8 else TOL_BF16)
 
 
 def test_kernel_f16_operands_saturate_instead_of_overflowing(rng):
@@ -397,7 +479,7 @@ def test_kernel_every_token_on_every_expert(rng, down_row_tiles):
     routing = random_routing(rng, T, E)
     cfg = small_config(T, down_row_tiles=down_row_tiles)
     out = run_kernel(x, routing, ex, cfg)
-    assert rel_err(out, oracle(x, routing, ex, w8a8=cfg.w8a8)) <= (TOL_W8A8_EMULATED if cfg.w8a8 else TOL_BF16)
+    assert oracle_err(out, x, routing, ex, w8a8=cfg.w8a8) <= (TOL_W8A8_EMULATED if cfg.w8a8 else TOL_BF16)
 
 
 @pytest.mark.parametrize("dense", [True, False], ids=["dense", "sorted"])
@@ -417,7 +499,7 @@ def test_kernel_padding_tokens_cost_nothing_and_give_zeros(rng, dense):
     assert (out[n_valid:] == 0).all()
     head = Routing(routing.weights[:n_valid], routing.experts[:n_valid], routing.logits[:n_valid])
     tol = TOL_W8A8_EMULATED if cfg.w8a8 else TOL_BF16
-    assert rel_err(out[:n_valid], oracle(xj[:n_valid], head, ex, w8a8=cfg.w8a8)) <= tol
+    assert oracle_err(out[:n_valid], xj[:n_valid], head, ex, w8a8=cfg.w8a8) <= tol
     assert int(group_dense(routing.experts, E, 24, n_valid).num_blocks[0]) == len(np.unique(experts[:n_valid]))
 
 
@@ -763,7 +845,7 @@ def test_in_gemm_quantisation_equals_the_quantise_launches(rng, T, k, monkeypatc
     on = run_kernel(x, routing, ex, cfg)
     off_cfg = dataclasses.replace(cfg, quant_in_gemm=False)
     np.testing.assert_array_equal(on, run_kernel(x, routing, ex, off_cfg))
-    assert rel_err(on, oracle(x, routing, ex, w8a8=True)) <= TOL_W8A8_EMULATED
+    assert oracle_err(on, x, routing, ex, w8a8=True) <= TOL_W8A8_EMULATED
 
     def launches(c):
         jaxpr = str(jax.make_jaxpr(lambda x: moe(x, routing, ex, config=c, interpret=INTERPRET))(x))
@@ -814,7 +896,7 @@ def test_sorted_unit_order_changes_no_result(rng, fp8):
     base = small_config(T, block_tokens=8, dense=False)
     assert base.slices_fastest
     ref = run_kernel(x, routing, ex, base)
-    assert rel_err(ref, oracle(x, routing, ex, w8a8=fp8)) <= (TOL_W8A8_EMULATED if fp8 else TOL_BF16)
+    assert oracle_err(ref, x, routing, ex, w8a8=fp8) <= (TOL_W8A8_EMULATED if fp8 else TOL_BF16)
     np.testing.assert_array_equal(run_kernel(x, routing, ex, dataclasses.replace(base, slices_fastest=False)), ref)
 
 
