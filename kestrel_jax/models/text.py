@@ -399,8 +399,8 @@ class TextModel(nnx.Module):
         Why: XLA merges the two input products into one GEMM anyway, concatenating the weights
         inside its Triton GEMM as it reads them; joined once here, the product is a plain GEMM that
         cuBLAS can run too (H200, 64 rows: 19.1 us against 22.5 per MD2 layer). The two output
-        products were two split-K GEMMs, each with its partial sums to add (H200, 64 rows: 17.5 +
-        GELU and sum passes 7.6 us per MD2 layer; joined 15.1 + 5.4).
+        products were two split-K GEMMs, each with its partial sums to add (H200, 64 rows: 17.6 +
+        GELU and sum passes 8.6 us per MD2 layer; joined 15.1 + 5.4).
         `device`: where the joined copies are made (default: where the weights are)."""
         added = 0
         out = flag("KESTREL_JAX_DENSE_OUT_JOINED", True)
