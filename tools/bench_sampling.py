@@ -163,19 +163,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     # --configs: the kernel again at other tile widths / warp counts (timed, not re-checked:
     # these change speed only, and the unit tests run several widths).
-    # A third field "s" (e.g. 1024:16:s) runs the single-launch mode (a different kernel: its
-    # tokens are checked against the reference too); "t" forces the two-launch mode.
     sweep = []
-    sweep_kw: dict[str, dict[str, Any]] = {}
     for cfg in filter(None, args.configs.split(",")):
-        w, nw, *mode = cfg.split(":")
-        kw: dict[str, Any] = dict(width=int(w), num_warps=int(nw))
-        if mode:
-            kw["single"] = mode[0] == "s"
-        name = f"kernel_w{w}_nw{nw}" + (f"_{mode[0]}" if mode else "")
-        impls[name] = functools.partial(_kernel_tokens, **kw, **kernel_kw)
+        w, nw = (int(x) for x in cfg.split(":"))
+        name = f"kernel_w{w}_nw{nw}"
+        impls[name] = functools.partial(_kernel_tokens, width=w, num_warps=nw, **kernel_kw)
         sweep.append(name)
-        sweep_kw[name] = kw
     info["configs"] = sweep
     for dtype in dtypes:
         for b in batches:
@@ -202,8 +195,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         case.update(us=round(us, 2), method=method, gbps=round(nbytes / us / 1e3, 1))
                         if name == "kernel":
                             case.update(check)
-                        elif sweep_kw.get(name, {}).get("single") is not None:
-                            case.update(_check(inputs, {**kernel_kw, **sweep_kw[name]}))
                         if name.startswith("kernel"):
                             case.update(kernels=kernels)
                     except Exception as e:  # noqa: BLE001 - one failing case must not stop the rest

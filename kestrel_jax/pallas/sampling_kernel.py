@@ -24,7 +24,11 @@ return the same token.
 Measured and not kept (BENCHMARKS.md, third session): one program per row doing the
 statistics too (a single SM streams the row 2-4x slower than 25 chunk programs), and one
 kernel whose last chunk program finishes the row after an atomic ticket (saves 0.2 us at
-B = 1, costs a zero-filled counter per call and 1-9 us at B >= 4).
+B = 1, costs a zero-filled counter per call and 1-9 us at B >= 4). The first again in the
+thirty-seventh session (H200), its statistics as one pass of per-lane running max / first index
+/ rescaled mass over [NCP, W] tiles: greedy B = 1 5.6 us against 2.78 for the two launches
+(W = 512; W >= 1024 spilled: 15-52 us), top-p 2-3x slower at every batch; faster only for
+greedy bf16 rows at B = 128 (6.3 against 7.1 us). Removed.
 
 Randomness: Pallas GPU has no PRNG primitive, so noise is a counter hash of (row key, stream,
 index) evaluated in-kernel by the same jnp code the reference runs (sampling.gumbel2).
@@ -65,16 +69,6 @@ MAX_LIST_WIDTH = 64
 NEG_INF = float("-inf")
 DEFAULT_WIDTH = 128
 DEFAULT_WARPS = 8
-# The single-launch mode (`sample_kernel`'s `single`): its tile width and warps, and the batches
-# that take it by default (not measured yet: off).
-SINGLE_WIDTH = 1024
-SINGLE_WARPS = 16
-SINGLE_MAX_ROWS = 0
-
-
-def single_launch_wanted(rows: int) -> bool:
-    """Whether `sample_kernel` runs a batch of `rows` in one launch by default."""
-    return rows <= SINGLE_MAX_ROWS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,17 +194,15 @@ def _chunk_stats(logits_ref, b, j, temp_ref, seed_ref, step_ref, allowed_ref, su
 
 
 def _finish_row(logits_ref, b, table_refs, temp_ref, top_k_ref, top_p_ref, seed_ref, step_ref, allowed_ref,
-                supp_ref, out_refs, *, lay: _Layout, n_allowed: int, n_supp: int, need_z: bool = True):
-    """Samples row b from its chunk statistics (table_refs: max, argmax, mass, [B, NCP]; None:
-    this program forms them in a pass of its own, the single-launch mode, where `need_z` says
-    whether greedy rows need the mass too) and writes (token, logprob, max, log Z) to out_refs."""
+                supp_ref, out_refs, *, lay: _Layout, n_allowed: int, n_supp: int):
+    """Samples row b from its chunk statistics (table_refs: max, argmax, mass, [B, NCP]) and
+    writes (token, logprob, max, log Z) to out_refs."""
     greedy, inv_t, c2, top_k, top_p, key = row_settings(
         temp_ref[b], top_k_ref[b], top_p_ref[b], seed_ref[b], step_ref[b], lay.vocab
     )
     supp = _id_list(supp_ref, b, n_supp)
     allowed = _id_list(allowed_ref, b, n_allowed)
-    if table_refs is not None:
-        tables = _load_tables(table_refs, b, lay)  # issued first: overlaps the settings' loads
+    cmax, carg, cmass = _load_tables(table_refs, b, lay)  # issued first: overlaps the settings' loads
     C, W, NCP, NT = lay.chunk, lay.width, lay.rows, lay.n_tiles
     cid = jnp.arange(NCP, dtype=jnp.int32)
     rows = cid[:, None]
@@ -232,8 +224,8 @@ def _finish_row(logits_ref, b, table_refs, temp_ref, top_k_ref, top_p_ref, seed_
 
     def stream(body, carry):
         """Runs body(idx, z, carry) -> carry over every tile, the next tile prefetched. NaN
-        logits stay NaN in z: the bodies only count or take elements by ordered compares with a
-        real logit or -inf, which are false on NaN, as on -inf."""
+        logits stay NaN in z: the bodies only count elements by ordered compares with a real
+        logit, which are false on NaN, as on -inf."""
 
         def step(t, c):
             raw, inner = c
@@ -275,37 +267,7 @@ def _finish_row(logits_ref, b, table_refs, temp_ref, top_k_ref, top_p_ref, seed_
         count, mass = stream(body, (full(zero_i), full(zero_f)))
         return _all(jnp.sum, count), jnp.sum(mass, axis=1)
 
-    def row_stats(with_mass: bool):
-        """The chunk statistics tables' values from one pass over the row (single-launch mode):
-        per lane a running max, its first index and the mass below it (rescaled when the max
-        rises: one exp2 per element), then combined across each chunk's lanes."""
-
-        def body(idx, z, c):
-            vmax, varg, vmass = c
-            take = z > vmax  # tiles go up in index: ties keep the first, as `_first_max`
-            if with_mass:
-                hi, lo = jnp.where(take, z, vmax), jnp.where(take, vmax, z)
-                e = jnp.exp2((lo - hi) * c2)  # NaN where both are -inf: masked below
-                vmass = jnp.where(take, vmass * jnp.where(vmax > NEG_INF, e, 0.0) + 1.0,
-                                  jnp.where(z > NEG_INF, vmass + e, vmass))
-            return jnp.where(take, z, vmax), jnp.where(take, idx, varg), vmass
-
-        vmax, varg, vmass = stream(body, (full(jnp.float32(NEG_INF) + zero_f), full(BIG_INDEX + zero_i),
-                                          full(zero_f)))
-        cm = jnp.max(vmax, axis=1)
-        carg = jnp.min(jnp.where(vmax == cm[:, None], varg, BIG_INDEX), axis=1)
-        if not with_mass:
-            return cm, carg, jnp.sum(full(zero_f), axis=1)  # zeros (a value: cond cannot yield a literal)
-        rel = jnp.where(vmass > 0, vmass * jnp.exp2((vmax - jnp.where(cm > NEG_INF, cm, 0.0)[:, None]) * c2), 0.0)
-        return cm, carg, jnp.sum(rel, axis=1)
-
     def full_row():
-        if table_refs is not None:
-            cmax, carg, cmass = tables
-        elif need_z:
-            cmax, carg, cmass = row_stats(True)
-        else:
-            cmax, carg, cmass = jax.lax.cond(greedy, lambda: row_stats(False), lambda: row_stats(True))
         m = jnp.max(cmax)
         a = jnp.min(jnp.where(cmax == m, carg, BIG_INDEX))
         has_cand = m > NEG_INF  # else chunk argmaxes point at -inf (possibly suppressed) ids
@@ -424,16 +386,6 @@ def _finish_kernel(max_ref, arg_ref, mass_ref, logits_ref, temp_ref, top_k_ref, 
                 allowed_ref, supp_ref, out_refs, lay=lay, n_allowed=n_allowed, n_supp=n_supp)
 
 
-def _single_kernel(logits_ref, temp_ref, top_k_ref, top_p_ref, seed_ref, step_ref, *rest, lay: _Layout,
-                   n_allowed: int, n_supp: int, need_z: bool):
-    """The single-launch mode, grid (B,): each program forms its row's chunk statistics in a pass
-    of its own, then finishes the row."""
-    allowed_ref, supp_ref, out_refs = _split_lists(rest, n_allowed, n_supp)
-    b = pl.program_id(0)
-    _finish_row(logits_ref, b, None, temp_ref, top_k_ref, top_p_ref, seed_ref, step_ref, allowed_ref, supp_ref,
-                out_refs, lay=lay, n_allowed=n_allowed, n_supp=n_supp, need_z=need_z)
-
-
 # ----------------------------------------------------------------------------------------------
 # Wrapper.
 
@@ -467,7 +419,7 @@ def _shape_problem(logits: jax.Array, params: SamplingParams) -> str | None:
     return None
 
 
-@jax.jit(static_argnames=("n_top", "return_logprobs", "chunk", "interpret", "width", "num_warps", "single"))
+@jax.jit(static_argnames=("n_top", "return_logprobs", "chunk", "interpret", "width", "num_warps"))
 def sample_kernel(
     logits: jax.Array,  # [B, V] f32 / bf16 / f16
     params: SamplingParams,
@@ -476,27 +428,20 @@ def sample_kernel(
     return_logprobs: bool = False,
     chunk: int = PROPOSAL_CHUNK,
     interpret: bool = False,
-    width: int | None = None,
-    num_warps: int | None = None,
-    single: bool | None = None,
+    width: int = DEFAULT_WIDTH,
+    num_warps: int = DEFAULT_WARPS,
 ) -> SampleOutput:
     """Pallas version of sample_reference: same arguments, plus `interpret` (run the kernels in
-    the Pallas interpreter, for CPU tests) and three that change speed, not results: `single`
-    (one launch whose programs form their rows' chunk statistics themselves, instead of the
-    statistics kernel and the finishing kernel; None: `single_launch_wanted(B)`), `width`
+    the Pallas interpreter, for CPU tests) and two that change speed, not results: `width`
     (tokens of each chunk per tile of a pass over the row, a power of two) and `num_warps` (of
-    the row-finishing program); their defaults depend on the mode. V % C != 0 costs one padded
-    copy."""
+    the row-finishing program). V % C != 0 costs one padded copy."""
     problem = _shape_problem(logits, params)
     if problem is not None:
         raise ValueError(f"sample_kernel: {problem}")
-    B, V = logits.shape
-    one = single_launch_wanted(B) if single is None else single
-    width = width or (SINGLE_WIDTH if one else DEFAULT_WIDTH)
-    num_warps = num_warps or (SINGLE_WARPS if one else DEFAULT_WARPS)
     for name, v in (("chunk", chunk), ("width", width), ("num_warps", num_warps)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"sample_kernel: {name} must be a power of two, got {v}")
+    B, V = logits.shape
     C = chunk_size(V, chunk)
     NC = -(-V // C)
     lay = _Layout(V, C, NC, max(2, min(width, C)))
@@ -513,34 +458,24 @@ def sample_kernel(
     f32, i32 = jnp.float32, jnp.int32
     need_z = return_logprobs or n_top > 0
     kw: dict[str, Any] = dict(lay=lay, n_allowed=n_allowed, n_supp=n_supp)
+    tables = [jax.ShapeDtypeStruct((B, lay.rows), t) for t in (f32, i32, f32)]
     rows_out = [jax.ShapeDtypeStruct((B,), t) for t in (i32, f32, f32, f32)]
-    if one:
-        tok, lp, m, log_z = pl.pallas_call(
-            functools.partial(_single_kernel, need_z=need_z, **kw),
-            out_shape=rows_out,
-            grid=(B,),
-            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-            interpret=interpret,
-            name="sample_rows",
-        )(logits3, temp, top_k, top_p, seed, step, *lists)
-    else:
-        tables = [jax.ShapeDtypeStruct((B, lay.rows), t) for t in (f32, i32, f32)]
-        chunk_tables = pl.pallas_call(
-            functools.partial(_stats_kernel, need_z=need_z, **kw),
-            out_shape=tables,
-            grid=(B, NC),
-            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-            interpret=interpret,
-            name="sample_chunk_stats",
-        )(logits3, temp, seed, step, *lists)
-        tok, lp, m, log_z = pl.pallas_call(
-            functools.partial(_finish_kernel, **kw),
-            out_shape=rows_out,
-            grid=(B,),
-            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-            interpret=interpret,
-            name="sample_finish",
-        )(*chunk_tables, logits3, temp, top_k, top_p, seed, step, *lists)
+    chunk_tables = pl.pallas_call(
+        functools.partial(_stats_kernel, need_z=need_z, **kw),
+        out_shape=tables,
+        grid=(B, NC),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="sample_chunk_stats",
+    )(logits3, temp, seed, step, *lists)
+    tok, lp, m, log_z = pl.pallas_call(
+        functools.partial(_finish_kernel, **kw),
+        out_shape=rows_out,
+        grid=(B,),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="sample_finish",
+    )(*chunk_tables, logits3, temp, top_k, top_p, seed, step, *lists)
 
     out = SampleOutput(tokens=tok)
     if return_logprobs:

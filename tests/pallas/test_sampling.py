@@ -170,36 +170,16 @@ def check_against_spec_and_reference(logits, params, rows, out, ref):
         np.testing.assert_array_equal(np.asarray(out.top_ids)[i][live], top[live])
 
 
-@pytest.mark.parametrize("dtype,width,single", [(jnp.float32, 4, False), (jnp.bfloat16, 2, False),
-                                                (jnp.float32, 16, False), (jnp.float32, 4, True),
-                                                (jnp.bfloat16, 16, True)])
-def test_kernel_matches_reference_and_spec(rng, dtype, width, single):
-    """Both modes: two launches (chunk statistics, then the rows), and one launch whose programs
-    form their rows' statistics themselves (`single`)."""
+@pytest.mark.parametrize("dtype,width", [(jnp.float32, 4), (jnp.bfloat16, 2), (jnp.float32, 16)])
+def test_kernel_matches_reference_and_spec(rng, dtype, width):
     B, V = 27, 203  # V not a multiple of any chunk: the shifted last chunk is exercised
     rows = mixed_rows(rng, B, V)
     params = make_sampling_params(rows, B, n_allowed=N_ALLOWED, n_suppressed=N_SUPP, vocab_size=V)
     logits = mixed_logits(rng, B, V, dtype)
     ref = sample_reference(logits, params, n_top=3, return_logprobs=True, chunk=16)
-    out = sample_kernel(logits, params, n_top=3, return_logprobs=True, interpret=True, chunk=16, width=width,
-                        single=single)
+    out = sample_kernel(logits, params, n_top=3, return_logprobs=True, interpret=True, chunk=16, width=width)
     check_against_spec_and_reference(logits, params, rows, ref, ref)
     check_against_spec_and_reference(logits, params, rows, out, ref)
-
-
-def test_single_launch_tokens_without_logprobs(rng):
-    """The single-launch mode without logprobs: greedy rows form no mass (a branch of its own),
-    the others do; the same tokens as the reference and the two-launch mode, poisoned rows (NaN,
-    -inf, suppressed ids) included."""
-    B, V = 27, 203
-    rows = mixed_rows(rng, B, V)
-    params = make_sampling_params(rows, B, n_allowed=N_ALLOWED, n_suppressed=N_SUPP, vocab_size=V)
-    logits = mixed_logits(rng, B, V, jnp.float32)
-    want = np.asarray(sample_reference(logits, params, chunk=16).tokens)
-    for single in (True, False):
-        got = sample_kernel(logits, params, interpret=True, single=single, num_warps=4, **KERNEL_SMALL)
-        np.testing.assert_array_equal(np.asarray(got.tokens), want)
-        assert got.logprobs is None
 
 
 def test_greedy_is_first_argmax(rng):
@@ -211,8 +191,7 @@ def test_greedy_is_first_argmax(rng):
     logits = jnp.asarray(x, jnp.bfloat16)
     want = np.argmax(np.asarray(logits.astype(jnp.float32)), axis=1)
     for out in (sample_reference(logits, params, n_top=3, return_logprobs=True, chunk=16),
-                sample_kernel(logits, params, n_top=3, return_logprobs=True, interpret=True, **KERNEL_SMALL),
-                sample_kernel(logits, params, interpret=True, single=True, **KERNEL_SMALL)):
+                sample_kernel(logits, params, n_top=3, return_logprobs=True, interpret=True, **KERNEL_SMALL)):
         np.testing.assert_array_equal(np.asarray(out.tokens), want)
 
 
@@ -232,8 +211,7 @@ def test_constraints_always_respected(rng):
     x[np.arange(B)[:, None], supp_ids] = 50.0  # suppressed ids would win every draw
     logits = jnp.asarray(x, jnp.float32)
     for out in (sample_reference(logits, params, n_top=3, return_logprobs=True, chunk=16),
-                sample_kernel(logits, params, n_top=3, return_logprobs=True, interpret=True, **KERNEL_SMALL),
-                sample_kernel(logits, params, interpret=True, single=True, **KERNEL_SMALL)):
+                sample_kernel(logits, params, n_top=3, return_logprobs=True, interpret=True, **KERNEL_SMALL)):
         tok = np.asarray(out.tokens)
         for i, r in enumerate(rows):
             assert r is not None
@@ -430,9 +408,8 @@ def test_sample_dispatch_on_cpu(rng):
 # shared memory, ptxas) happens inside XLA's CUDA plugin and is checked only on the GPU.
 
 
-@pytest.mark.parametrize("single", [False, True])
 @pytest.mark.parametrize("dtype,widths", [(jnp.bfloat16, (2, 2)), (jnp.float32, (0, 0))])
-def test_cross_lowering_h100(dtype, widths, single):
+def test_cross_lowering_h100(dtype, widths):
     B, V = 256, 51200
     S = jax.ShapeDtypeStruct
     na, ns = widths
@@ -443,17 +420,10 @@ def test_cross_lowering_h100(dtype, widths, single):
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
 
     def step(logits, params):
-        # both single-launch variants: the greedy rows' branch without mass exists only without
-        # logprobs
-        return (sample_kernel(logits, params, n_top=5, return_logprobs=True, single=single),
-                sample_kernel(logits, params, single=single))
+        return sample_kernel(logits, params, n_top=5, return_logprobs=True)
 
     with jax.sharding.use_abstract_mesh(mesh):
         lowered = jax.jit(step).trace(S((B, V), dtype), params).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
-    if single:
-        assert text.count("__gpu$xla.gpu.triton") == 2 and text.count("sample_rows") >= 2, "one launch per call"
-        assert "sample_chunk_stats" not in text
-    else:
-        assert text.count("__gpu$xla.gpu.triton") == 4, "expected the chunk-stats and finish kernels"
-        assert "sample_chunk_stats" in text and "sample_finish" in text
+    assert text.count("__gpu$xla.gpu.triton") == 2, "expected the chunk-stats and finish kernels"
+    assert "sample_chunk_stats" in text and "sample_finish" in text
