@@ -86,7 +86,6 @@ from kestrel_jax.pallas.moe import (
 from kestrel_jax.pallas.moe_grouping import ROW_ALIGN, group_by_expert, group_dense, grouping_sizes
 from kestrel_jax.pallas.moe_route_mgpu import DenseRoute, route_dense, route_dense_supported
 from kestrel_jax.pallas.moe_route_triton import route_tables, route_tables_supported
-from kestrel_jax.pallas.moe_sort_triton import sorted_route, sorted_route_problem
 from kestrel_jax.pallas.paged_attention_mgpu import own_buffer
 from kestrel_jax.pallas.quantize_triton import quantize_rows_kernel, quantize_rows_problem
 from kestrel_jax.switches import choice, flag, integer
@@ -731,43 +730,8 @@ def moe_layer(
     if rows is not None:
         return combine_rows(rows, x.shape[0], x.dtype)
     cfg = config or default_config(x.shape[0])
-    if sorted_route_wanted() and not cfg.dense and sorted_route_problem(
-            x.shape[0], experts.up_w.shape[0], top_k, cfg.block_tokens, x.dtype) is None:
-        return _moe_sorted_routed(x, router_w, router_b, experts, top_k=top_k, num_valid_tokens=num_valid_tokens,
-                                  cfg=cfg, interpret=interpret)
     routing = route_ref(x, router_w, router_b, top_k)
     return moe(x, routing, experts, num_valid_tokens=num_valid_tokens, config=cfg, interpret=interpret)
-
-
-def sorted_route_wanted() -> bool:
-    """Whether the sorted regime routes and groups its tokens with the two Triton launches of
-    `moe_sort_triton.sorted_route` instead of `route_ref` + `group_by_expert` (a top-k sort, a
-    softmax and ~15 small XLA fusions). KESTREL_JAX_MOE_SORT_KERNEL=0 (read at trace time) keeps
-    the jnp grouping for A/B runs."""
-    return flag("KESTREL_JAX_MOE_SORT_KERNEL", True)
-
-
-def _moe_sorted_routed(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: ExpertWeights, *,
-                       top_k: int, num_valid_tokens: jax.Array | int | None, cfg: MoEKernelConfig,
-                       interpret: object) -> jax.Array:
-    """`moe(x, route_ref(...))` in the sorted regime with the routing and grouping from
-    `sorted_route` (the same experts, block table and compact-row maps; the routing weights within
-    float rounding of the softmax's)."""
-    T = x.shape[0]
-    E = experts.up_w.shape[0]
-    nt = cfg.block_tokens
-    xb = x.astype(jnp.bfloat16)
-    n_valid = jnp.asarray(T if num_valid_tokens is None else num_valid_tokens, jnp.int32).reshape(1)
-    r = sorted_route(router_logits(x, router_w, router_b, widen=False), n_valid, top_k=top_k, block_tokens=nt,
-                     interpret=bool(interpret))
-    _, n_blocks = grouping_sizes(T, top_k, E, nt)
-    w8a8 = experts.is_fp8 and cfg.w8a8
-    meta_down = r.meta if w8a8 else _meta(r.meta[0, 0, :n_blocks], jnp.arange(n_blocks, dtype=jnp.int32) * nt,
-                                          r.meta[0, 2, :1])
-    y = _expert_gemms(xb, r.row_token, r.meta, meta_down, r.row_block if w8a8 else None, experts, cfg, n_blocks,
-                      interpret)
-    valid = jnp.broadcast_to((jnp.arange(T) < n_valid[0])[:, None], (T, top_k))
-    return _combine(y, r.dest.T, r.weights.T, valid, x.dtype)
 
 
 def moe_layer_rows(

@@ -53,7 +53,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from kestrel_jax.pallas import moe_mgpu, moe_sort_triton
+from kestrel_jax.pallas import moe_mgpu
 from kestrel_jax.pallas.decode_residual import combine_rows
 from kestrel_jax.pallas.moe import (
     ExpertWeights,
@@ -613,84 +613,6 @@ def test_moe_layer_uses_precomputed_router_logits(rng):
     np.testing.assert_array_equal(run(padded), inside)
 
 
-@pytest.mark.parametrize("T,n_valid,n_experts,k,nt,dtype", [
-    (65, 65, 64, 8, 64, jnp.bfloat16),  # a partial second tile
-    (300, 271, 64, 8, 128, jnp.float32),  # padding tokens (NaN logits), f32 logits
-    (740, 740, 64, 8, 128, jnp.bfloat16),  # the image prefill
-    (130, 97, 16, 4, 64, jnp.bfloat16),  # few experts, every one heavily used
-], ids=["t65", "t300-padded-f32", "t740", "e16"])
-def test_sorted_route_kernel_matches_the_jnp_grouping(rng, T, n_valid, n_experts, k, nt, dtype):
-    """`moe_sort_triton.sorted_route` (interpreted) against `route_ref`'s top-k and softmax and
-    `group_by_expert` + `_meta`: the same experts, dest, compact-row maps and block table, weights
-    within float rounding. Logits with exact ties (rounded rows; ties go to the lower id), one
-    expert every token ranks first, experts no token picks (a low bias), NaN logits on padding
-    tokens."""
-    lg = rng.standard_normal((T, n_experts))
-    # Exact ties (+ 0.0 turns np.round's -0.0 into +0.0: both kernels tie -0.0 with +0.0, to the
-    # lower id, where lax.top_k's total order ranks +0.0 first)
-    lg[::3] = np.round(lg[::3]) + 0.0
-    lg[:, 3] += 10.0  # every token's first choice
-    lg[:, n_experts - 4:] -= 50.0  # never chosen (k < n_experts - 4)
-    lg[n_valid:] = np.nan
-    logits = jnp.asarray(lg, dtype)
-    nv = jnp.array([n_valid], jnp.int32)
-    r = jax.jit(functools.partial(moe_sort_triton.sorted_route, top_k=k, block_tokens=nt, interpret=True))(logits, nv)
-    top, idx = jax.lax.top_k(logits[:n_valid].astype(jnp.float32), k)
-    g = group_by_expert(jnp.pad(idx, ((0, T - n_valid), (0, 0))).astype(jnp.int32), n_experts, nt, n_valid)
-    v = n_valid
-    np.testing.assert_array_equal(np.asarray(r.experts)[:, :v].T, np.asarray(idx))
-    np.testing.assert_allclose(np.asarray(r.weights)[:, :v].T, np.asarray(jax.nn.softmax(top, axis=-1)),
-                               rtol=1e-6, atol=1e-7)
-    assert (np.asarray(r.weights)[:, v:] == 0).all() and (np.asarray(r.dest)[:, v:] == 0).all()
-    np.testing.assert_array_equal(np.asarray(r.dest).T, np.asarray(g.dest))
-    np.testing.assert_array_equal(np.asarray(r.row_token), np.asarray(g.row_token))
-    np.testing.assert_array_equal(np.asarray(r.row_block), np.asarray(g.row_block))
-    np.testing.assert_array_equal(np.asarray(r.meta), np.asarray(moe_mgpu._meta(g.block_expert, g.block_row,
-                                                                                g.num_blocks)))
-    counts = np.bincount(np.asarray(idx).ravel(), minlength=n_experts)
-    assert counts[3] == v and (counts[n_experts - 4:] == 0).all()
-
-
-def test_sorted_route_refuses_what_it_cannot_run():
-    assert moe_sort_triton.sorted_route_problem(740, 64, 8, 128, jnp.bfloat16) is None
-    assert "power of two" in str(moe_sort_triton.sorted_route_problem(740, 48, 8, 128, jnp.bfloat16))
-    assert "blocks" in str(moe_sort_triton.sorted_route_problem(8192, 64, 8, 128, jnp.bfloat16))
-    with pytest.raises(ValueError, match="sorted_route"):
-        moe_sort_triton.sorted_route(jnp.zeros((100, 64), jnp.float16), jnp.array([100], jnp.int32), top_k=8,
-                                     block_tokens=64)
-
-
-def test_sorted_route_switch_changes_no_result(rng, monkeypatch):
-    """The sorted regime's layer with the Triton routing and grouping (default) and with the jnp
-    grouping (KESTREL_JAX_MOE_SORT_KERNEL=0): the same experts, blocks and rows, so the same
-    output but for the routing weights' float rounding (at most one bf16 ulp of an element); both
-    within the W8A8 bound of the oracle. The program holds the two routing kernels only when on."""
-    T, k, n_experts, n_valid = 100, 4, 16, 93
-    ex = make_experts(rng, True, n_experts=n_experts)
-    x, rw, rb = exact_router_inputs(rng, T, dim(True), n_experts)
-    cfg = small_config(T)
-    assert not cfg.dense
-
-    def layer(x):  # a new function per setting: JAX caches a function's trace, and the switch is read when tracing
-        return moe_layer(x, rw, rb, ex, top_k=k, num_valid_tokens=n_valid, config=cfg, interpret=INTERPRET)
-
-    monkeypatch.setenv("KESTREL_JAX_MOE_SORT_KERNEL", "0")
-    off = np.asarray(jax.jit(layer)(x).astype(jnp.float32))
-    assert "moe_sort_pick" not in str(jax.make_jaxpr(layer)(x))
-    monkeypatch.delenv("KESTREL_JAX_MOE_SORT_KERNEL")
-
-    def layer_on(x):
-        return moe_layer(x, rw, rb, ex, top_k=k, num_valid_tokens=n_valid, config=cfg, interpret=INTERPRET)
-
-    on = np.asarray(jax.jit(layer_on)(x).astype(jnp.float32))
-    jaxpr = str(jax.make_jaxpr(layer_on)(x))
-    assert "name=moe_sort_pick" in jaxpr and "name=moe_sort_place" in jaxpr
-    assert (on[n_valid:] == 0).all() and np.isfinite(on).all()
-    assert np.max(np.abs(on - off)) <= 2.0**-7 * np.max(np.abs(off))
-    routing = route_ref(x[:n_valid], rw, rb, k)
-    assert oracle_err(on[:n_valid], x[:n_valid], routing, ex, w8a8=cfg.w8a8) <= TOL_W8A8_EMULATED
-
-
 def test_expert_rows_of_padded_rows_combine_to_the_layer(rng):
     """`moe_layer_rows` on rows already padded to the block width (the decode residual kernel hands
     the next layer its normalised rows that way) gives rows that combine to `moe_layer`'s output;
@@ -885,14 +807,13 @@ def test_cross_lowering_production_shapes_h100(fp8):
             lowered = jax.jit(f).trace(*specs).lower(lowering_platforms=("cuda",))
         text = lowered.as_text()
         assert text.count("stablehlo.custom_call @mosaic_gpu") == kernels, (T, w8a8)
-        # The dense regime's routing tables: one Triton program; the sorted regime's routing and
-        # grouping (`moe_layer` only): two; W8A8: the token and activation quantisation, one Triton
-        # program each, except where the dense GEMMs quantise their own rows (up to 24 rows for the
-        # up GEMM, 40 for the down one).
+        # The dense regime's routing tables: one Triton program (the sorted regime routes in jnp);
+        # W8A8: the token and activation quantisation, one Triton program each, except where the
+        # dense GEMMs quantise their own rows (up to 24 rows for the up GEMM, 40 for the down one).
         quant = 0
         if fp8 and cfg.w8a8:
             quant = 2 if not cfg.dense else int(T > 24) + int(T > 40)
-        triton = (0 if fp8 else 1 if cfg.dense else 2) + quant
+        triton = (1 if cfg.dense and not fp8 else 0) + quant
         assert text.count("__gpu$xla.gpu.triton") == triton, (T, w8a8)
 
 
