@@ -10,8 +10,8 @@ nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv > $OUT/x/4
 i=0
 for f in "" "--xla_gpu_cublas_fallback=false" "--xla_gpu_triton_gemm_any=true"; do
   i=$((i+1))
-  [ $SECONDS -gt 400 ] && { echo "skip $i ($f): $SECONDS s"; continue; }
-  XLA_FLAGS="$f" timeout $((590 - SECONDS < 190 ? 590 - SECONDS : 190)) python3 tools/probe_step_kernels.py \
+  [ $SECONDS -gt 250 ] && { echo "skip $i ($f): $SECONDS s"; continue; }
+  XLA_FLAGS="$f" timeout $((400 - SECONDS < 150 ? 400 - SECONDS : 150)) python3 tools/probe_step_kernels.py \
     --kernels 30 --top 25 --model md2 --kinds mixed,decode --tokens 1536 --prompt 740 --batch 64 --context 800 \
     --wall-rounds 3 --json $OUT/x/4_${i}_probe.json 2>&1 | grep -v "$FILT" > $OUT/x/4_${i}_probe.log
   echo "probe $i '$f' ($SECONDS s):"; grep "launches (\|rror" $OUT/x/4_${i}_probe.log | cut -c1-160
