@@ -26,7 +26,7 @@ and this grouping as two Pallas Triton launches over 64-token tiles (per tile th
 and in-tile ranks, a cumulative sum down its [64, E] choice matrix; then every tile's offsets,
 dest, the compact-row scatter and the block table). Exact agreement with this module, but the
 launches took 11.3 and 43.7 us against ~25 us for XLA's top-k sort, softmax and ~15 fusions: FP8
-layer T = 740 190.4 -> 228.6 us, T = 256 151.1 -> 204.9, the MD3 prefill step +5.1%.
+layer T = 740 190.4 -> 228.6 us, T = 256 151.1 -> 204.9, the MD3 prefill step +5.3%.
 
 `group_dense` is the small-T variant (T <= a few dozen): one block per *active* expert holding
 all T tokens (padded to Nt), i.e. the kernels compute every token against every active expert
