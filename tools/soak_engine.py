@@ -31,6 +31,7 @@ import random
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -94,9 +95,9 @@ async def _one(engine: InferenceEngine, rng: random.Random, kind: str, pool: lis
     return out
 
 
-async def _client(engine: InferenceEngine, rng: random.Random, until: float, pool: list[np.ndarray],
+async def _client(engine: InferenceEngine, rng: random.Random, going: Callable[[], bool], pool: list[np.ndarray],
                   report: dict[str, Any], request_timeout_s: float) -> None:
-    while time.monotonic() < until:
+    while going():
         kind = rng.choice(KINDS)
         task = asyncio.ensure_future(_one(engine, rng, kind, pool))
         cancel_after = rng.uniform(0.0, 0.3) if rng.random() < 0.15 else None
@@ -127,7 +128,7 @@ async def _client(engine: InferenceEngine, rng: random.Random, until: float, poo
             report["failures"].append(f"{kind}: {outcome}")
 
 
-async def _over_http(engine: InferenceEngine, rng: random.Random, until: float, pool: list[np.ndarray],
+async def _over_http(engine: InferenceEngine, rng: random.Random, going: Callable[[], bool], pool: list[np.ndarray],
                      report: dict[str, Any], clients: int, request_timeout_s: float) -> None:
     import aiohttp
 
@@ -138,7 +139,7 @@ async def _over_http(engine: InferenceEngine, rng: random.Random, until: float, 
     try:
         images = [_png_b64(img) for img in pool]
         async with aiohttp.ClientSession(base_url=server.url) as session:
-            await asyncio.gather(*(_http_client(session, random.Random(rng.randrange(1 << 30)), until, images,
+            await asyncio.gather(*(_http_client(session, random.Random(rng.randrange(1 << 30)), going, images,
                                                 report, request_timeout_s) for _ in range(clients)))
         for _ in range(600):  # handlers of clients that hung up finish on their own
             if server.in_flight == 0:
@@ -179,11 +180,11 @@ def _png_b64(img: np.ndarray) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-async def _http_client(session: Any, rng: random.Random, until: float, images: list[str],
+async def _http_client(session: Any, rng: random.Random, going: Callable[[], bool], images: list[str],
                        report: dict[str, Any], request_timeout_s: float) -> None:
     import aiohttp
 
-    while time.monotonic() < until:
+    while going():
         kind = rng.choice(HTTP_KINDS)
         settings = {"temperature": rng.choice((0.0, 0.5)), "max_tokens": rng.randint(1, 10)}
         img = rng.choice(images)
@@ -228,9 +229,12 @@ async def _http_client(session: Any, rng: random.Random, until: float, images: l
 
 
 def soak(engine: InferenceEngine, *, seconds: float, clients: int, seed: int = 0,
-         request_timeout_s: float = 120.0, http: bool = False) -> dict[str, Any]:
-    """Run the traffic for `seconds` (with `http`, through the HTTP server), then check the
-    engine; returns the report (`failures` empty when everything held)."""
+         request_timeout_s: float = 120.0, http: bool = False, min_requests: int = 0,
+         max_seconds: float | None = None) -> dict[str, Any]:
+    """Run the traffic for `seconds` (with `http`, through the HTTP server), and on until at least
+    `min_requests` requests have ended (a slower machine still serves the mix a test asks for;
+    at most `max_seconds`, default 4 x `seconds`), then check the engine; returns the report
+    (`failures` empty when everything held)."""
     rng = random.Random(seed)
     pool = [np.random.default_rng(seed + i).integers(0, 255, (300 + 60 * i, 340, 3), dtype=np.uint8)
             for i in range(3)]
@@ -239,11 +243,16 @@ def soak(engine: InferenceEngine, *, seconds: float, clients: int, seed: int = 0
     async def main() -> None:
         before = await engine.query(pool[0], **CHECK_REQUEST)
         t0 = time.monotonic()
-        until = t0 + seconds
+        until, hard_until = t0 + seconds, t0 + (4 * seconds if max_seconds is None else max_seconds)
+
+        def going() -> bool:
+            now = time.monotonic()
+            return now < until or (sum(report["outcomes"].values()) < min_requests and now < hard_until)
+
         if http:
-            await _over_http(engine, rng, until, pool, report, clients, request_timeout_s)
+            await _over_http(engine, rng, going, pool, report, clients, request_timeout_s)
         else:
-            await asyncio.gather(*(_client(engine, random.Random(rng.randrange(1 << 30)), until, pool, report,
+            await asyncio.gather(*(_client(engine, random.Random(rng.randrange(1 << 30)), going, pool, report,
                                            request_timeout_s) for _ in range(clients)))
         report["seconds"] = round(time.monotonic() - t0, 1)
         if not await _settle(engine, 60.0):
