@@ -39,9 +39,12 @@ def golden_dir() -> Path:
     return root
 
 
-# Files that share session-scoped fixtures (tests/serving/conftest.py's engine): one worker runs them.
-SHARED = {"serving/test_engine.py": "serving/test_engine.py+test_server.py",
-          "serving/test_server.py": "serving/test_engine.py+test_server.py"}
+# Files that share session-scoped fixtures (tests/serving/conftest.py's engine): one worker runs them,
+# so the engine is built once (test_soak.py on a worker of its own built another: 12-17 s).
+_ENGINE_GROUP = "serving/test_engine.py+test_server.py+test_soak.py"
+SHARED = {"serving/test_engine.py": _ENGINE_GROUP,
+          "serving/test_server.py": _ENGINE_GROUP,
+          "serving/test_soak.py": _ENGINE_GROUP}
 # The slowest files (20 s or more of summed test time each on a 2-core CPU, with the shared compile
 # cache), slowest first: longest first keeps the two workers' totals close (replaying three
 # session-16 runs' file times: 40-58 s less wall time than the order before; measured after the
@@ -50,6 +53,7 @@ SHARED = {"serving/test_engine.py": "serving/test_engine.py+test_server.py",
 SLOW_FIRST = (
     "pallas/test_moe.py",
     "serving/test_engine.py",
+    "serving/test_soak.py",  # before test_server.py, whose last test shuts the shared engine down
     "serving/test_server.py",
     "models/test_parity.py",
     "serving/test_runner_mixed.py",

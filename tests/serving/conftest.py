@@ -1,6 +1,6 @@
-"""The tiny MD3 engine that test_engine.py and test_server.py share.
+"""The tiny MD3 engine that test_engine.py, test_soak.py and test_server.py share.
 
-Both modules need the same engine (one synthetic checkpoint, one configuration); building it
+The modules need the same engine (one synthetic checkpoint, one configuration); building it
 compiles every step variant at start-up, about a minute on a CPU, so it is built once per test
 session and handed to each module. A module that shuts it down (the server's SIGTERM test, last in
 its module) leaves the next module a freshly built one, so no module depends on the order they run in.
