@@ -23,6 +23,12 @@ def model() -> MoondreamModel:
     return random_model(tiny_config("md3", vision_layers=2), dtype=jnp.float32, seed=3)
 
 
+@pytest.fixture(scope="module")
+def plain(model: MoondreamModel) -> list[np.ndarray]:
+    """`_run` on a runner without the export cache (plain jit): what every runner below must give."""
+    return _run(Runner(model, _config(None)))
+
+
 def _config(cache: Path | None, **kw: object) -> RunnerConfig:
     settings: dict[str, Any] = dict(num_pages=8, kv_dtype="f32", max_seq_len=256, page_size=64, vision_buckets=(2,),
                                     compilation_cache_dir=None if cache is None else str(cache))
@@ -60,8 +66,8 @@ def _run(runner: Runner) -> list[np.ndarray]:
     return results
 
 
-def test_second_runner_loads_the_exported_steps(model: MoondreamModel, tmp_path: Path) -> None:
-    plain = _run(Runner(model, _config(None)))
+def test_second_runner_loads_the_exported_steps(model: MoondreamModel, plain: list[np.ndarray],
+                                                tmp_path: Path) -> None:
     first = Runner(model, _config(tmp_path))
     got = _run(first)
     assert first.export_counts == {"loaded": 0, "exported": 3, "fallback": 0}  # prefill, decode1, decode2
@@ -197,9 +203,9 @@ def test_loading_an_export_makes_the_mosaic_gpu_runtime_findable(tmp_path: Path)
 
 
 @pytest.mark.parametrize("cache", [False, True], ids=["jit", "export"])
-def test_steps_compiled_ahead_on_threads_are_not_compiled_again(model: MoondreamModel, tmp_path: Path, cache: bool,
+def test_steps_compiled_ahead_on_threads_are_not_compiled_again(model: MoondreamModel, plain: list[np.ndarray],
+                                                                 tmp_path: Path, cache: bool,
                                                                  backend_compiles: Callable[[], Any]) -> None:
-    plain = _run(Runner(model, _config(None)))
     runner = Runner(model, _config(tmp_path if cache else None))
     p = runner.max_pages_per_seq
     images = jnp.zeros((1, 728, 256))
