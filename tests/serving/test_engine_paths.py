@@ -45,7 +45,8 @@ def setup(request: pytest.FixtureRequest, compile_cache: str) -> Iterator[tuple[
     # vision bucket 1: a 378 px image (1x1 tiling) encodes its one distinct crop once (host crops)
     cfg = EngineConfig(runner=RunnerConfig(num_pages=64, kv_dtype="f32", max_seq_len=1024, vision_buckets=(1,),
                                            compilation_cache_dir=compile_cache),
-                       decode_buckets=(1, 4), prefill_token_buckets=(1024,), max_prefill_seqs=2)
+                       # one decode bucket (at most two rows decode here at a time): each exported step compiles
+                       decode_buckets=(4,), prefill_token_buckets=(1024,), max_prefill_seqs=2)
     eng = asyncio.run(InferenceEngine.create(cfg, model=model, tokenizer=tok))
     if request.param == (3, 12.0):  # the second engine: every step from the first one's exports
         assert eng.stats["export"]["loaded"] > 0 and eng.stats["export"]["exported"] == 0, eng.stats["export"]
