@@ -29,7 +29,9 @@ def setup() -> Iterator[tuple[InferenceEngine, ReferenceMoondream]]:
     tok = Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size))
     cfg = EngineConfig(runner=RunnerConfig(num_pages=64, kv_dtype="f32", max_seq_len=1024, vision_buckets=(1,),
                                            vision_image_batches=(2, 3)),
-                       decode_buckets=(1, 4), prefill_token_buckets=(1024,), max_prefill_seqs=2, vision_ahead=4,
+                       # decode_steps=4: the multi-step variant test_decode_steps_to_finish.py compiles too
+                       decode_buckets=(1, 4), prefill_token_buckets=(1024,), max_prefill_seqs=2, decode_steps=4,
+                       vision_ahead=4,
                        vision_batch_wait_ms=0.0)  # encode at once what is queued (the wait: test_encode_ahead)
     eng = asyncio.run(InferenceEngine.create(cfg, model=model, tokenizer=tok))
     yield eng, ReferenceMoondream(model, tok)

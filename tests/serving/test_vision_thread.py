@@ -28,7 +28,9 @@ def setup() -> Iterator[tuple[InferenceEngine, ReferenceMoondream]]:
     model = random_model(tiny_config("md2", vision_layers=2), dtype=jnp.float32, seed=9)
     tok = Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size))
     cfg = EngineConfig(runner=RunnerConfig(num_pages=64, kv_dtype="f32", max_seq_len=1024, vision_buckets=(2,)),
-                       decode_buckets=(1, 4), prefill_token_buckets=(1024,), max_prefill_seqs=2, vision_thread=True,
+                       # decode_steps=4: the MD2 engine tests' multi-step variant (their programs are shared)
+                       decode_buckets=(1, 4), prefill_token_buckets=(1024,), max_prefill_seqs=2, decode_steps=4,
+                       vision_thread=True,
                        vision_ahead=1)  # the window: the second image waits for the first one's prefill
     eng = asyncio.run(InferenceEngine.create(cfg, model=model, tokenizer=tok))
     yield eng, ReferenceMoondream(model, tok)
