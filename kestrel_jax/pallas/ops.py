@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import jax
 import jax.numpy as jnp
 
-from kestrel_jax.models.layers import gelu_erf
+from kestrel_jax.models.layers import gelu_erf, gelu_tanh
 from kestrel_jax.pallas import moe as moe_ref_mod
 from kestrel_jax.pallas import paged_attention as attn_ref_mod
 from kestrel_jax.pallas.decode_residual import ExpertRows
@@ -372,6 +372,36 @@ def residual_layer_norm(x: jax.Array, adds: tuple[jax.Array, ...], scale: jax.Ar
         if "KESTREL_JAX_BLOCK_LN_ROWS" in os.environ and "block" in problem:  # an A/B run would time XLA unawares
             raise ValueError(f"KESTREL_JAX_BLOCK_LN_ROWS={rows} does not fit [{x2.shape[0]}, {D}]: {problem}")
     return kern.residual_layer_norm_blocks_ref(x, adds, scale, bias, eps=eps)
+
+
+LINEAR_GELU_MIN_ROWS = 256  # one CTA tile of `dense_mgpu.linear_gelu` (below: XLA)
+
+
+def linear_gelu(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
+    """GELU_tanh(x @ w + b) over prefill-sized rows (MD2's dense MLP fc1): on a GPU the product with
+    the GELU in its epilogue (`dense_mgpu.linear_gelu`, one launch and no [T, 8192] round trip),
+    where XLA runs a GEMM and an elementwise pass. Elsewhere (and for shapes the kernel refuses, or
+    fewer than 256 rows, or KESTREL_JAX_LINEAR_GELU=0, read at trace time) the model's expressions:
+    `Linear` then `gelu_tanh`. KESTREL_JAX_LINEAR_GELU_BN / _STAGES pick the kernel's column tile
+    and ring depth for A/B runs (a refused pair is an error, not a silent XLA run)."""
+    from kestrel_jax.pallas import dense_mgpu as kern
+
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    if _want_kernel() and flag("KESTREL_JAX_LINEAR_GELU", True) and x2.shape[0] >= LINEAR_GELU_MIN_ROWS:
+        bn = integer("KESTREL_JAX_LINEAR_GELU_BN", kern.DEFAULT_BLOCK_N, low=1)
+        stages = integer("KESTREL_JAX_LINEAR_GELU_STAGES", kern.DEFAULT_STAGES, low=1)
+        why = kern.problem(x2, w, b, block_n=bn, stages=stages)
+        if why is None:
+            y = _jitted(kern.linear_gelu, ("block_n", "stages"))(x2, w, b, block_n=bn, stages=stages)
+            return y.reshape(*lead, w.shape[1])
+        tuned = "KESTREL_JAX_LINEAR_GELU_BN" in os.environ or "KESTREL_JAX_LINEAR_GELU_STAGES" in os.environ
+        if tuned and ("block_n" in why or "stages" in why):
+            raise ValueError(f"KESTREL_JAX_LINEAR_GELU_BN={bn} / _STAGES={stages}: {why}")
+    y = jnp.dot(x, w.astype(x.dtype))
+    if b is not None:
+        y = y + b.astype(x.dtype)
+    return gelu_tanh(y)
 
 
 def residual_layer_norm_wanted() -> bool:

@@ -1,0 +1,223 @@
+"""A dense layer's first MLP product with its activation fused: GELU_tanh(x @ w + b), bf16.
+
+Why: in MD2's prefill and mixed steps (and the vision encoder) XLA runs fc1 as a cuBLAS GEMM with
+a BIAS epilogue and the tanh GELU as a separate elementwise pass over the [T, 8192] product
+(H200, thirty-fourth session: 20.2 us per MD2 layer in the mixed step, ~4.4% of it; no XLA flag or
+formulation made XLA fuse it). Here the GELU runs on the f32 accumulators before the one store.
+
+Kernel (Mosaic GPU, Hopper): a persistent grid of CTAs, each taking output tiles [BM = 256, BN]
+round-robin (M fastest, so the CTAs running together share weight column blocks in L2). Three
+warpgroups per CTA: a producer issuing the TMA loads of a continuous ring of `stages` K steps
+(A: two [128, 64] row halves, B: [64, BN] of the [K, N] weight, N-contiguous: wgmma reads it
+MN-major, no transpose), and two consumers, each accumulating its 128 rows x BN with wgmma and
+releasing a slot once the next step's MMA is issued and the previous one has finished. The ring
+runs on across tiles, so the producer fills the next tile's first steps during the epilogue.
+
+Epilogue (per consumer, in registers): h = acc + b rounded to bf16 (the value the unfused path's
+GEMM returns), y = 0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h^3))) in f32, rounded to bf16, through
+SMEM to a TMA store. The unfused path rounds GELU's f32 result the same way; tanh here is the
+hardware approximation (max rel. error ~2^-11, below bf16's 2^-9 half-ulp), so an output may differ
+from XLA's by one bf16 ulp.
+
+Rows: M need not be a multiple of 256 (M >= 256): the last row tile is shifted up to end at row
+M, recomputing rows of the tile before it; both CTAs write the same values there. N must be a
+multiple of BN and K of 64 (`problem` says why a shape is refused; the caller then uses XLA).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+WG_ROWS = 128  # rows per consumer warpgroup (two wgmma M tiles of 64)
+CONSUMERS = 2
+BLOCK_M = WG_ROWS * CONSUMERS
+DEFAULT_BLOCK_N = 128
+DEFAULT_STAGES = 3
+TK = 64  # K per step: one 128-byte swizzle row of bf16
+SMEM_LIMIT = 227 * 1024
+# Registers per thread after setmaxnreg: the consumers hold a [128, BN=128] f32 accumulator (128
+# registers) plus the epilogue; the producer only issues copies. 2 x 232 + 40 = 3 x 168, the launch
+# allocation of 3 warpgroups (65536 / 384 rounded down to a multiple of 8).
+REGISTERS = (232, 40)
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def _transforms(cols: int, dtype: jnp.dtype) -> tuple:
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(cols * bits)
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))  # type: ignore[abstract]
+
+
+def smem_bytes(block_n: int, stages: int) -> int:
+    stage = (BLOCK_M * TK + TK * block_n) * 2
+    return stages * stage + CONSUMERS * WG_ROWS * block_n * 2 + 1024
+
+
+def problem(x: jax.Array, w: jax.Array, b: jax.Array | None, *, block_n: int = DEFAULT_BLOCK_N,
+            stages: int = DEFAULT_STAGES) -> str | None:
+    """Why `linear_gelu` cannot run these operands (None: it can)."""
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        return f"x {x.shape} @ w {w.shape} is not a [M, K] x [K, N] product"
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16 or (b is not None and b.dtype != jnp.bfloat16):
+        return "operands must be bf16"
+    M, K = x.shape
+    N = w.shape[1]
+    if b is not None and b.shape != (N,):
+        return f"bias {b.shape} does not match N={N}"
+    if M < BLOCK_M:
+        return f"M={M} < {BLOCK_M} rows (one CTA tile)"
+    if block_n not in (64, 128):
+        return f"block_n={block_n} must be 64 or 128"
+    if N % block_n or K % TK:
+        return f"N={N} must be a multiple of {block_n} and K={K} of {TK}"
+    if stages < 2:
+        return f"stages={stages} < 2"
+    if smem_bytes(block_n, stages) > SMEM_LIMIT:
+        return f"{stages} stages of block_n={block_n} need {smem_bytes(block_n, stages)} bytes of SMEM"
+    return None
+
+
+def gelu_tanh_f32(h: jax.Array) -> jax.Array:
+    return 0.5 * h * (1.0 + jnp.tanh(_SQRT_2_OVER_PI * (h + 0.044715 * (h * h * h))))
+
+
+def linear_gelu_ref(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
+    """The unfused path: the bf16 product (+ bias, rounded once), then GELU_tanh in f32, rounded."""
+    h = jnp.dot(x, w, preferred_element_type=jnp.float32)
+    if b is not None:
+        h = h + b.astype(jnp.float32)
+    h = h.astype(x.dtype).astype(jnp.float32)
+    return gelu_tanh_f32(h).astype(x.dtype)
+
+
+def default_num_ctas() -> int:
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", 0) or 132)
+
+
+def linear_gelu(
+    x: jax.Array,  # [M, K] bf16
+    w: jax.Array,  # [K, N] bf16
+    b: jax.Array | None,  # [N] bf16
+    *,
+    block_n: int = DEFAULT_BLOCK_N,
+    stages: int = DEFAULT_STAGES,
+    num_ctas: int | None = None,
+    interpret: bool = False,
+    detect_races: bool = False,
+) -> jax.Array:  # [M, N] bf16
+    why = problem(x, w, b, block_n=block_n, stages=stages)
+    if why is not None:
+        raise ValueError(f"linear_gelu: {why}")
+    M, K = x.shape
+    N = w.shape[1]
+    BN = block_n
+    n_m = -(-M // BLOCK_M)
+    n_n = N // BN
+    tiles = n_m * n_n
+    ks = K // TK
+    G = min(num_ctas or default_num_ctas(), tiles)
+    if b is None:
+        b = jnp.zeros((N,), x.dtype)
+    a_tr = _transforms(TK, x.dtype)
+    b_tr = _transforms(BN, w.dtype)
+    o_tr = _transforms(BN, x.dtype)
+
+    def tile_origin(t):  # tile t -> (first row, first column); M fastest, last row tile shifted up
+        m = lax.rem(t, n_m)
+        n = lax.div(t, n_m)
+        return jnp.minimum(m * BLOCK_M, M - BLOCK_M), n * BN
+
+    def body(x_ref, w_ref, b_ref, o_ref, a_buf, b_buf, o_smem, full_bar, empty_bar):
+        cta = lax.axis_index("cta")
+        wg = lax.axis_index("wg")
+        mine = lax.div(tiles - cta + G - 1, G)  # tiles cta, cta + G, ...
+        total = mine * ks
+
+        if not interpret:  # always release (the consumers' increase waits for it)
+            pl.when(wg == CONSUMERS)(functools.partial(plgpu.set_max_registers, REGISTERS[1], action="decrease"))
+
+        @pl.when(wg == CONSUMERS)
+        def _producer():
+            @pl.loop(0, total)
+            def _issue(s):
+                slot = lax.rem(s, stages)
+                pl.when(s >= stages)(lambda: plgpu.barrier_wait(empty_bar.at[slot]))
+                row, col = tile_origin(cta + lax.div(s, ks) * G)
+                k = lax.rem(s, ks) * TK
+                for h in range(CONSUMERS):
+                    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row + h * WG_ROWS, WG_ROWS), pl.ds(k, TK)],
+                                            a_buf.at[slot, h], full_bar.at[slot])
+                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k, TK), pl.ds(col, BN)], b_buf.at[slot], full_bar.at[slot])
+
+            # Observe the consumers' last releases too (a waiter waits on every phase in order).
+            @pl.loop(jnp.maximum(total - stages, 0), total)
+            def _drain(s):
+                plgpu.barrier_wait(empty_bar.at[lax.rem(s, stages)])
+
+        @pl.when(wg < CONSUMERS)
+        def _consumer():
+            if not interpret:
+                plgpu.set_max_registers(REGISTERS[0], action="increase")
+
+            @pl.loop(0, mine)
+            def _tile(i):
+                row, col = tile_origin(cta + i * G)
+                bias = plgpu.load(b_ref.at[pl.ds(col, BN)], layout=plgpu.Layout.WGMMA.reduce(0),
+                                  optimized=False).astype(jnp.float32)
+
+                def acc_scope(acc):
+                    @pl.loop(0, ks)
+                    def _k(k):
+                        s = i * ks + k
+                        slot = lax.rem(s, stages)
+                        plgpu.barrier_wait(full_bar.at[slot])
+                        plgpu.wgmma(acc, a_buf.at[slot, wg], b_buf.at[slot])
+                        plgpu.wgmma_wait(1)  # step s-1's MMA is done: its slot may be refilled
+
+                        @pl.when(k > 0)
+                        def _release():
+                            plgpu.barrier_arrive(empty_bar.at[lax.rem(s - 1 + stages, stages)])
+
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(empty_bar.at[lax.rem(i * ks + ks - 1, stages)])
+                    return acc[...]
+
+                v = pl.run_scoped(acc_scope, plgpu.ACC((WG_ROWS, BN), jnp.float32))
+                h = (v + lax.broadcast_in_dim(bias, (WG_ROWS, BN), [1])).astype(x.dtype).astype(jnp.float32)
+                y = gelu_tanh_f32(h).astype(x.dtype)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read o_smem
+                o_smem[wg] = y
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[pl.ds(row + wg * WG_ROWS, WG_ROWS), pl.ds(col, BN)])
+
+            plgpu.wait_smem_to_gmem(0)
+
+    kern = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((M, N), x.dtype),
+        grid=(G,),
+        grid_names=("cta",),
+        num_threads=CONSUMERS + 1,
+        thread_name="wg",
+        kernel_name="kestrel_linear_gelu",
+        scratch_types=[
+            plgpu.SMEM((stages, CONSUMERS, WG_ROWS, TK), x.dtype, transforms=a_tr),
+            plgpu.SMEM((stages, TK, BN), w.dtype, transforms=b_tr),
+            plgpu.SMEM((CONSUMERS, WG_ROWS, BN), x.dtype, transforms=o_tr),
+            plgpu.Barrier(num_arrivals=CONSUMERS + 1, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
+        ],
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # interpreted: output and scratch start as NaN, so an element the kernel never writes shows
+        interpret=(plgpu.InterpretGPUParams(detect_races=detect_races, uninitialized_memory="nan")
+                   if interpret else None),
+    )
+    return kern(x, w, b)
