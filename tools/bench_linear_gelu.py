@@ -10,7 +10,9 @@ own weights (as a step reads them). Variants: `xla` is the model's unfused expre
 then gelu_tanh) compiled by XLA; `xla_gemm` the product and bias alone (what the GELU pass costs
 is the difference); `kernel/BNxS` the fused kernel with column tile BN and S ring stages. Prints
 the device and versions, us per layer (CUPTI sum of kernel durations), kernels per layer, TFLOP/s
-of the product, and the largest difference from `xla` in bf16 ulps of the output.
+of the product, and against `xla` the largest difference relative to the output's largest value
+and the fraction of outputs that differ (XLA's bf16 GELU rounds after each step; the kernel's
+runs in f32 and rounds once).
 """
 
 from __future__ import annotations
@@ -51,12 +53,11 @@ def measure(f, args, iters: int) -> tuple[float, int]:
     return statistics.median(sum(t for _, t in ks) for ks in per_iter) * 1e3, len(per_iter[0])
 
 
-def ulps(a: jax.Array, b: jax.Array) -> int:
-    """Largest distance in bf16 ulps (ordered integer codes) between two bf16 arrays."""
-    def code(x):
-        i = np.asarray(jax.lax.bitcast_convert_type(x, jnp.int16)).astype(np.int32)
-        return np.where(i < 0, -(i & 0x7FFF), i)
-    return int(np.max(np.abs(code(a) - code(b))))
+def differences(a: jax.Array, b: jax.Array) -> tuple[float, float]:
+    """Largest |a - b| relative to max |b|, and the fraction of elements that differ."""
+    fa, fb = np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32))
+    d = np.abs(fa - fb)
+    return float(d.max() / np.abs(fb).max()), float((d > 0).mean())
 
 
 def run_case(name: str, layers: int, iters: int, variants: list[tuple[int, int]]) -> list[dict[str, Any]]:
@@ -85,7 +86,8 @@ def run_case(name: str, layers: int, iters: int, variants: list[tuple[int, int]]
     for label, f in todo:
         try:
             out = f(x, ws, bs)
-            diff = None if label == "xla_gemm" else max(ulps(o, r) for o, r in zip(out, ref, strict=True))
+            diff = None if label == "xla_gemm" else [max(v) for v in zip(*(
+                differences(o, r) for o, r in zip(out, ref, strict=True)), strict=True)]
             us, launches = measure(f, (x, ws, bs), iters)
         except Exception as e:  # a config the compiler refuses: report it, keep going
             print(f"{name} {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
@@ -93,7 +95,7 @@ def run_case(name: str, layers: int, iters: int, variants: list[tuple[int, int]]
         per = us / layers
         rows.append({"case": name, "M": M, "K": K, "N": N, "variant": label, "us_per_layer": round(per, 2),
                      "kernels_per_layer": round(launches / layers, 2), "tflops": round(flops / per / 1e6, 1),
-                     "max_ulps_vs_xla": diff})
+                     "vs_xla_max_rel_diff_and_fraction_differing": diff})
     return rows
 
 
@@ -102,7 +104,7 @@ def main() -> None:
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--variants", nargs="+", default=["128x3", "128x4", "64x4", "64x6"], metavar="BNxSTAGES")
+    p.add_argument("--variants", nargs="+", default=["128x3", "128x4", "64x4"], metavar="BNxSTAGES")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if jax.default_backend() != "gpu":
@@ -118,7 +120,8 @@ def main() -> None:
             results.append(r)
             print(f"{r['case']:16s} {r['M']}x{r['K']}x{r['N']}  {r['variant']:12s} {r['us_per_layer']:8.2f} us/layer  "
                   f"{r['kernels_per_layer']} kernels/layer  {r['tflops']:6.1f} TFLOP/s  "
-                  f"ulps vs xla {r['max_ulps_vs_xla']}", flush=True)
+                  f"vs xla (max rel diff, fraction differing) {r['vs_xla_max_rel_diff_and_fraction_differing']}",
+                  flush=True)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"info": info, "results": results, "wall_s": round(time.time() - t0, 1)}, fh, indent=1)

@@ -19,9 +19,13 @@ SMEM to a TMA store. The unfused path rounds GELU's f32 result the same way; tan
 hardware approximation (max rel. error ~2^-11, below bf16's 2^-9 half-ulp), so an output may differ
 from XLA's by one bf16 ulp.
 
-Rows: M need not be a multiple of 256 (M >= 256): the last row tile is shifted up to end at row
-M, recomputing rows of the tile before it; both CTAs write the same values there. N must be a
-multiple of BN and K of 64 (`problem` says why a shape is refused; the caller then uses XLA).
+Rows: M need not be a multiple of 256 (M >= 256, a multiple of 8: TMA boxes into and out of
+swizzled SMEM start at 8-aligned rows). Up to 64 rows past the last full tile (a mixed step's
+1536 prefill + 64 decode rows) form "tail" tiles of [64, BN] scheduled after the full ones, each
+consumer taking half the columns (a quarter of a full tile's MMAs: at 1600 rows the CTAs finish in
+~3.25 tile rounds instead of 4). More rows than that: the last full tile is shifted up to end at
+row M. Either way some rows may be computed twice, by two CTAs, writing the same values. N must be
+a multiple of BN and K of 64 (`problem` says why a shape is refused; the caller then uses XLA).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ CONSUMERS = 2
 BLOCK_M = WG_ROWS * CONSUMERS
 DEFAULT_BLOCK_N = 128
 DEFAULT_STAGES = 3
+TAIL_ROWS = 64  # rows of a tail tile (see linear_gelu)
 TK = 64  # K per step: one 128-byte swizzle row of bf16
 SMEM_LIMIT = 227 * 1024
 # Registers per thread after setmaxnreg: the consumers hold a [128, BN=128] f32 accumulator (128
@@ -55,9 +60,18 @@ def _transforms(cols: int, dtype: jnp.dtype) -> tuple:
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))  # type: ignore[abstract]
 
 
+EC = 64  # output columns per store (a [rows, 64] bf16 tile is one 128-byte swizzle row wide)
+
+
+def out_buffers(block_n: int, stages: int) -> int:
+    """Output staging tiles per consumer: two (one store in flight while the next is written), or
+    one where two would leave no SMEM for a 4-stage ring at BN = 128."""
+    return 2 if block_n == 128 and stages <= 3 else 1
+
+
 def smem_bytes(block_n: int, stages: int) -> int:
     stage = (BLOCK_M * TK + TK * block_n) * 2
-    return stages * stage + CONSUMERS * WG_ROWS * block_n * 2 + 1024
+    return stages * stage + CONSUMERS * out_buffers(block_n, stages) * WG_ROWS * EC * 2 + 1024
 
 
 def problem(x: jax.Array, w: jax.Array, b: jax.Array | None, *, block_n: int = DEFAULT_BLOCK_N,
@@ -73,6 +87,8 @@ def problem(x: jax.Array, w: jax.Array, b: jax.Array | None, *, block_n: int = D
         return f"bias {b.shape} does not match N={N}"
     if M < BLOCK_M:
         return f"M={M} < {BLOCK_M} rows (one CTA tile)"
+    if M % 8:  # a shifted or tail tile starts at a row of M - 256 or M - 64: TMA boxes into and out
+        return f"M={M} is not a multiple of 8 rows"  # of swizzled SMEM need 8-aligned rows
     if block_n not in (64, 128):
         return f"block_n={block_n} must be 64 or 128"
     if N % block_n or K % TK:
@@ -119,21 +135,33 @@ def linear_gelu(
     M, K = x.shape
     N = w.shape[1]
     BN = block_n
-    n_m = -(-M // BLOCK_M)
+    n_ob = out_buffers(block_n, stages)
     n_n = N // BN
-    tiles = n_m * n_n
+    n_mf, rest = divmod(M, BLOCK_M)
+    # Rows past the last full 256-row tile: up to 64 of them (a mixed step's 1536 prefill + 64
+    # decode rows) are "tail" tiles of 64 rows x BN, each consumer computing 64 x BN/2 (a quarter
+    # of a full tile's MMAs), scheduled after every full tile; more are one full tile shifted up.
+    tail = 0 < rest <= TAIL_ROWS and BN == 128
+    n_m = n_mf + (1 if rest and not tail else 0)
+    full_tiles = n_m * n_n
+    tiles = full_tiles + (n_n if tail else 0)
     ks = K // TK
     G = min(num_ctas or default_num_ctas(), tiles)
     if b is None:
         b = jnp.zeros((N,), x.dtype)
     a_tr = _transforms(TK, x.dtype)
     b_tr = _transforms(BN, w.dtype)
-    o_tr = _transforms(BN, x.dtype)
+    o_tr = _transforms(EC, x.dtype)
 
     def tile_origin(t):  # tile t -> (first row, first column); M fastest, last row tile shifted up
         m = lax.rem(t, n_m)
         n = lax.div(t, n_m)
-        return jnp.minimum(m * BLOCK_M, M - BLOCK_M), n * BN
+        row = jnp.minimum(m * BLOCK_M, M - BLOCK_M)
+        col = n * BN
+        if not tail:
+            return row, col
+        is_tail = t >= full_tiles
+        return jnp.where(is_tail, M - TAIL_ROWS, row), jnp.where(is_tail, (t - full_tiles) * BN, col)
 
     def body(x_ref, w_ref, b_ref, o_ref, a_buf, b_buf, o_smem, full_bar, empty_bar):
         cta = lax.axis_index("cta")
@@ -150,11 +178,26 @@ def linear_gelu(
             def _issue(s):
                 slot = lax.rem(s, stages)
                 pl.when(s >= stages)(lambda: plgpu.barrier_wait(empty_bar.at[slot]))
-                row, col = tile_origin(cta + lax.div(s, ks) * G)
+                t = cta + lax.div(s, ks) * G
+                row, col = tile_origin(t)
                 k = lax.rem(s, ks) * TK
-                for h in range(CONSUMERS):
-                    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row + h * WG_ROWS, WG_ROWS), pl.ds(k, TK)],
-                                            a_buf.at[slot, h], full_bar.at[slot])
+
+                def full_rows():
+                    for h in range(CONSUMERS):
+                        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row + h * WG_ROWS, WG_ROWS), pl.ds(k, TK)],
+                                                a_buf.at[slot, h], full_bar.at[slot])
+
+                def tail_rows():  # two copies of 32 rows (the barrier counts three copies per step)
+                    for h in range(CONSUMERS):
+                        half = TAIL_ROWS // CONSUMERS
+                        plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row + h * half, half), pl.ds(k, TK)],
+                                                a_buf.at[slot, 0, pl.ds(h * half, half)], full_bar.at[slot])
+
+                if tail:
+                    pl.when(t < full_tiles)(full_rows)
+                    pl.when(t >= full_tiles)(tail_rows)
+                else:
+                    full_rows()
                 plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(k, TK), pl.ds(col, BN)], b_buf.at[slot], full_bar.at[slot])
 
             # Observe the consumers' last releases too (a waiter waits on every phase in order).
@@ -167,19 +210,14 @@ def linear_gelu(
             if not interpret:
                 plgpu.set_max_registers(REGISTERS[0], action="increase")
 
-            @pl.loop(0, mine)
-            def _tile(i):
-                row, col = tile_origin(cta + i * G)
-                bias = plgpu.load(b_ref.at[pl.ds(col, BN)], layout=plgpu.Layout.WGMMA.reduce(0),
-                                  optimized=False).astype(jnp.float32)
-
+            def mainloop(i, a_view, b_view, shape):
                 def acc_scope(acc):
                     @pl.loop(0, ks)
                     def _k(k):
                         s = i * ks + k
                         slot = lax.rem(s, stages)
                         plgpu.barrier_wait(full_bar.at[slot])
-                        plgpu.wgmma(acc, a_buf.at[slot, wg], b_buf.at[slot])
+                        plgpu.wgmma(acc, a_view(slot), b_view(slot))
                         plgpu.wgmma_wait(1)  # step s-1's MMA is done: its slot may be refilled
 
                         @pl.when(k > 0)
@@ -190,13 +228,42 @@ def linear_gelu(
                     plgpu.barrier_arrive(empty_bar.at[lax.rem(i * ks + ks - 1, stages)])
                     return acc[...]
 
-                v = pl.run_scoped(acc_scope, plgpu.ACC((WG_ROWS, BN), jnp.float32))
-                h = (v + lax.broadcast_in_dim(bias, (WG_ROWS, BN), [1])).astype(x.dtype).astype(jnp.float32)
+                return pl.run_scoped(acc_scope, plgpu.ACC(shape, jnp.float32))
+
+            def epilogue(v, row0, col0):  # v: [R, C] f32 accumulators of rows row0.., columns col0..
+                R, C = v.shape
+                bias = plgpu.load(b_ref.at[pl.ds(col0, C)], layout=plgpu.Layout.WGMMA.reduce(0),
+                                  optimized=False).astype(jnp.float32)
+                h = (v + lax.broadcast_in_dim(bias, (R, C), [1])).astype(x.dtype).astype(jnp.float32)
                 y = gelu_tanh_f32(h).astype(x.dtype)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read o_smem
-                o_smem[wg] = y
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[pl.ds(row + wg * WG_ROWS, WG_ROWS), pl.ds(col, BN)])
+                for j, c in enumerate(range(0, C, EC)):
+                    ob = j % n_ob
+                    plgpu.wait_smem_to_gmem(n_ob - 1, wait_read_only=True)  # buffer ob's last store has read it
+                    dst = o_smem.at[wg, ob] if R == WG_ROWS else o_smem.at[wg, ob, pl.ds(0, R)]
+                    dst[...] = y[:, c:c + EC] if C > EC else y
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(dst, o_ref.at[pl.ds(row0, R), pl.ds(col0 + c, EC)])
+
+            @pl.loop(0, mine)
+            def _tile(i):
+                t = cta + i * G
+                row, col = tile_origin(t)
+
+                def full_tile():
+                    v = mainloop(i, lambda slot: a_buf.at[slot, wg], lambda slot: b_buf.at[slot], (WG_ROWS, BN))
+                    epilogue(v, row + wg * WG_ROWS, col)
+
+                def tail_tile():  # 64 rows; consumer wg takes columns [wg * BN/2, (wg + 1) * BN/2)
+                    cols = BN // CONSUMERS
+                    v = mainloop(i, lambda slot: a_buf.at[slot, 0, pl.ds(0, TAIL_ROWS)],
+                                 lambda slot: b_buf.at[slot, :, pl.ds(wg * cols, cols)], (TAIL_ROWS, cols))
+                    epilogue(v, row, col + wg * cols)
+
+                if tail:
+                    pl.when(t < full_tiles)(full_tile)
+                    pl.when(t >= full_tiles)(tail_tile)
+                else:
+                    full_tile()
 
             plgpu.wait_smem_to_gmem(0)
 
@@ -211,7 +278,7 @@ def linear_gelu(
         scratch_types=[
             plgpu.SMEM((stages, CONSUMERS, WG_ROWS, TK), x.dtype, transforms=a_tr),
             plgpu.SMEM((stages, TK, BN), w.dtype, transforms=b_tr),
-            plgpu.SMEM((CONSUMERS, WG_ROWS, BN), x.dtype, transforms=o_tr),
+            plgpu.SMEM((CONSUMERS, n_ob, WG_ROWS, EC), x.dtype, transforms=o_tr),
             plgpu.Barrier(num_arrivals=CONSUMERS + 1, num_barriers=stages),
             plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         ],

@@ -1,7 +1,7 @@
 """fc1 with its GELU fused (`dense_mgpu.linear_gelu`): interpreted on the CPU against the unfused
 path's arithmetic (`linear_gelu_ref`: the bf16 product + bias rounded once, GELU_tanh in f32,
 rounded) on fresh random inputs, for row counts that are and are not multiples of the 256-row
-tile (the last tile shifted up), both column tiles, 2-4 ring stages and few CTAs (each loops over
+tile (64-row tail tiles, or the last tile shifted up), both column tiles, 2-4 ring stages and few CTAs (each loops over
 several tiles, the ring running on across them), with race detection; the interpreter fills the
 output with NaN first, so an element left unwritten fails; its shape checks; the dispatch in
 `ops.linear_gelu` (and so `MLP.__call__`); and its lowering at MD2's prefill / mixed shapes.
@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 from kernel_helpers import as_f32, fresh_rng
 
@@ -56,6 +57,8 @@ def _operands(rng: np.random.Generator, M: int, K: int, N: int, bias: bool = Tru
     (256, 128, 128, 128, 2, 1),  # one tile
     (512, 192, 256, 128, 3, 3),  # 4 tiles on 3 CTAs: a CTA runs two, its ring across both
     (512, 128, 256, 64, 4, 2),  # 8 tiles of 64 columns, 2 K steps in a 4-deep ring
+    (320, 192, 256, 128, 4, 3),  # 2 full tiles + 2 tail tiles of 64 rows; stores 64 columns at a time
+    (576, 64, 384, 128, 3, 4),  # 6 full + 3 tail tiles, ragged over 4 CTAs
 ])
 def test_interpreted_matches_the_unfused_arithmetic_without_races(M, K, N, block_n, stages, ctas):
     x, w, b = _operands(fresh_rng(), M, K, N)
@@ -70,12 +73,13 @@ def test_interpreted_matches_the_unfused_arithmetic_without_races(M, K, N, block
     assert np.abs(as_f32(y) - as_f32(ref)).max() < np.abs(as_f32(unfused) - as_f32(ref)).max()
 
 
-@pytest.mark.parametrize("M", [300, 257, 700])
-def test_ragged_rows_and_no_bias(M):
-    """M not a multiple of 256: the last row tile ends at row M (its first rows are computed twice,
-    by two CTAs, with the same values: a benign overlap, so no race detection here)."""
+@pytest.mark.parametrize("M,block_n,stages", [(296, 128, 3), (264, 128, 4), (704, 128, 3), (296, 64, 4)])
+def test_ragged_rows_and_no_bias(M, block_n, stages):
+    """M not a multiple of 256: up to 64 rows past the last full tile are tail tiles ending at row
+    M (BN = 128); more, or BN = 64, shift the last full tile up to end there. Either way some rows
+    are computed twice, by two CTAs, with the same values: a benign overlap, so no race detection."""
     x, w, _ = _operands(fresh_rng(), M, 64, 256, bias=False)
-    y = D.linear_gelu(x, w, None, num_ctas=2, interpret=True)
+    y = D.linear_gelu(x, w, None, block_n=block_n, stages=stages, num_ctas=2, interpret=True)
     assert y.shape == (M, 256)
     _check(y, x, w, None, D.linear_gelu_ref(x, w, None))
 
@@ -84,6 +88,7 @@ def test_shape_checks():
     x, w, b = _operands(fresh_rng(), 256, 128, 256)
     assert D.problem(x, w, b) is None
     assert "M=255" in (D.problem(x[:255], w, b) or "")
+    assert "M=300 is not a multiple of 8" in (D.problem(jnp.zeros((300, 128), BF16), w, b) or "")
     assert "multiple of 128" in (D.problem(x, w[:, :192], b[:192]) or "")
     assert "K=96 of 64" in (D.problem(x[:, :96], w[:96], b) or "")
     assert "bf16" in (D.problem(x.astype(jnp.float32), w, b) or "")
@@ -95,7 +100,7 @@ def test_shape_checks():
 
 def test_ops_dispatch(monkeypatch: pytest.MonkeyPatch):
     rng = fresh_rng()
-    x, w, b = _operands(rng, 300, 128, 256)
+    x, w, b = _operands(rng, 304, 128, 256)
     unfused = gelu_tanh(jnp.dot(x, w) + b)
     # on the CPU: the model's expressions themselves, bit for bit
     np.testing.assert_array_equal(as_f32(ops.linear_gelu(x, w, b)), as_f32(unfused))
@@ -107,10 +112,10 @@ def test_ops_dispatch(monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setattr(ops, "_jitted", lambda fn, static=(): spy)
     with ops.use_backend("kernel"):
-        got = ops.linear_gelu(x.reshape(3, 100, 128), w, b)  # leading axes folded into rows and back
-        assert got.shape == (3, 100, 256)
-        assert seen.pop() == {"shape": (300, 128), "block_n": D.DEFAULT_BLOCK_N, "stages": D.DEFAULT_STAGES}
-        _check(got.reshape(300, 256), x, w, b, D.linear_gelu_ref(x, w, b))
+        got = ops.linear_gelu(x.reshape(2, 152, 128), w, b)  # leading axes folded into rows and back
+        assert got.shape == (2, 152, 256)
+        assert seen.pop() == {"shape": (304, 128), "block_n": D.DEFAULT_BLOCK_N, "stages": D.DEFAULT_STAGES}
+        _check(got.reshape(304, 256), x, w, b, D.linear_gelu_ref(x, w, b))
         ops.linear_gelu(x[:255], w, b)  # fewer rows than one tile: XLA
         ops.linear_gelu(x, w[:, :192], b[:192])  # a width the kernel does not take: XLA
         monkeypatch.setenv("KESTREL_JAX_LINEAR_GELU", "0")  # the A/B switch
@@ -120,18 +125,19 @@ def test_ops_dispatch(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setenv("KESTREL_JAX_LINEAR_GELU_BN", "64")
         monkeypatch.setenv("KESTREL_JAX_LINEAR_GELU_STAGES", "4")
         ops.linear_gelu(x, w, b)
-        assert seen.pop() == {"shape": (300, 128), "block_n": 64, "stages": 4}
+        assert seen.pop() == {"shape": (304, 128), "block_n": 64, "stages": 4}
         monkeypatch.setenv("KESTREL_JAX_LINEAR_GELU_BN", "96")  # refused: named, not a silent XLA run
         with pytest.raises(ValueError, match="KESTREL_JAX_LINEAR_GELU_BN=96"):
             ops.linear_gelu(x, w, b)
         # MLP.__call__ goes through it
         monkeypatch.delenv("KESTREL_JAX_LINEAR_GELU_BN")
         monkeypatch.delenv("KESTREL_JAX_LINEAR_GELU_STAGES")
-        mlp = MLP(128, 256, 64, dtype=BF16, rngs=__import__("flax").nnx.Rngs(3))
+        mlp = MLP(128, 256, 64, dtype=BF16, rngs=nnx.Rngs(3))
         mlp.fc1.kernel[...] = w
+        assert mlp.fc1.bias is not None
         mlp.fc1.bias[...] = b
         out = mlp(x)
-        assert seen.pop()["shape"] == (300, 128)
+        assert seen.pop()["shape"] == (304, 128)
     np.testing.assert_array_equal(as_f32(mlp(x)), as_f32(mlp.fc2(unfused)))  # CPU: unchanged
     ref_out = as_f32(mlp.fc2(D.linear_gelu_ref(x, w, b)))
     assert np.abs(as_f32(out) - ref_out).max() <= 0.01 * np.abs(ref_out).max()
@@ -140,7 +146,7 @@ def test_ops_dispatch(monkeypatch: pytest.MonkeyPatch):
 def test_lowers_at_md2_prefill_and_mixed_shapes():
     device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-    for M, bn, stages in [(1600, 128, 3), (768, 64, 4), (2048, 128, 3)]:
+    for M, bn, stages in [(1600, 128, 3), (1600, 128, 4), (768, 64, 4), (2048, 128, 3), (704, 128, 3)]:
         def f(x, w, b, bn=bn, stages=stages):
             return D.linear_gelu(x, w, b, block_n=bn, stages=stages, num_ctas=132)
         with jax.sharding.use_abstract_mesh(mesh):
