@@ -14,18 +14,31 @@ releasing a slot once the next step's MMA is issued and the previous one has fin
 runs on across tiles, so the producer fills the next tile's first steps during the epilogue.
 
 Epilogue (per consumer, in registers): h = acc + b rounded to bf16 (the value the unfused path's
-GEMM returns), y = 0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h^3))) in f32, rounded to bf16, through
-SMEM to a TMA store. The unfused path rounds GELU's f32 result the same way; tanh here is the
-hardware approximation (max rel. error ~2^-11, below bf16's 2^-9 half-ulp), so an output may differ
-from XLA's by one bf16 ulp.
+GEMM returns), y = 0.5 h (1 + tanh(sqrt(2/pi) (h + 0.044715 h^3))) in f32 (tanh: the hardware
+approximation, max rel. error ~2^-11), rounded once to bf16, stored 64 columns at a time through
+SMEM by TMA. XLA's unfused bf16 GELU rounds after each of its steps (jax.nn.gelu computes in the
+input's dtype), so ~half of the outputs differ from it by a bf16 step or so (H200: max 0.6% of the
+largest output); the reference implementation (PyTorch) computes a bf16 GELU in f32 and rounds
+once, as here.
 
 Rows: M need not be a multiple of 256 (M >= 256, a multiple of 8: TMA boxes into and out of
 swizzled SMEM start at 8-aligned rows). Up to 64 rows past the last full tile (a mixed step's
 1536 prefill + 64 decode rows) form "tail" tiles of [64, BN] scheduled after the full ones, each
-consumer taking half the columns (a quarter of a full tile's MMAs: at 1600 rows the CTAs finish in
-~3.25 tile rounds instead of 4). More rows than that: the last full tile is shifted up to end at
-row M. Either way some rows may be computed twice, by two CTAs, writing the same values. N must be
-a multiple of BN and K of 64 (`problem` says why a shape is refused; the caller then uses XLA).
+consumer taking half the columns (a quarter of a full tile's MMAs, ~0.4 of its time: the loads
+bound it). More rows than that: the last full tile is shifted up to end at row M. Either way some
+rows may be computed twice, by two CTAs, writing the same values. N must be a multiple of BN and
+K of 64 (`problem` says why a shape is refused; the caller then uses XLA).
+
+Measured (H200, thirty-eighth session, `tools/bench_linear_gelu.py`, us per MD2 layer, fc1
+[M, 2048] x [2048, 8192] + bias + GELU): 4 stages (the default) 49.6 / 75.2 / 88.2 / 98.8 at
+M = 768 / 1536 / 1600 / 2048 (519 / 686 / 609 / 695 TFLOP/s) against XLA's cuBLAS GEMM + GELU pass
+61.9 / 104.3 / 106.9 / 131.8 in the same harness; 3 stages 59.0 / 87.6 / 111.7 / 114.1 (the ring
+is what bounds it: 2 stages 93-183). Inside the steps XLA's GEMM is faster than in that harness
+(cuBLAS 67.4 us at 1536 rows, 70.6 at 1600, ~760-800 TFLOP/s, + its GELU pass 18-20.5): the MD2
+prefill step (1,536 tokens) -2.5% (12,005.5 -> 11,703.1 us), the mixed step (1,536 + 64 rows)
+-0.5% (15,488.9 -> 15,412.9), MD2 W2 unchanged (9,456.5 vs 9,451.7 output tok/s, two runs each).
+Closer to cuBLAS would take a 2-CTA cluster sharing A tiles by TMA multicast (a third less
+L2 -> SMEM traffic per MMA) and cheaper tail tiles.
 """
 
 from __future__ import annotations
@@ -43,7 +56,7 @@ WG_ROWS = 128  # rows per consumer warpgroup (two wgmma M tiles of 64)
 CONSUMERS = 2
 BLOCK_M = WG_ROWS * CONSUMERS
 DEFAULT_BLOCK_N = 128
-DEFAULT_STAGES = 3
+DEFAULT_STAGES = 4
 TAIL_ROWS = 64  # rows of a tail tile (see linear_gelu)
 TK = 64  # K per step: one 128-byte swizzle row of bf16
 SMEM_LIMIT = 227 * 1024
