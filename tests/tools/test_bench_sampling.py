@@ -31,7 +31,7 @@ def test_cpu_smoke_run_checks_and_times_each_case(monkeypatch: pytest.MonkeyPatc
     cases = {(c["setting"], c["impl"]): c for c in res["cases"]}
     assert sorted(cases) == [("greedy", "argmax"), ("greedy", "kernel"), ("greedy", "sort_top_p"),
                              ("top_p", "categorical"), ("top_p", "kernel"), ("top_p", "sort_top_p")]
-    for (setting, impl), c in cases.items():
+    for (_setting, impl), c in cases.items():
         assert "error" not in c, c
         assert c["us"] > 0 and c["method"] == "host" and c["batch"] == 1
         if impl == "kernel":
