@@ -8,8 +8,7 @@ tokens, and 1536 + 64 decode rows), and the vision encoder's fc1 over four one-c
 N padded to a multiple of 128 (4304 -> 4352). One timed call runs `--layers` layers, each with its
 own weights (as a step reads them). Variants: `xla` is the model's unfused expressions (Linear,
 then gelu_tanh) compiled by XLA; `xla_gemm` the product and bias alone (what the GELU pass costs
-is the difference); `kernel/BNxS` the fused kernel with column tile BN and S ring stages (`c2`:
-two CTAs per cluster sharing each A tile by TMA multicast). Prints
+is the difference); `kernel/BNxS` the fused kernel with column tile BN and S ring stages. Prints
 the device and versions, us per layer (CUPTI sum of kernel durations), kernels per layer, TFLOP/s
 of the product, and against `xla` the largest difference relative to the output's largest value
 and the fraction of outputs that differ (XLA's bf16 GELU rounds after each step; the kernel's
@@ -61,14 +60,7 @@ def differences(a: jax.Array, b: jax.Array) -> tuple[float, float]:
     return float(d.max() / np.abs(fb).max()), float((d > 0).mean())
 
 
-def parse_variant(v: str) -> tuple[int, int, int]:
-    """BNxSTAGES or BNxSTAGESc2 (a 2-CTA cluster sharing A tiles) -> (block_n, stages, cluster)."""
-    bn, rest = v.split("x")
-    st, _, c = rest.partition("c")
-    return int(bn), int(st), int(c or 1)
-
-
-def run_case(name: str, layers: int, iters: int, variants: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
+def run_case(name: str, layers: int, iters: int, variants: list[tuple[int, int]]) -> list[dict[str, Any]]:
     M, K, N = CASES[name]
     keys = jax.random.split(jax.random.key(M + K + N), 3)
     x = jax.random.normal(keys[0], (M, K), jnp.float32).astype(jnp.bfloat16)
@@ -85,10 +77,10 @@ def run_case(name: str, layers: int, iters: int, variants: list[tuple[int, int, 
         ("xla", layered(lambda x, w, b: gelu_tanh(jnp.dot(x, w) + b))),
         ("xla_gemm", layered(lambda x, w, b: jnp.dot(x, w) + b)),
     ]
-    for bn, st, c in variants:
-        if D.problem(x, ws[0], bs[0], block_n=bn, stages=st, cluster=c) is None:
-            todo.append((f"kernel/{bn}x{st}" + (f"c{c}" if c > 1 else ""), layered(
-                lambda x, w, b, bn=bn, st=st, c=c: D.linear_gelu(x, w, b, block_n=bn, stages=st, cluster=c))))
+    for bn, st in variants:
+        if D.problem(x, ws[0], bs[0], block_n=bn, stages=st) is None:
+            todo.append((f"kernel/{bn}x{st}", layered(
+                lambda x, w, b, bn=bn, st=st: D.linear_gelu(x, w, b, block_n=bn, stages=st))))
     ref = todo[0][1](x, ws, bs)
     rows = []
     for label, f in todo:
@@ -112,7 +104,7 @@ def main() -> None:
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--variants", nargs="+", default=["128x3", "128x4", "64x4"], metavar="BNxSTAGES[c2]")
+    p.add_argument("--variants", nargs="+", default=["128x3", "128x4", "64x4"], metavar="BNxSTAGES")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if jax.default_backend() != "gpu":
@@ -121,7 +113,7 @@ def main() -> None:
     info = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "layers": args.layers,
             "num_ctas": D.default_num_ctas()}
     print(json.dumps(info), flush=True)
-    variants = [parse_variant(v) for v in args.variants]
+    variants = [(int(v.split("x")[0]), int(v.split("x")[1])) for v in args.variants]
     results = []
     for name in args.cases.split(","):
         for r in run_case(name, args.layers, args.iters, variants):

@@ -37,8 +37,11 @@ is what bounds it: 2 stages 93-183). Inside the steps XLA's GEMM is faster than 
 (cuBLAS 67.4 us at 1536 rows, 70.6 at 1600, ~760-800 TFLOP/s, + its GELU pass 18-20.5): the MD2
 prefill step (1,536 tokens) -2.5% (12,005.5 -> 11,703.1 us), the mixed step (1,536 + 64 rows)
 -0.5% (15,488.9 -> 15,412.9), MD2 W2 unchanged (9,456.5 vs 9,451.7 output tok/s, two runs each).
-Closer to cuBLAS would take a 2-CTA cluster sharing A tiles by TMA multicast (a third less
-L2 -> SMEM traffic per MMA) and cheaper tail tiles.
+Not the L2 -> SMEM traffic: a 2-CTA cluster along N, each A tile loaded half by each CTA and
+multicast to both (a third less traffic per MMA; commit 7c15a91, removed after measuring), gave the
+same outputs and the same times (74.2 vs 74.7 us at 1536 rows, 88.1 vs 88.2 at 1600, 49.1 vs 49.6
+at 768). Untried: the two consumers on separate tiles, alternating (one's GELU epilogue under the
+other's MMAs), and cheaper tail tiles.
 """
 
 from __future__ import annotations
@@ -57,7 +60,6 @@ CONSUMERS = 2
 BLOCK_M = WG_ROWS * CONSUMERS
 DEFAULT_BLOCK_N = 128
 DEFAULT_STAGES = 4
-DEFAULT_CLUSTER = 1
 TAIL_ROWS = 64  # rows of a tail tile (see linear_gelu)
 TK = 64  # K per step: one 128-byte swizzle row of bf16
 SMEM_LIMIT = 227 * 1024
@@ -89,7 +91,7 @@ def smem_bytes(block_n: int, stages: int) -> int:
 
 
 def problem(x: jax.Array, w: jax.Array, b: jax.Array | None, *, block_n: int = DEFAULT_BLOCK_N,
-            stages: int = DEFAULT_STAGES, cluster: int = 1) -> str | None:
+            stages: int = DEFAULT_STAGES) -> str | None:
     """Why `linear_gelu` cannot run these operands (None: it can)."""
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         return f"x {x.shape} @ w {w.shape} is not a [M, K] x [K, N] product"
@@ -105,10 +107,8 @@ def problem(x: jax.Array, w: jax.Array, b: jax.Array | None, *, block_n: int = D
         return f"M={M} is not a multiple of 8 rows"  # of swizzled SMEM need 8-aligned rows
     if block_n not in (64, 128):
         return f"block_n={block_n} must be 64 or 128"
-    if cluster not in (1, 2):
-        return f"cluster={cluster} must be 1 or 2"
-    if N % (block_n * cluster) or K % TK:
-        return f"N={N} must be a multiple of {block_n * cluster} (block_n x cluster) and K={K} of {TK}"
+    if N % block_n or K % TK:
+        return f"N={N} must be a multiple of {block_n} and K={K} of {TK}"
     if stages < 2:
         return f"stages={stages} < 2"
     if smem_bytes(block_n, stages) > SMEM_LIMIT:
@@ -141,22 +141,18 @@ def linear_gelu(
     *,
     block_n: int = DEFAULT_BLOCK_N,
     stages: int = DEFAULT_STAGES,
-    cluster: int = 1,
     num_ctas: int | None = None,
     interpret: bool = False,
     detect_races: bool = False,
 ) -> jax.Array:  # [M, N] bf16
-    why = problem(x, w, b, block_n=block_n, stages=stages, cluster=cluster)
+    why = problem(x, w, b, block_n=block_n, stages=stages)
     if why is not None:
         raise ValueError(f"linear_gelu: {why}")
     M, K = x.shape
     N = w.shape[1]
     BN = block_n
     n_ob = out_buffers(block_n, stages)
-    C = cluster
-    if C > 1 and interpret:
-        raise ValueError("linear_gelu: cluster=2 cannot be interpreted (no cluster collectives on the CPU)")
-    n_n = N // (BN * C)  # column groups of a cluster's tile (C CTAs side by side, BN columns each)
+    n_n = N // BN
     n_mf, rest = divmod(M, BLOCK_M)
     # Rows past the last full 256-row tile: up to 64 of them (a mixed step's 1536 prefill + 64
     # decode rows) are "tail" tiles of 64 rows x BN, each consumer computing 64 x BN/2 (a quarter
@@ -166,7 +162,7 @@ def linear_gelu(
     full_tiles = n_m * n_n
     tiles = full_tiles + (n_n if tail else 0)
     ks = K // TK
-    G = min((num_ctas or default_num_ctas()) // C, tiles)  # clusters
+    G = min(num_ctas or default_num_ctas(), tiles)
     if b is None:
         b = jnp.zeros((N,), x.dtype)
     a_tr = _transforms(TK, x.dtype)
@@ -177,17 +173,14 @@ def linear_gelu(
         m = lax.rem(t, n_m)
         n = lax.div(t, n_m)
         row = jnp.minimum(m * BLOCK_M, M - BLOCK_M)
-        col = n * BN * C
+        col = n * BN
         if not tail:
             return row, col
         is_tail = t >= full_tiles
-        return jnp.where(is_tail, M - TAIL_ROWS, row), jnp.where(is_tail, (t - full_tiles) * BN * C, col)
-
-    shared = "cluster" if C > 1 else None  # A tiles: each CTA of a cluster loads half, multicast to both
+        return jnp.where(is_tail, M - TAIL_ROWS, row), jnp.where(is_tail, (t - full_tiles) * BN, col)
 
     def body(x_ref, w_ref, b_ref, o_ref, a_buf, b_buf, o_smem, full_bar, empty_bar):
-        cta = lax.axis_index("cta")  # the cluster (the CTA, without clusters)
-        rank = lax.axis_index("cluster") if C > 1 else 0  # this CTA's column group within the cluster tile
+        cta = lax.axis_index("cta")
         wg = lax.axis_index("wg")
         mine = lax.div(tiles - cta + G - 1, G)  # tiles cta, cta + G, ...
         total = mine * ks
@@ -203,20 +196,18 @@ def linear_gelu(
                 pl.when(s >= stages)(lambda: plgpu.barrier_wait(empty_bar.at[slot]))
                 t = cta + lax.div(s, ks) * G
                 row, col = tile_origin(t)
-                col = col + rank * BN
                 k = lax.rem(s, ks) * TK
 
                 def full_rows():
                     for h in range(CONSUMERS):
                         plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row + h * WG_ROWS, WG_ROWS), pl.ds(k, TK)],
-                                                a_buf.at[slot, h], full_bar.at[slot], collective_axes=shared)
+                                                a_buf.at[slot, h], full_bar.at[slot])
 
                 def tail_rows():  # two copies of 32 rows (the barrier counts three copies per step)
                     for h in range(CONSUMERS):
                         half = TAIL_ROWS // CONSUMERS
                         plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(row + h * half, half), pl.ds(k, TK)],
-                                                a_buf.at[slot, 0, pl.ds(h * half, half)], full_bar.at[slot],
-                                                collective_axes=shared)
+                                                a_buf.at[slot, 0, pl.ds(h * half, half)], full_bar.at[slot])
 
                 if tail:
                     pl.when(t < full_tiles)(full_rows)
@@ -273,7 +264,6 @@ def linear_gelu(
             def _tile(i):
                 t = cta + i * G
                 row, col = tile_origin(t)
-                col = col + rank * BN
 
                 def full_tile():
                     v = mainloop(i, lambda slot: a_buf.at[slot, wg], lambda slot: b_buf.at[slot], (WG_ROWS, BN))
@@ -298,8 +288,6 @@ def linear_gelu(
         out_type=jax.ShapeDtypeStruct((M, N), x.dtype),
         grid=(G,),
         grid_names=("cta",),
-        cluster=(C,) if C > 1 else (),
-        cluster_names=("cluster",) if C > 1 else (),
         num_threads=CONSUMERS + 1,
         thread_name="wg",
         kernel_name="kestrel_linear_gelu",
@@ -308,9 +296,7 @@ def linear_gelu(
             plgpu.SMEM((stages, TK, BN), w.dtype, transforms=b_tr),
             plgpu.SMEM((CONSUMERS, n_ob, WG_ROWS, EC), x.dtype, transforms=o_tr),
             plgpu.Barrier(num_arrivals=CONSUMERS + 1, num_barriers=stages),
-            # a slot is refilled (in both CTAs, by the multicast) once both CTAs' consumers released it
-            (plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=CONSUMERS, num_barriers=stages)
-             if C > 1 else plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages)),
+            plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),
         ],
         compiler_params=plgpu.CompilerParams(approx_math=True),
         # interpreted: output and scratch start as NaN, so an element the kernel never writes shows

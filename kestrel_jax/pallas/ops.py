@@ -383,8 +383,7 @@ def linear_gelu(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
     where XLA runs a GEMM and an elementwise pass. Elsewhere (and for shapes the kernel refuses, or
     fewer than 256 rows, or KESTREL_JAX_LINEAR_GELU=0, read at trace time) the model's expressions:
     `Linear` then `gelu_tanh`. KESTREL_JAX_LINEAR_GELU_BN / _STAGES pick the kernel's column tile
-    and ring depth, _CLUSTER=2 two CTAs per cluster sharing A tiles, for A/B runs (a refused setting
-is an error, not a silent XLA run). H200: MD2
+    and ring depth for A/B runs (a refused pair is an error, not a silent XLA run). H200: MD2
     prefill step -2.5%, mixed step -0.5%, W2 unchanged (dense_mgpu's docstring has the figures)."""
     from kestrel_jax.pallas import dense_mgpu as kern
 
@@ -393,15 +392,13 @@ is an error, not a silent XLA run). H200: MD2
     if _want_kernel() and flag("KESTREL_JAX_LINEAR_GELU", True) and x2.shape[0] >= LINEAR_GELU_MIN_ROWS:
         bn = integer("KESTREL_JAX_LINEAR_GELU_BN", kern.DEFAULT_BLOCK_N, low=1)
         stages = integer("KESTREL_JAX_LINEAR_GELU_STAGES", kern.DEFAULT_STAGES, low=1)
-        cluster = integer("KESTREL_JAX_LINEAR_GELU_CLUSTER", kern.DEFAULT_CLUSTER, low=1, high=2)
-        why = kern.problem(x2, w, b, block_n=bn, stages=stages, cluster=cluster)
+        why = kern.problem(x2, w, b, block_n=bn, stages=stages)
         if why is None:
-            y = _jitted(kern.linear_gelu, ("block_n", "stages", "cluster"))(x2, w, b, block_n=bn, stages=stages,
-                                                                             cluster=cluster)
+            y = _jitted(kern.linear_gelu, ("block_n", "stages"))(x2, w, b, block_n=bn, stages=stages)
             return y.reshape(*lead, w.shape[1])
-        tuned = any(f"KESTREL_JAX_LINEAR_GELU_{k}" in os.environ for k in ("BN", "STAGES", "CLUSTER"))
-        if tuned and any(k in why for k in ("block_n", "stages", "cluster")):
-            raise ValueError(f"KESTREL_JAX_LINEAR_GELU_BN={bn} / _STAGES={stages} / _CLUSTER={cluster}: {why}")
+        tuned = "KESTREL_JAX_LINEAR_GELU_BN" in os.environ or "KESTREL_JAX_LINEAR_GELU_STAGES" in os.environ
+        if tuned and ("block_n" in why or "stages" in why):
+            raise ValueError(f"KESTREL_JAX_LINEAR_GELU_BN={bn} / _STAGES={stages}: {why}")
     y = jnp.dot(x, w.astype(x.dtype))
     if b is not None:
         y = y + b.astype(x.dtype)

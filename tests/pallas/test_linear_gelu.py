@@ -4,9 +4,7 @@ rounded) on fresh random inputs, for row counts that are and are not multiples o
 tile (64-row tail tiles, or the last tile shifted up), both column tiles, 2-4 ring stages and few CTAs (each loops over
 several tiles, the ring running on across them), with race detection; the interpreter fills the
 output with NaN first, so an element left unwritten fails; its shape checks; the dispatch in
-`ops.linear_gelu` (and so `MLP.__call__`); and its lowering at MD2's prefill / mixed shapes, also
-with 2-CTA clusters sharing A tiles (the interpreter has no cluster collectives: that variant is
-checked against XLA on the GPU by tools/bench_linear_gelu.py).
+`ops.linear_gelu` (and so `MLP.__call__`); and its lowering at MD2's prefill / mixed shapes.
 
 Bound: the kernel sums the products in its own order, so its rounded product h may differ from the
 reference's by one bf16 step of h (2^-7 |h| at most), which moves GELU by at most 1.13 times that
@@ -96,10 +94,6 @@ def test_shape_checks():
     assert "bf16" in (D.problem(x.astype(jnp.float32), w, b) or "")
     assert "bias" in (D.problem(x, w, b[:128]) or "")
     assert "SMEM" in (D.problem(x, w, b, stages=9) or "")
-    assert "cluster=3" in (D.problem(x, w, b, cluster=3) or "")
-    assert "multiple of 256 (block_n x cluster)" in (D.problem(x, w[:, :128], b[:128], cluster=2) or "")
-    with pytest.raises(ValueError, match="cannot be interpreted"):
-        D.linear_gelu(x, w, b, cluster=2, interpret=True)
     with pytest.raises(ValueError, match="linear_gelu: .*M=100"):
         D.linear_gelu(x[:100], w, b, interpret=True)
 
@@ -120,8 +114,7 @@ def test_ops_dispatch(monkeypatch: pytest.MonkeyPatch):
     with ops.use_backend("kernel"):
         got = ops.linear_gelu(x.reshape(2, 152, 128), w, b)  # leading axes folded into rows and back
         assert got.shape == (2, 152, 256)
-        assert seen.pop() == {"shape": (304, 128), "block_n": D.DEFAULT_BLOCK_N, "stages": D.DEFAULT_STAGES,
-                              "cluster": D.DEFAULT_CLUSTER}
+        assert seen.pop() == {"shape": (304, 128), "block_n": D.DEFAULT_BLOCK_N, "stages": D.DEFAULT_STAGES}
         _check(got.reshape(304, 256), x, w, b, D.linear_gelu_ref(x, w, b))
         ops.linear_gelu(x[:255], w, b)  # fewer rows than one tile: XLA
         ops.linear_gelu(x, w[:, :192], b[:192])  # a width the kernel does not take: XLA
@@ -132,24 +125,13 @@ def test_ops_dispatch(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setenv("KESTREL_JAX_LINEAR_GELU_BN", "64")
         monkeypatch.setenv("KESTREL_JAX_LINEAR_GELU_STAGES", "4")
         ops.linear_gelu(x, w, b)
-        assert seen.pop() == {"shape": (304, 128), "block_n": 64, "stages": 4, "cluster": 1}
+        assert seen.pop() == {"shape": (304, 128), "block_n": 64, "stages": 4}
         monkeypatch.setenv("KESTREL_JAX_LINEAR_GELU_BN", "96")  # refused: named, not a silent XLA run
         with pytest.raises(ValueError, match="KESTREL_JAX_LINEAR_GELU_BN=96"):
             ops.linear_gelu(x, w, b)
-        monkeypatch.setenv("KESTREL_JAX_LINEAR_GELU_BN", "128")
-        monkeypatch.setenv("KESTREL_JAX_LINEAR_GELU_CLUSTER", "2")  # N=256 is one cluster tile of 2 x 128
-        def record(x2: jax.Array, w2: jax.Array, b2: jax.Array, **kw: Any) -> jax.Array:
-            seen.append(kw)
-            return jnp.zeros((x2.shape[0], w2.shape[1]), BF16)
-
-        monkeypatch.setattr(ops, "_jitted", lambda fn, static=(): record)
-        ops.linear_gelu(x, w, b)
-        assert seen.pop() == {"block_n": 128, "stages": 4, "cluster": 2}
-        monkeypatch.setattr(ops, "_jitted", lambda fn, static=(): spy)
-        monkeypatch.setenv("KESTREL_JAX_LINEAR_GELU_CLUSTER", "1")
         # MLP.__call__ goes through it
-        for k in ("BN", "STAGES", "CLUSTER"):
-            monkeypatch.delenv(f"KESTREL_JAX_LINEAR_GELU_{k}")
+        monkeypatch.delenv("KESTREL_JAX_LINEAR_GELU_BN")
+        monkeypatch.delenv("KESTREL_JAX_LINEAR_GELU_STAGES")
         mlp = MLP(128, 256, 64, dtype=BF16, rngs=nnx.Rngs(3))
         mlp.fc1.kernel[...] = w
         assert mlp.fc1.bias is not None
@@ -164,10 +146,9 @@ def test_ops_dispatch(monkeypatch: pytest.MonkeyPatch):
 def test_lowers_at_md2_prefill_and_mixed_shapes():
     device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-    for M, bn, stages, cluster in [(1600, 128, 3, 1), (1600, 128, 4, 1), (768, 64, 4, 1), (2048, 128, 3, 1),
-                                   (704, 128, 3, 1), (1600, 128, 4, 2), (1536, 128, 4, 2), (768, 64, 4, 2)]:
-        def f(x, w, b, bn=bn, stages=stages, cluster=cluster):
-            return D.linear_gelu(x, w, b, block_n=bn, stages=stages, cluster=cluster, num_ctas=132)
+    for M, bn, stages in [(1600, 128, 3), (1600, 128, 4), (768, 64, 4), (2048, 128, 3), (704, 128, 3)]:
+        def f(x, w, b, bn=bn, stages=stages):
+            return D.linear_gelu(x, w, b, block_n=bn, stages=stages, num_ctas=132)
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(f).trace(_SDS((M, 2048), BF16), _SDS((2048, 8192), BF16),
                                     _SDS((8192,), BF16)).lower(lowering_platforms=("cuda",)).as_text()
