@@ -1,9 +1,9 @@
 # Session 38, call 4 (H200, the session's last ~5 minutes): the fused fc1 + GELU kernel with a
-# (Ran at commit 7c15a91; the cluster variant was removed after it, e73e4cc.)
 # 2-CTA cluster along N, each A tile loaded half by each CTA and multicast to both (a third less
 # L2 -> SMEM traffic per MMA; not interpretable on the CPU, so checked here against XLA).
 # (1) bench_linear_gelu at MD2's 1536 / 1600 rows, 128x4 vs 128x4c2; (2) probe MD2 mixed + prefill
 # steps, default vs KESTREL_JAX_LINEAR_GELU_CLUSTER=2.
+# (Ran at commit 7c15a91; the cluster variant was removed after it, e73e4cc.)
 FILT='cuda_event.cc\|cuda_stream.cc\|^===\|^external\|^$\|cuda_executor\|cuda_host_alloc\|local_device_state\|cuda_device_alloc\|JIT session error\|cuda_timer.cc'
 export PYTHONPATH=$PWD
 mkdir -p $OUT/x
