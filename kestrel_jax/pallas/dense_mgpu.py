@@ -252,9 +252,14 @@ def linear_gelu(
                                   optimized=False).astype(jnp.float32)
                 h = (v + lax.broadcast_in_dim(bias, (R, C), [1])).astype(x.dtype).astype(jnp.float32)
                 y = gelu_tanh_f32(h).astype(x.dtype)
+                # Before writing buffer ob, its last store must have read it: with two buffers and
+                # two chunks per full tile the last store in flight is the other buffer's (a CTA's
+                # full tiles all come before its tail tiles); a one-chunk epilogue (tail tiles,
+                # BN = 64) always reuses buffer 0, so it waits for every store.
+                chunks = C // EC
                 for j, c in enumerate(range(0, C, EC)):
                     ob = j % n_ob
-                    plgpu.wait_smem_to_gmem(n_ob - 1, wait_read_only=True)  # buffer ob's last store has read it
+                    plgpu.wait_smem_to_gmem(n_ob - 1 if chunks > 1 else 0, wait_read_only=True)
                     dst = o_smem.at[wg, ob] if R == WG_ROWS else o_smem.at[wg, ob, pl.ds(0, R)]
                     dst[...] = y[:, c:c + EC] if C > EC else y
                     plgpu.commit_smem()

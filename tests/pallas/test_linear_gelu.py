@@ -59,6 +59,7 @@ def _operands(rng: np.random.Generator, M: int, K: int, N: int, bias: bool = Tru
     (512, 128, 256, 64, 4, 2),  # 8 tiles of 64 columns, 2 K steps in a 4-deep ring
     (320, 192, 256, 128, 4, 3),  # 2 full tiles + 2 tail tiles of 64 rows; stores 64 columns at a time
     (576, 64, 384, 128, 3, 4),  # 6 full + 3 tail tiles, ragged over 4 CTAs
+    (320, 64, 384, 128, 3, 1),  # one CTA: 3 full tiles, then 3 tail tiles in a row (one store buffer)
 ])
 def test_interpreted_matches_the_unfused_arithmetic_without_races(M, K, N, block_n, stages, ctas):
     x, w, b = _operands(fresh_rng(), M, K, N)
