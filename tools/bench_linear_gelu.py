@@ -111,7 +111,7 @@ def main() -> None:
         sys.exit("bench_linear_gelu.py needs a GPU")
     t0 = time.time()
     info = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "layers": args.layers,
-            "num_ctas": D.default_num_ctas()}
+            "num_ctas": D._device_sms()}
     print(json.dumps(info), flush=True)
     variants = [(int(v.split("x")[0]), int(v.split("x")[1])) for v in args.variants]
     results = []

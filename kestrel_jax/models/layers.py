@@ -70,8 +70,7 @@ class MLP(nnx.Module):
         # `gelu_tanh(self.fc1(x))`'s expressions everywhere else (imported here: ops imports this module)
         from kestrel_jax.pallas import ops
 
-        b = self.fc1.bias
-        return self.fc2(ops.linear_gelu(x, self.fc1.kernel[...], None if b is None else b[...]))
+        return self.fc2(ops.linear_gelu(x, self.fc1))
 
 
 # --------------------------------------------------------------------------------------------

@@ -55,6 +55,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kestrel_jax.pallas.moe_mgpu import _device_sms, _tile_transforms
+
 WG_ROWS = 128  # rows per consumer warpgroup (two wgmma M tiles of 64)
 CONSUMERS = 2
 BLOCK_M = WG_ROWS * CONSUMERS
@@ -68,12 +70,6 @@ SMEM_LIMIT = 227 * 1024
 # allocation of 3 warpgroups (65536 / 384 rounded down to a multiple of 8).
 REGISTERS = (232, 40)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-
-
-def _transforms(cols: int, dtype: jnp.dtype) -> tuple:
-    bits = jnp.dtype(dtype).itemsize * 8
-    swizzle = plgpu.find_swizzle(cols * bits)
-    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))  # type: ignore[abstract]
 
 
 EC = 64  # output columns per store (a [rows, 64] bf16 tile is one 128-byte swizzle row wide)
@@ -129,11 +125,6 @@ def linear_gelu_ref(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Arra
     return gelu_tanh_f32(h).astype(x.dtype)
 
 
-def default_num_ctas() -> int:
-    dev = jax.devices()[0]
-    return int(getattr(dev, "core_count", 0) or 132)
-
-
 def linear_gelu(
     x: jax.Array,  # [M, K] bf16
     w: jax.Array,  # [K, N] bf16
@@ -162,12 +153,12 @@ def linear_gelu(
     full_tiles = n_m * n_n
     tiles = full_tiles + (n_n if tail else 0)
     ks = K // TK
-    G = min(num_ctas or default_num_ctas(), tiles)
+    G = min(num_ctas or _device_sms(), tiles)
     if b is None:
         b = jnp.zeros((N,), x.dtype)
-    a_tr = _transforms(TK, x.dtype)
-    b_tr = _transforms(BN, w.dtype)
-    o_tr = _transforms(EC, x.dtype)
+    a_tr = _tile_transforms(TK, x.dtype)
+    b_tr = _tile_transforms(BN, w.dtype)
+    o_tr = _tile_transforms(EC, x.dtype)
 
     def tile_origin(t):  # tile t -> (first row, first column); M fastest, last row tile shifted up
         m = lax.rem(t, n_m)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import jax
 import jax.numpy as jnp
 
-from kestrel_jax.models.layers import gelu_erf, gelu_tanh
+from kestrel_jax.models.layers import Linear, gelu_erf, gelu_tanh
 from kestrel_jax.pallas import moe as moe_ref_mod
 from kestrel_jax.pallas import paged_attention as attn_ref_mod
 from kestrel_jax.pallas.decode_residual import ExpertRows
@@ -377,16 +377,17 @@ def residual_layer_norm(x: jax.Array, adds: tuple[jax.Array, ...], scale: jax.Ar
 LINEAR_GELU_MIN_ROWS = 256  # one CTA tile of `dense_mgpu.linear_gelu` (below: XLA)
 
 
-def linear_gelu(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
-    """GELU_tanh(x @ w + b) over prefill-sized rows (MD2's dense MLP fc1): on a GPU the product with
+def linear_gelu(x: jax.Array, fc1: Linear) -> jax.Array:
+    """GELU_tanh(fc1(x)) over prefill-sized rows (MD2's dense MLP fc1): on a GPU the product with
     the GELU in its epilogue (`dense_mgpu.linear_gelu`, one launch and no [T, 8192] round trip),
     where XLA runs a GEMM and an elementwise pass. Elsewhere (and for shapes the kernel refuses, or
-    fewer than 256 rows, or KESTREL_JAX_LINEAR_GELU=0, read at trace time) the model's expressions:
-    `Linear` then `gelu_tanh`. KESTREL_JAX_LINEAR_GELU_BN / _STAGES pick the kernel's column tile
+    fewer than 256 rows, or KESTREL_JAX_LINEAR_GELU=0, read at trace time) the layer itself, then
+    `gelu_tanh`. KESTREL_JAX_LINEAR_GELU_BN / _STAGES pick the kernel's column tile
     and ring depth for A/B runs (a refused pair is an error, not a silent XLA run). H200: MD2
     prefill step -2.5%, mixed step -0.5%, W2 unchanged (dense_mgpu's docstring has the figures)."""
     from kestrel_jax.pallas import dense_mgpu as kern
 
+    w, b = fc1.kernel[...], None if fc1.bias is None else fc1.bias[...]
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     if _want_kernel() and flag("KESTREL_JAX_LINEAR_GELU", True) and x2.shape[0] >= LINEAR_GELU_MIN_ROWS:
@@ -399,10 +400,7 @@ def linear_gelu(x: jax.Array, w: jax.Array, b: jax.Array | None) -> jax.Array:
         tuned = "KESTREL_JAX_LINEAR_GELU_BN" in os.environ or "KESTREL_JAX_LINEAR_GELU_STAGES" in os.environ
         if tuned and ("block_n" in why or "stages" in why):
             raise ValueError(f"KESTREL_JAX_LINEAR_GELU_BN={bn} / _STAGES={stages}: {why}")
-    y = jnp.dot(x, w.astype(x.dtype))
-    if b is not None:
-        y = y + b.astype(x.dtype)
-    return gelu_tanh(y)
+    return gelu_tanh(fc1(x))
 
 
 def residual_layer_norm_wanted() -> bool:

@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 from kernel_helpers import as_f32, fresh_rng
 
-from kestrel_jax.models.layers import MLP, gelu_tanh
+from kestrel_jax.models.layers import MLP, Linear, gelu_tanh
 from kestrel_jax.pallas import dense_mgpu as D
 from kestrel_jax.pallas import ops
 from kestrel_jax.pallas.paged_attention_mgpu import interpret_races_found
@@ -99,12 +99,21 @@ def test_shape_checks():
         D.linear_gelu(x[:100], w, b, interpret=True)
 
 
+def _linear(w: jax.Array, b: jax.Array) -> Linear:
+    layer = Linear(w.shape[0], w.shape[1], dtype=BF16, rngs=nnx.Rngs(3))
+    layer.kernel[...] = w
+    assert layer.bias is not None
+    layer.bias[...] = b
+    return layer
+
+
 def test_ops_dispatch(monkeypatch: pytest.MonkeyPatch):
     rng = fresh_rng()
     x, w, b = _operands(rng, 304, 128, 256)
+    fc1, narrow = _linear(w, b), _linear(w[:, :192], b[:192])
     unfused = gelu_tanh(jnp.dot(x, w) + b)
     # on the CPU: the model's expressions themselves, bit for bit
-    np.testing.assert_array_equal(as_f32(ops.linear_gelu(x, w, b)), as_f32(unfused))
+    np.testing.assert_array_equal(as_f32(ops.linear_gelu(x, fc1)), as_f32(unfused))
     seen: list[dict[str, Any]] = []
 
     def spy(x2, w2, b2, **kw):
@@ -113,30 +122,28 @@ def test_ops_dispatch(monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setattr(ops, "_jitted", lambda fn, static=(): spy)
     with ops.use_backend("kernel"):
-        got = ops.linear_gelu(x.reshape(2, 152, 128), w, b)  # leading axes folded into rows and back
+        got = ops.linear_gelu(x.reshape(2, 152, 128), fc1)  # leading axes folded into rows and back
         assert got.shape == (2, 152, 256)
         assert seen.pop() == {"shape": (304, 128), "block_n": D.DEFAULT_BLOCK_N, "stages": D.DEFAULT_STAGES}
         _check(got.reshape(304, 256), x, w, b, D.linear_gelu_ref(x, w, b))
-        ops.linear_gelu(x[:255], w, b)  # fewer rows than one tile: XLA
-        ops.linear_gelu(x, w[:, :192], b[:192])  # a width the kernel does not take: XLA
+        ops.linear_gelu(x[:255], fc1)  # fewer rows than one tile: XLA
+        ops.linear_gelu(x, narrow)  # a width the kernel does not take: XLA
         monkeypatch.setenv("KESTREL_JAX_LINEAR_GELU", "0")  # the A/B switch
-        ops.linear_gelu(x, w, b)
+        ops.linear_gelu(x, fc1)
         assert seen == []
         monkeypatch.setenv("KESTREL_JAX_LINEAR_GELU", "1")
         monkeypatch.setenv("KESTREL_JAX_LINEAR_GELU_BN", "64")
         monkeypatch.setenv("KESTREL_JAX_LINEAR_GELU_STAGES", "4")
-        ops.linear_gelu(x, w, b)
+        ops.linear_gelu(x, fc1)
         assert seen.pop() == {"shape": (304, 128), "block_n": 64, "stages": 4}
         monkeypatch.setenv("KESTREL_JAX_LINEAR_GELU_BN", "96")  # refused: named, not a silent XLA run
         with pytest.raises(ValueError, match="KESTREL_JAX_LINEAR_GELU_BN=96"):
-            ops.linear_gelu(x, w, b)
+            ops.linear_gelu(x, fc1)
         # MLP.__call__ goes through it
         monkeypatch.delenv("KESTREL_JAX_LINEAR_GELU_BN")
         monkeypatch.delenv("KESTREL_JAX_LINEAR_GELU_STAGES")
         mlp = MLP(128, 256, 64, dtype=BF16, rngs=nnx.Rngs(3))
-        mlp.fc1.kernel[...] = w
-        assert mlp.fc1.bias is not None
-        mlp.fc1.bias[...] = b
+        mlp.fc1 = fc1
         out = mlp(x)
         assert seen.pop()["shape"] == (304, 128)
     np.testing.assert_array_equal(as_f32(mlp(x)), as_f32(mlp.fc2(unfused)))  # CPU: unchanged
