@@ -51,13 +51,13 @@ SHARED = {"serving/test_engine.py": _ENGINE_GROUP,
 # change, the workers ended 11 s apart). The others follow in collection order. A worker takes the
 # next file when it is done with one.
 SLOW_FIRST = (
-    "serving/test_multi_device.py",  # one 100-120 s test (listed from session 38's --durations run)
     "pallas/test_moe.py",
     "serving/test_engine.py",
     "serving/test_soak.py",  # before test_server.py, whose last test shuts the shared engine down
     "serving/test_server.py",
     "models/test_parity.py",
-    "serving/test_region_gate_engine.py",  # ~63 s (session 38)
+    "serving/test_multi_device.py",  # one test: ~26 s alone, ~40 s beside another worker (session 39)
+    "serving/test_region_gate_engine.py",  # one test: ~29 s alone (session 39)
     "serving/test_runner_mixed.py",
     "pallas/test_paged_attention.py",
     "serving/test_export_cache.py",

@@ -29,7 +29,7 @@ def test_two_devices_serve_like_one(ckpt: Path, tmp_path: Path) -> None:
     env.pop("XLA_FLAGS", None)
     # The run's compilation cache (tests/conftest.py): the one-device engine on device 1 loads the
     # programs the two-device engine compiled for that device (on a CPU a program's cache key
-    # includes its device), in place of compiling them again (~20 s of the ~100 s).
+    # includes its device), in place of compiling them again.
     if jax.config.jax_compilation_cache_dir:
         env.update(JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir,
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
