@@ -27,7 +27,13 @@ swizzled SMEM start at 8-aligned rows). Up to 64 rows past the last full tile (a
 consumer taking half the columns (a quarter of a full tile's MMAs, ~0.4 of its time: the loads
 bound it). More rows than that: the last full tile is shifted up to end at row M. Either way some
 rows may be computed twice, by two CTAs, writing the same values. N must be a multiple of BN and
-K of 64 (`problem` says why a shape is refused; the caller then uses XLA).
+K of 64 (`problem` says why a shape is refused; the caller then uses XLA). Rows past M or columns
+past N cannot be left to TMA's bounds instead: Mosaic GPU views a TMA operand in global memory
+tiled by its SMEM tile (8 rows x 64 columns here) and refuses dimensions that are not multiples of
+it at lowering. So the vision encoder's fc1 (4 x 729 rows x 4,304 columns in a 4-image step; its
+GELU pass is 18.5 us of a ~237 us layer) stays on XLA: taking it would need each crop's 729 tokens
+padded to 736 through the encoder (attention masking the pad keys) and fc1 padded to 4,352 columns
+(checked at lowering, thirty-ninth session; not built: ~1% of MD2 W2's device time at best).
 
 Measured (H200, thirty-eighth session, `tools/bench_linear_gelu.py`, us per MD2 layer, fc1
 [M, 2048] x [2048, 8192] + bias + GELU): 4 stages (the default) 49.6 / 75.2 / 88.2 / 98.8 at
