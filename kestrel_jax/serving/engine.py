@@ -69,8 +69,13 @@ class EngineConfig:
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 48, 64)
     # Prefill step sizes in tokens. An image query is the 730-token image prefix plus its prompt: one
     # fits 768, two fit 1536 (two in the 2048 step left 28% of it padding: +4% W2 tokens/s and TTFT
-    # p50 -8% on the H100 with 1536, BENCHMARKS.md, eleventh session). The largest is the token budget.
-    prefill_token_buckets: tuple[int, ...] = (128, 256, 768, 1024, 1536, 2048)
+    # p50 -8% on the H100 with 1536, BENCHMARKS.md, eleventh session), four fit 3072. The largest is
+    # the token budget: with 3072 a step takes up to four waiting image prompts and the vision thread
+    # encodes their images in one call (with 2048, two: requests then arrive, finish and are encoded
+    # in pairs). 64 clients asking image queries on an H200: MD2 +3-5% output tokens/s, MD3 +2.8%,
+    # TTFT p50 42 -> 69 ms (MD2) and 47 -> 78 ms (MD3); a 4096 step (five prompts) was no faster than
+    # 3072 (BENCHMARKS.md, thirty-ninth session).
+    prefill_token_buckets: tuple[int, ...] = (128, 256, 768, 1024, 1536, 2048, 3072)
     max_prefill_seqs: int = 8
     enable_prefix_cache: bool = True
     warmup: bool = True  # compile every bucket at start-up, then forbid recompiles
