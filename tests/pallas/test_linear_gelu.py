@@ -70,8 +70,10 @@ def test_interpreted_matches_the_unfused_arithmetic_without_races(M, K, N, block
     # The unfused jnp expressions on bf16 round after every step of the GELU (jax.nn.gelu computes
     # in the input's dtype), so they sit further from the f32-GELU reference (the reference
     # implementation's arithmetic: PyTorch computes a bf16 GELU in f32) than the kernel does.
+    # (Compared by the mean error: both maxima are often one bf16 step of the largest outputs.)
     unfused = gelu_tanh(jnp.dot(x, w) + b)
-    assert np.abs(as_f32(y) - as_f32(ref)).max() < np.abs(as_f32(unfused) - as_f32(ref)).max()
+    ours, theirs = np.abs(as_f32(y) - as_f32(ref)), np.abs(as_f32(unfused) - as_f32(ref))
+    assert ours.max() <= theirs.max() and ours.mean() < theirs.mean(), (ours.mean(), theirs.mean())
 
 
 @pytest.mark.parametrize("M,block_n,stages", [(296, 128, 3), (264, 128, 4), (704, 128, 3), (296, 64, 4)])
