@@ -77,6 +77,14 @@ class EngineConfig:
     # p50 27 -> 39 ms: a server that mostly sees a few clients can drop 3072); a 4096 step (five
     # prompts) was no faster than 3072 (BENCHMARKS.md, thirty-ninth session).
     prefill_token_buckets: tuple[int, ...] = (128, 256, 768, 1024, 1536, 2048, 3072)
+    # ... but while fewer than `prefill_light_below` sequences decode, a step takes at most
+    # `prefill_light_budget` tokens (two image prompts; capped at the largest bucket; None: the full
+    # budget always). On the H200 the full budget paid from 32 clients on and cost 1.5-2.8% (and
+    # 10-14 ms of TTFT) at 8; with these values 8 clients (<= 8 decoding) get the 2048 budget's
+    # plans and 32 or 64 clients (~30 or ~61 decoding) the 3072 budget's. The rule as a whole is
+    # not yet timed on the GPU (thirty-ninth session).
+    prefill_light_budget: int | None = 2048
+    prefill_light_below: int = 16
     max_prefill_seqs: int = 8
     enable_prefix_cache: bool = True
     warmup: bool = True  # compile every bucket at start-up, then forbid recompiles
@@ -159,6 +167,14 @@ class EngineConfig:
         if self.mixed_decode_buckets is None:
             return (max(self.decode_buckets),)
         return tuple(self.mixed_decode_buckets)
+
+    def light_budget(self) -> int | None:
+        """The scheduler's light-load token budget (`prefill_light_budget` capped at the largest
+        prefill bucket), or None where it would not differ from the full budget."""
+        top = max(self.prefill_token_buckets)
+        if self.prefill_light_budget is None or self.prefill_light_budget >= top or self.prefill_light_below <= 0:
+            return None
+        return self.prefill_light_budget
 
 
 def decode_buckets_up_to(max_batch_size: int) -> tuple[int, ...]:

@@ -91,7 +91,8 @@ class EngineWorker:
             num_pages=self.runner.num_pages, page_size=self.runner.page_size, max_seq_len=self.max_seq_len,
             decode_buckets=config.decode_buckets, prefill_token_buckets=config.prefill_token_buckets,
             max_prefill_seqs=config.max_prefill_seqs, image_prefix_len=t.prefix_attn,
-            enable_prefix_cache=config.enable_prefix_cache, mixed_decode_buckets=self.mixed_buckets, **sched_kw))
+            enable_prefix_cache=config.enable_prefix_cache, mixed_decode_buckets=self.mixed_buckets,
+            light_token_budget=config.light_budget(), light_below_decoding=config.prefill_light_below, **sched_kw))
         self._inbox: queue.Queue[Submission | tuple[str, int] | None] = queue.Queue()
         self._live: dict[int, Submission] = {}
         batches = self.runner.image_batches

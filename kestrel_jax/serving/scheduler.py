@@ -410,11 +410,21 @@ class Scheduler:
             out[: len(pairs)] = pairs
         return out, len(pairs)
 
+    def step_token_budget(self) -> int:
+        """New tokens the next prefill step may take: the token budget, or under light load (fewer
+        than `light_below_decoding` sequences decoding) `light_token_budget`."""
+        cfg = self.config
+        if cfg.light_token_budget is None:
+            return cfg.token_budget
+        decoding = sum(1 for seq in self._live.values() if seq.decoding)
+        return cfg.light_token_budget if decoding < cfg.light_below_decoding else cfg.token_budget
+
     def _build_prefill(self, ready: Callable[[Hashable], bool] | None = None,
                        held: list[Hashable] | None = None) -> PrefillPlan | None:
         """`ready` / `held`: see `schedule`; the ids of the sequences held back go to `held`."""
         cfg = self.config
-        budget = cfg.token_budget
+        full = self.step_token_budget()
+        budget = full
         chosen: list[tuple[_Seq, int]] = []
         for seq in self._live.values():
             if seq.decoding:
@@ -433,7 +443,7 @@ class Scheduler:
         if not chosen:
             return None
         B, P, ps = cfg.max_prefill_seqs, cfg.max_pages_per_seq, cfg.page_size
-        num_tokens = cfg.token_budget - budget
+        num_tokens = full - budget
         T = pick_bucket(num_tokens, cfg.prefill_token_buckets)
         positions = np.zeros(T, np.int32)
         slots = np.full(T, -1, np.int32)

@@ -29,6 +29,11 @@ class SchedulerConfig:
     # Mixed steps (continuous batching): a prefill step also advances every decoding sequence by
     # one position when they fit one of these row buckets. () = prefill steps carry no decode rows.
     mixed_decode_buckets: tuple[int, ...] = ()
+    # Under light load a prefill step takes at most `light_token_budget` new tokens: while fewer
+    # than `light_below_decoding` sequences decode (None: the full budget always). Many prompts per
+    # step pay where many clients wait behind them, and cost first-token latency where few do.
+    light_token_budget: int | None = None
+    light_below_decoding: int = 0
 
     def __post_init__(self) -> None:
         if self.num_pages < 1:
@@ -63,6 +68,13 @@ class SchedulerConfig:
                 f"prefill_token_budget={self.prefill_token_budget} is below image_prefix_len="
                 f"{self.image_prefix_len}: the bidirectional prefix must be prefilled in one chunk"
             )
+        if self.light_token_budget is not None:
+            if not self.image_prefix_len <= self.light_token_budget <= self.token_budget:
+                raise ValueError(
+                    f"light_token_budget={self.light_token_budget} must be in [image_prefix_len="
+                    f"{self.image_prefix_len}, prefill_token_budget={self.token_budget}]")
+            if self.light_below_decoding < 0:
+                raise ValueError(f"light_below_decoding must be >= 0, got {self.light_below_decoding}")
         if self.max_prefill_seqs < 1:
             raise ValueError(f"max_prefill_seqs must be >= 1, got {self.max_prefill_seqs}")
         if self.max_seq_len < 2:

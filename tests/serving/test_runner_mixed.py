@@ -117,6 +117,28 @@ def test_output_rows_hold_the_widest_step(model: MoondreamModel, decode: tuple[i
     assert worker.scheduler.config.mixed_decode_buckets == (cfg.mixed_buckets())
 
 
+@pytest.mark.parametrize("model", ["md2"], indirect=True)  # engine settings only: model-independent (CI time)
+def test_light_load_budget_reaches_the_scheduler(model: MoondreamModel) -> None:
+    """EngineConfig's light-load prefill budget (2048 while fewer than 16 sequences decode) is the
+    scheduler's; it is dropped where the buckets end at or below it, or when switched off."""
+    from kestrel_jax.serving.engine import EngineConfig
+    from kestrel_jax.serving.loop import EngineWorker
+    from kestrel_jax.tokenizer import Tokenizer, build_synthetic_tokenizer
+
+    tok = Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size))
+    runner = RunnerConfig(num_pages=16, kv_dtype="f32", max_seq_len=128, page_size=PAGE, vision_buckets=(2,))
+    for buckets, light, want in [((768, 1536, 2048, 3072), 2048, 2048), ((1024,), 2048, None),
+                                 ((768, 1536, 2048, 3072), None, None), ((768, 3072), 1536, 1536)]:
+        cfg = EngineConfig(runner=runner, decode_buckets=(4,), prefill_token_buckets=buckets, max_prefill_seqs=2,
+                           prefill_light_budget=light, warmup=False)
+        sched = EngineWorker(cfg, model, tok).scheduler.config
+        assert (sched.light_token_budget, sched.light_below_decoding) == (want, 16), buckets
+    assert EngineConfig().light_budget() == 2048 and EngineConfig().prefill_light_below == 16
+    with pytest.raises(ValueError, match="light_token_budget=512"):  # below the 730-token image prefix
+        EngineWorker(EngineConfig(runner=runner, decode_buckets=(4,), prefill_token_buckets=(1024,),
+                                  prefill_light_budget=512, warmup=False), model, tok)
+
+
 @pytest.mark.parametrize("model", ["md2"], indirect=True)  # the warm-up's fallback: model-independent (CI time)
 def test_a_failed_compile_ahead_leaves_the_warm_up_to_compile(model: MoondreamModel, monkeypatch: pytest.MonkeyPatch,
                                                               caplog: pytest.LogCaptureFixture) -> None:

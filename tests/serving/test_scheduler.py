@@ -309,7 +309,7 @@ def test_engine_finishes_and_metrics(make: Make) -> None:
 
 
 def _soak(seed: int, page_size: int, steps_cap: int = 20_000, multi_step: bool = False,
-          mixed: tuple[int, ...] = ()) -> None:
+          mixed: tuple[int, ...] = (), light: bool = False) -> None:
     rng = np.random.default_rng(seed)
 
     def k() -> int:  # decode iterations asked for this step
@@ -321,6 +321,7 @@ def _soak(seed: int, page_size: int, steps_cap: int = 20_000, multi_step: bool =
             num_pages=60 if page_size == 64 else 240, page_size=page_size, max_seq_len=1024,
             decode_buckets=(1, 2, 4, 8), max_running=8, prefill_token_buckets=(256, 512, 768, 1024),
             max_prefill_seqs=4, mixed_decode_buckets=mixed,
+            light_token_budget=768 if light else None, light_below_decoding=4,
         ),
         clock=clock,
     )  # fmt: skip
@@ -394,11 +395,11 @@ def _soak(seed: int, page_size: int, steps_cap: int = 20_000, multi_step: bool =
     assert_released(s)
 
 
-@pytest.mark.parametrize(("seed", "page_size", "multi_step", "mixed"),
-                         [(0, 64, False, ()), (1, 16, False, ()), (2, 16, True, ()), (3, 64, False, (2, 8)),
-                          (4, 16, True, (4,))])
-def test_randomized_soak(seed: int, page_size: int, multi_step: bool, mixed: tuple[int, ...]) -> None:
-    _soak(seed, page_size, multi_step=multi_step, mixed=mixed)
+@pytest.mark.parametrize(("seed", "page_size", "multi_step", "mixed", "light"),
+                         [(0, 64, False, (), False), (1, 16, False, (), False), (2, 16, True, (), False),
+                          (3, 64, False, (2, 8), False), (4, 16, True, (4,), False), (8, 64, True, (8,), True)])
+def test_randomized_soak(seed: int, page_size: int, multi_step: bool, mixed: tuple[int, ...], light: bool) -> None:
+    _soak(seed, page_size, multi_step=multi_step, mixed=mixed, light=light)
 
 
 def test_mixed_steps_advance_decoding_sequences_during_a_prefill(make: Make) -> None:
@@ -530,10 +531,11 @@ def test_prefill_of_an_image_not_at_hand_is_held_back(make: Make) -> None:
 
 
 def test_default_budget_prefills_four_image_queries_per_step(make: Make) -> None:
-    """The engine's default prefill buckets end at 3072: four waiting image queries (730-token
-    prefix + an 11-token prompt each) share one prefill step, the fifth takes the next; with the old
-    top bucket of 2048 only two fit (BENCHMARKS.md, thirty-ninth session: four images per step and
-    per vision call gave 64 concurrent image queries 3-5% more tokens/s)."""
+    """The engine's default prefill buckets end at 3072: under load (the light-load budget is
+    tested below) four waiting image queries (730-token prefix + an 11-token prompt each) share one
+    prefill step, the fifth takes the next; with the old top bucket of 2048 only two fit
+    (BENCHMARKS.md, thirty-ninth session: four images per step and per vision call gave 64
+    concurrent image queries 3-5% more tokens/s)."""
     from kestrel_jax.serving.engine import EngineConfig
 
     buckets = EngineConfig().prefill_token_buckets
@@ -550,3 +552,35 @@ def test_default_budget_prefills_four_image_queries_per_step(make: Make) -> None
         assert plan.num_seqs == per_step and plan.num_tokens == per_step * (PRE + 11)
         assert len(plan.positions) == min(b for b in top if b >= per_step * (PRE + 11))
         run_until_idle(s, r)
+
+
+def test_light_load_takes_the_light_budget(make: Make) -> None:
+    """With light_token_budget 2048 below 3072: while fewer than `light_below_decoding` sequences
+    decode, a prefill step takes two image queries (741 tokens each); once that many decode, four."""
+    s, r, _ = make(num_pages=1024, decode_buckets=(1, 64), max_running=64, max_prefill_seqs=8,
+                   prefill_token_buckets=(64, 256, 768, 1536, 2048, 3072), light_token_budget=2048,
+                   light_below_decoding=4, mixed_decode_buckets=(64,))
+    assert s.step_token_budget() == 2048
+    for i in range(5):
+        submit(s, r, image(f"a{i}", f"a{i}", n=11, max_new=40))
+    out = run_step(s, r)
+    assert out is not None and isinstance(out.plan, PrefillPlan) and out.plan.num_seqs == 2
+    out = run_step(s, r)  # two decode: still light
+    assert out is not None and isinstance(out.plan, PrefillPlan) and out.plan.num_seqs == 2
+    assert s.step_token_budget() == 3072  # four decode now
+    for i in range(4):
+        submit(s, r, image(f"b{i}", f"b{i}", n=11, max_new=40))
+    out = run_step(s, r)  # a4 then b0-b2: four image prompts, 2,964 tokens, in the 3072 bucket
+    assert out is not None and isinstance(out.plan, PrefillPlan)
+    assert out.plan.num_seqs == 4 and out.plan.num_tokens == 4 * (PRE + 11) and len(out.plan.positions) == 3072
+    run_until_idle(s, r)
+
+
+def test_light_budget_is_validated() -> None:
+    with pytest.raises(ValueError, match="light_token_budget=512"):
+        SchedulerConfig(num_pages=10, prefill_token_buckets=(1024, 2048), light_token_budget=512)
+    with pytest.raises(ValueError, match="light_token_budget=4096"):
+        SchedulerConfig(num_pages=10, prefill_token_buckets=(1024, 2048), light_token_budget=4096)
+    with pytest.raises(ValueError, match="light_below_decoding"):
+        SchedulerConfig(num_pages=10, prefill_token_buckets=(1024, 2048), light_token_budget=1024,
+                        light_below_decoding=-1)
