@@ -74,7 +74,7 @@ class EngineConfig:
     # encodes their images in one call (with 2048, two: requests then arrive, finish and are encoded
     # in pairs). 64 clients asking image queries on an H200: MD2 +3-5% output tokens/s, MD3 +2.8%,
     # TTFT p50 42 -> 69 ms (MD2) and 47 -> 78 ms (MD3); 32 clients +2.6%, but 8 clients -1.5-2.8% (TTFT
-    # p50 27 -> 39 ms: a server that mostly sees a few clients can drop 3072); a 4096 step (five
+    # p50 27 -> 39 ms: hence the light-load budget below); a 4096 step (five
     # prompts) was no faster than 3072 (BENCHMARKS.md, thirty-ninth session).
     prefill_token_buckets: tuple[int, ...] = (128, 256, 768, 1024, 1536, 2048, 3072)
     # ... but while fewer than `prefill_light_below` sequences decode, a step takes at most
