@@ -21,8 +21,9 @@ request whose image is being prefilled by a running sequence waits one step for 
 reach the cache instead of prefilling the same image again.
 
 Steps: prefill has priority. A prefill step packs chunks of prefilling sequences in admission
-order under the token budget; an uncached image prefix goes whole in one chunk, prompts may be
-split anywhere. With `mixed_decode_buckets`, a prefill step also carries one decode position of
+order under the token budget (under `light_token_budget` while fewer than `light_below_decoding`
+sequences decode); an uncached image prefix goes whole in one chunk, prompts may be split
+anywhere. With `mixed_decode_buckets`, a prefill step also carries one decode position of
 every decoding sequence when they fit the largest of those buckets (a mixed step: the weights
 are read once for both, and decoding does not stall while images are prefilled). Otherwise a
 decode step advances every decoding sequence by one position, or by up to `decode_steps`
