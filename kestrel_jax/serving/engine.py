@@ -73,13 +73,13 @@ class EngineConfig:
     # the token budget: with 3072 a step takes up to four waiting image prompts and the vision thread
     # encodes their images in one call (with 2048, two: requests then arrive, finish and are encoded
     # in pairs). 64 clients asking image queries on an H200: MD2 +3-5% output tokens/s, MD3 +2.8%,
-    # TTFT p50 42 -> 69 ms (MD2) and 47 -> 78 ms (MD3); 32 clients +2.6%, but 8 clients -1.5-2.8% (TTFT
-    # p50 27 -> 39 ms: hence the light-load budget below); a 4096 step (five
-    # prompts) was no faster than 3072 (BENCHMARKS.md, thirty-ninth session).
+    # TTFT p50 42 -> 69 ms (MD2) and 47 -> 78 ms (MD3); 32 clients +2.6%, but 8 clients -1.5-2.8%
+    # (TTFT p50 27 -> 39 ms: hence the light-load budget below); a 4096 step (five prompts) was no
+    # faster than 3072 (BENCHMARKS.md, thirty-ninth session).
     prefill_token_buckets: tuple[int, ...] = (128, 256, 768, 1024, 1536, 2048, 3072)
     # ... but while fewer than `prefill_light_below` sequences decode, a step takes at most
-    # `prefill_light_budget` tokens (two image prompts; capped at the largest bucket; None: the full
-    # budget always). On the H200 the full budget paid from 32 clients on and cost 1.5-2.8% (and
+    # `prefill_light_budget` tokens (two image prompts; no effect where the buckets end at or below
+    # it; None: the full budget always). On the H200 the full budget paid from 32 clients on and cost 1.5-2.8% (and
     # 10-14 ms of TTFT) at 8; with these values 8 clients (<= 8 decoding) get the 2048 budget's
     # plans and 32 or 64 clients (~30 or ~61 decoding) the 3072 budget's. The rule as a whole is
     # not yet timed on the GPU (thirty-ninth session).
@@ -169,10 +169,9 @@ class EngineConfig:
         return tuple(self.mixed_decode_buckets)
 
     def light_budget(self) -> int | None:
-        """The scheduler's light-load token budget (`prefill_light_budget` capped at the largest
-        prefill bucket), or None where it would not differ from the full budget."""
-        top = max(self.prefill_token_buckets)
-        if self.prefill_light_budget is None or self.prefill_light_budget >= top or self.prefill_light_below <= 0:
+        """The scheduler's light-load token budget: `prefill_light_budget`, or None where it would
+        not differ from the full budget (the largest prefill bucket)."""
+        if self.prefill_light_budget is None or self.prefill_light_budget >= max(self.prefill_token_buckets):
             return None
         return self.prefill_light_budget
 

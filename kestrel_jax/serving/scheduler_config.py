@@ -68,13 +68,13 @@ class SchedulerConfig:
                 f"prefill_token_budget={self.prefill_token_budget} is below image_prefix_len="
                 f"{self.image_prefix_len}: the bidirectional prefix must be prefilled in one chunk"
             )
-        if self.light_token_budget is not None:
-            if not self.image_prefix_len <= self.light_token_budget <= self.token_budget:
-                raise ValueError(
-                    f"light_token_budget={self.light_token_budget} must be in [image_prefix_len="
-                    f"{self.image_prefix_len}, prefill_token_budget={self.token_budget}]")
-            if self.light_below_decoding < 0:
-                raise ValueError(f"light_below_decoding must be >= 0, got {self.light_below_decoding}")
+        if self.light_token_budget is not None and not (
+                self.image_prefix_len <= self.light_token_budget <= self.token_budget):
+            raise ValueError(
+                f"light_token_budget={self.light_token_budget} must be in [image_prefix_len="
+                f"{self.image_prefix_len}, prefill_token_budget={self.token_budget}]")
+        if self.light_below_decoding < 0:
+            raise ValueError(f"light_below_decoding must be >= 0, got {self.light_below_decoding}")
         if self.max_prefill_seqs < 1:
             raise ValueError(f"max_prefill_seqs must be >= 1, got {self.max_prefill_seqs}")
         if self.max_seq_len < 2:

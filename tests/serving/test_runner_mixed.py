@@ -137,6 +137,9 @@ def test_light_load_budget_reaches_the_scheduler(model: MoondreamModel) -> None:
     with pytest.raises(ValueError, match="light_token_budget=512"):  # below the 730-token image prefix
         EngineWorker(EngineConfig(runner=runner, decode_buckets=(4,), prefill_token_buckets=(1024,),
                                   prefill_light_budget=512, warmup=False), model, tok)
+    with pytest.raises(ValueError, match="light_below_decoding must be >= 0"):  # refused, not ignored
+        EngineWorker(EngineConfig(runner=runner, decode_buckets=(4,), prefill_token_buckets=(1024,),
+                                  prefill_light_below=-1, warmup=False), model, tok)
 
 
 @pytest.mark.parametrize("model", ["md2"], indirect=True)  # the warm-up's fallback: model-independent (CI time)

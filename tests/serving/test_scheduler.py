@@ -582,5 +582,4 @@ def test_light_budget_is_validated() -> None:
     with pytest.raises(ValueError, match="light_token_budget=4096"):
         SchedulerConfig(num_pages=10, prefill_token_buckets=(1024, 2048), light_token_budget=4096)
     with pytest.raises(ValueError, match="light_below_decoding"):
-        SchedulerConfig(num_pages=10, prefill_token_buckets=(1024, 2048), light_token_budget=1024,
-                        light_below_decoding=-1)
+        SchedulerConfig(num_pages=10, prefill_token_buckets=(1024, 2048), light_below_decoding=-1)
