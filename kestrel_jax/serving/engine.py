@@ -79,10 +79,11 @@ class EngineConfig:
     prefill_token_buckets: tuple[int, ...] = (128, 256, 768, 1024, 1536, 2048, 3072)
     # ... but while fewer than `prefill_light_below` sequences decode, a step takes at most
     # `prefill_light_budget` tokens (two image prompts; no effect where the buckets end at or below
-    # it; None: the full budget always). On the H200 the full budget paid from 32 clients on and cost 1.5-2.8% (and
-    # 10-14 ms of TTFT) at 8; with these values 8 clients (<= 8 decoding) get the 2048 budget's
-    # plans and 32 or 64 clients (~30 or ~61 decoding) the 3072 budget's. The rule as a whole is
-    # not yet timed on the GPU (thirty-ninth session).
+    # it; None: the full budget always). On the H200 the full budget paid from 32 clients on and
+    # cost 1.5-2.8% (and 10-14 ms of TTFT) at 8; with these values 8 clients (<= 8 decoding) get
+    # the 2048 budget's plans and 32 or 64 clients (~30 or ~61 decoding) the 3072 budget's. MD2,
+    # H200, against None (fortieth session): 8 clients +1.8% output tok/s, TTFT p50 40 -> 29 ms;
+    # 64 clients -0.3% (one pair, within run-to-run).
     prefill_light_budget: int | None = 2048
     prefill_light_below: int = 16
     max_prefill_seqs: int = 8
