@@ -490,9 +490,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "3wg,R64,r152/56": {"num_consumers": 3, "wg_rows": 64, "registers": (152, 56)},
             "3wg,R64,op3": {"num_consumers": 3, "wg_rows": 64, "n_op": 3},
             "4wg,R64": {"num_consumers": 4, "wg_rows": 64},
+            # 128-key tiles (half the key-loop trips; S is 64 x 128 f32 per M tile: 64 registers a thread).
+            # setmaxnreg: nc x consumer + producer <= (nc + 1) x cap, cap 128 (3 wg), 168 (2), 96 (4)
+            "3wg,R64,bk128,r152/56": {"num_consumers": 3, "wg_rows": 64, "block_k": 128, "registers": (152, 56)},
+            "3wg,R64,bk128": {"num_consumers": 3, "wg_rows": 64, "block_k": 128},
+            "2wg,R128,bk128,r216/72": {"num_consumers": 2, "wg_rows": 128, "block_k": 128, "registers": (216, 72)},
+            "4wg,R64,bk128,r112/32": {"num_consumers": 4, "wg_rows": 64, "block_k": 128, "registers": (112, 32)},
+            # FA3's intra-warpgroup overlap: S_t and tile t-1's PV in flight together (`overlap`)
+            "3wg,R64,ov": {"num_consumers": 3, "wg_rows": 64, "overlap": True, "n_op": 3},
+            "3wg,R64,ov,r152/56": {"num_consumers": 3, "wg_rows": 64, "overlap": True, "n_op": 3,
+                                   "registers": (152, 56)},
+            "4wg,R64,ov": {"num_consumers": 4, "wg_rows": 64, "overlap": True, "n_op": 3},
+            "2wg,R128,ov,r216/72": {"num_consumers": 2, "wg_rows": 128, "overlap": True, "n_op": 3,
+                                    "registers": (216, 72)},
         }
-        if args.tune_prefill_only:  # the defaults against the 64-row multi-consumer variants
-            pre_variants = {k: v for k, v in pre_variants.items() if k == "kernel" or "wg,R64" in k}
+        if args.tune_prefill_only:  # the defaults against the 64-row multi-consumer, 128-key-tile and overlap variants
+            pre_variants = {k: v for k, v in pre_variants.items()
+                            if k == "kernel" or "wg,R64" in k or "bk128" in k or ",ov" in k}
         for label, ql, cached, prefix in pre_cases[:3] if args.tune_prefill or args.tune_prefill_only else []:
             emit(functools.partial(bench_prefill, rng, label, ql, cached, prefix, page, fp8, pre_variants, iters,
                                    cpu, kernel_kw, ks, vs), f"prefill tune {label}", optional=True)
@@ -587,7 +601,8 @@ def main() -> None:
     p.add_argument("--tune-prefill", action="store_true",
                    help="with --tune: the prefill kernel's scheduling variants (ping-pong, in-place PV, 128-row "
                         "warpgroups) too")
-    p.add_argument("--tune-prefill-only", action="store_true", help="with --tune: the prefill variants alone")
+    p.add_argument("--tune-prefill-only", action="store_true",
+                   help="with --tune: the prefill variants alone (defaults, 64-row multi-consumer, 128-key tiles)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpreted kernels, on the CPU")
     p.add_argument("--page", type=int, default=pa.DEFAULT_PAGE_SIZE, help="page size of the main grid")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per program")

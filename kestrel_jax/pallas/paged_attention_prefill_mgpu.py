@@ -8,7 +8,7 @@ wg_rows * num_consumers rows (a block never spans two sequences; the rows after 
 form one more pseudo-sequence whose blocks write zeros). Grid = (blocks upper bound, H); a CTA
 finds its (sequence, block) by an unrolled scan of cu_q_lens. num_consumers + 1 warpgroups per
 CTA (FlashAttention-3 shape; default 2 + 1):
-  * the last WG (producer) TMA-gathers each 64-key tile of K and V from the sequence's pages
+  * the last WG (producer) TMA-gathers each `block_k`-key tile of K and V from the sequence's pages
     into a raw staging ring (`n_stage` slots, one TMA box per page chunk), converts it to the
     MMA operand type in registers (FP8 -> f16 is exact; dequantisation happens in the softmax
     scale), zeroes V rows past kv_len (pool garbage such as NaN must not meet a zero
@@ -34,6 +34,7 @@ first rows belong to the previous block and are recomputed but not stored).
 128-row warpgroups need it (default (216, 72)): their S, P and O tiles do not fit in the even
 share of 168. Prefills of at most 64 x num_consumers rows (a prompt appended to a cached image)
 default to 64-row warpgroups: a second M tile would be padding.
+block_k: keys per K/V tile (64 default; 128 halves the loop trips).
 
 Measured on an H100 (FP8 pool, page 64, kernel alone, BENCHMARKS.md): 740-token image prefill
 29.8 us with 64-row warpgroups -> 23.1 us with 128 (96 CTAs, one wave) -> 20.7 us with three
@@ -65,12 +66,12 @@ from kestrel_jax.pallas.paged_attention_mgpu import (
 DEFAULT_CONSUMERS = 2
 WIDE_WG_ROWS = 128  # query rows per consumer warpgroup, unless the whole prefill fits 64 x consumers
 _WIDE_REGISTERS = (216, 72)  # setmaxnreg split for 2 consumers x 128 rows (+ producer)
-BLOCK_K = 64  # keys per tile
+BLOCK_K = 64  # keys per tile (the default of `block_k`)
 _HEAD_DIM = 64
 _SWIZZLE = 128  # bf16 rows of 64 are exactly 128 bytes
 _F16_MAX = 65504.0
 _ROW_VEC = plgpu.Layout.WGMMA.reduce(1)  # [64] per accumulator row
-_COL_VEC = plgpu.Layout.WGMMA.reduce(0)  # [BLOCK_K] per accumulator column
+_COL_VEC = plgpu.Layout.WGMMA.reduce(0)  # [block_k] per accumulator column
 _OP_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(_SWIZZLE))  # type: ignore[abstract]
 
 
@@ -132,6 +133,8 @@ def prefill_attention_kernel(
     wg_rows: int | None = None,
     pingpong: bool | None = None,
     acc_in_place: bool | None = None,
+    block_k: int | None = None,  # keys per K/V tile (64 default; 128 halves the loop trips)
+    overlap: bool = False,
     interpret: bool = False,
     detect_races: bool = False,
 ) -> jax.Array:  # [T, H, D] in q.dtype; padding rows are zero
@@ -145,6 +148,10 @@ def prefill_attention_kernel(
                             f"{page_table.shape} do not match kv_lens {kv_lens.shape}")
     if n_stage < 1 or n_op < 1:
         raise ValueError(f"n_stage and n_op must be >= 1, got {n_stage}, {n_op}")
+    if block_k is None:
+        block_k = BLOCK_K
+    if block_k not in (64, 128):
+        raise ValueError(f"block_k (keys per K/V tile) must be 64 or 128, got {block_k}")
     if num_consumers is None:  # the schedule by size, unless the caller set the warpgroups' shape
         if wg_rows is None and registers is None and pingpong is None:
             num_consumers, wg_rows = prefill_schedule(q.shape[0], q.shape[1])
@@ -182,6 +189,17 @@ def prefill_attention_kernel(
         acc_in_place = not interpret
     if acc_in_place and interpret:
         raise ValueError("acc_in_place=True cannot be interpreted (no register-initialised wgmma accumulator)")
+    if overlap:
+        # FA3's intra-warpgroup pipelining: tile t's S = Q K^T and tile t-1's O += P V are issued
+        # together and the softmax of tile t runs while the PV product is in flight. P stays in
+        # registers across a loop trip and O in a wgmma accumulator: GPU only.
+        if interpret or not (p_in_registers and acc_in_place):
+            raise ValueError("overlap=True needs p_in_registers and acc_in_place (GPU only, not interpreted)")
+        if pingpong:
+            raise ValueError("overlap=True and pingpong=True are two different consumer schedules; pick one")
+        pingpong = False
+        if n_op < 2:
+            raise ValueError(f"overlap=True holds two operand slots at a time: n_op must be >= 2, got {n_op}")
     if pingpong is None:
         pingpong = nc == 2
     if pingpong and nc != 2:
@@ -195,8 +213,8 @@ def prefill_attention_kernel(
     page_table = _pad_page_table(page_table)
     maxp = page_table.shape[1]
     n_blocks = -(-T // block_q) + B  # >= sum of per-segment block counts over B + 1 segments
-    copies = max(1, BLOCK_K // S)
-    box = min(S, BLOCK_K)
+    copies = max(1, block_k // S)
+    box = min(S, block_k)
     fp8 = is_fp8(k_pages.dtype)
     kv_dtype = k_pages.dtype
     # wgmma operand dtype. e4m3 -> f16 is exact and one instruction per pair (e4m3 -> bf16 needs
@@ -236,7 +254,7 @@ def prefill_attention_kernel(
         r1 = jnp.minimum(r0 + block_q, qe)
         tile0 = jnp.minimum(r0, T - block_q)  # first row of the block's q tile
         kv_end = jnp.minimum(_allowed_limit(base + (r1 - 1 - qs), pre), kvl)
-        n_tiles = jnp.where(valid_blk, (jnp.maximum(kv_end, 0) + BLOCK_K - 1) // BLOCK_K, 0)
+        n_tiles = jnp.where(valid_blk, (jnp.maximum(kv_end, 0) + block_k - 1) // block_k, 0)
 
         if registers is not None:  # always release (consumers' increase waits for it)
             pl.when(wg == nc)(functools.partial(plgpu.set_max_registers, registers[1], action="decrease"))
@@ -248,7 +266,7 @@ def prefill_attention_kernel(
 
             def issue(t, slot):
                 for c in range(copies):
-                    tok = t * BLOCK_K + c * box
+                    tok = t * block_k + c * box
                     page = jnp.clip(pt_smem[jnp.minimum(tok // S, maxp - 1)], 0, P - 1)
                     rows, dst = pl.ds(tok % S, box), pl.ds(c * box, box)
                     plgpu.copy_gmem_to_smem(k_ref.at[page, hkv, rows], k_stage.at[slot, dst], stage_bar.at[slot])
@@ -256,7 +274,7 @@ def prefill_attention_kernel(
 
             for i in range(n_stage):
                 pl.when(i < n_tiles)(functools.partial(issue, jnp.int32(i), jnp.int32(i)))
-            key_ids = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K,), 0, layout=_ROW_VEC)  # 2 registers
+            key_ids = plgpu.broadcasted_iota(jnp.int32, (block_k,), 0, layout=_ROW_VEC)  # 2 registers per 64 keys
 
             @pl.loop(0, n_tiles)
             def _convert(t):
@@ -267,7 +285,7 @@ def prefill_attention_kernel(
                 kt = plgpu.load(k_stage.at[s], layout=plgpu.Layout.WGMMA, optimized=False)
                 vt = plgpu.load(v_stage.at[s], layout=plgpu.Layout.WGMMA, optimized=False)
                 k_op[o] = kt.astype(op_dtype)
-                key_ok = lax.broadcast_in_dim(key_ids + t * BLOCK_K < kvl, (BLOCK_K, D), [0])
+                key_ok = lax.broadcast_in_dim(key_ids + t * block_k < kvl, (block_k, D), [0])
                 v_op[o] = jnp.where(key_ok, vt.astype(op_dtype), 0)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(ready_bar.at[o])
@@ -292,10 +310,10 @@ def prefill_attention_kernel(
             scale = sm_scale * LOG2E * (ks_ref[...] if fp8 else 1.0)
             # Key tiles below the first owned row's limit need no mask (rows are monotone).
             first_pos = base + (row0 + own_lo - qs)
-            n_full = jnp.where(n_own > 0, jnp.minimum(_allowed_limit(first_pos, pre), kvl) // BLOCK_K, 0)
+            n_full = jnp.where(n_own > 0, jnp.minimum(_allowed_limit(first_pos, pre), kvl) // block_k, 0)
             n_full = jnp.minimum(n_full, n_tiles)
-            # Mask operands as a row vector (2 registers per thread) and a column vector (16), so
-            # nothing [64, 64]-sized stays live across the key loop.
+            # Mask operands as a row vector (2 registers per thread per 64 rows) and a column vector
+            # (16 per 64 keys), so nothing [R, block_k]-sized stays live across the key loop.
             pos = plgpu.broadcasted_iota(jnp.int32, (R,), 0, layout=_ROW_VEC) + (row0 - qs + base)
             row_sees_prefix = pos < pre
             plgpu.barrier_wait(q_bar.at[wg])
@@ -309,6 +327,15 @@ def prefill_attention_kernel(
                 plgpu.barrier_arrive(sched_bar)
                 plgpu.barrier_wait(sched_bar)
 
+            def apply_mask(t, s):  # keys < kv_len, and causal unless both sit in the prefix
+                shape = (R, block_k)
+                key = plgpu.broadcasted_iota(jnp.int32, (block_k,), 0, layout=_COL_VEC) + t * block_k
+                key_ok = lax.broadcast_in_dim(key < kvl, shape, [1])
+                in_prefix = lax.broadcast_in_dim(row_sees_prefix, shape, [0]) & lax.broadcast_in_dim(
+                    key < pre, shape, [1])
+                causal = lax.broadcast_in_dim(key, shape, [1]) <= lax.broadcast_in_dim(pos, shape, [0])
+                return jnp.where(key_ok & (causal | in_prefix), s, -jnp.inf)
+
             def kv_step(t, carry, masked: bool):
                 acc, m, den = carry
                 o = lax.rem(t, n_op)
@@ -320,15 +347,9 @@ def prefill_attention_kernel(
                         schedule()
                     return ref[...]
 
-                s = pl.run_scoped(qk, plgpu.ACC((R, BLOCK_K), jnp.float32)) * scale
+                s = pl.run_scoped(qk, plgpu.ACC((R, block_k), jnp.float32)) * scale
                 if masked:
-                    shape = (R, BLOCK_K)
-                    key = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K,), 0, layout=_COL_VEC) + t * BLOCK_K
-                    key_ok = lax.broadcast_in_dim(key < kvl, shape, [1])
-                    in_prefix = lax.broadcast_in_dim(row_sees_prefix, shape, [0]) & lax.broadcast_in_dim(
-                        key < pre, shape, [1])
-                    causal = lax.broadcast_in_dim(key, shape, [1]) <= lax.broadcast_in_dim(pos, shape, [0])
-                    s = jnp.where(key_ok & (causal | in_prefix), s, -jnp.inf)
+                    s = apply_mask(t, s)
                 m_new = jnp.maximum(m, s.max(axis=1))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -368,6 +389,49 @@ def prefill_attention_kernel(
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_t
                 return acc, m_new, den
 
+            def overlap_step(t, carry, masked: bool, acc_ref):
+                # Issue S_t = Q K_t^T, then O += P_{t-1} V_{t-1} (at t = 0: P = 0 against V_0, which
+                # the producer has zeroed past kv_len, so it adds exact zeros); wait for S_t only.
+                p_prev, m, den = carry
+                o = lax.rem(t, n_op)
+                prev = lax.rem(jnp.maximum(t - 1, 0), n_op)
+                plgpu.barrier_wait(ready_bar.at[o])
+
+                def issue(s_ref):
+                    plgpu.wgmma(s_ref, q_smem.at[wg], k_op.at[o].transpose((1, 0)))
+                    plgpu.wgmma(acc_ref, p_prev, v_op.at[prev])
+                    return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
+
+                s = pl.run_scoped(issue, plgpu.ACC((R, block_k), jnp.float32)) * scale
+                if masked:
+                    s = apply_mask(t, s)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                den = den * alpha + p.sum(axis=1)
+                p_op = p.astype(op_dtype)
+                acc = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)  # P_{t-1} V_{t-1} is in
+                pl.when(t > 0)(lambda: plgpu.barrier_arrive(consumed_bar.at[prev]))
+                acc_ref[...] = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                return p_op, m_new, den
+
+            def overlap_loops(acc_ref):
+                carry = (
+                    plgpu.layout_cast(jnp.full((R, block_k), 0.0, op_dtype), plgpu.Layout.WGMMA),
+                    plgpu.layout_cast(jnp.full((R,), _NEG_INIT, jnp.float32), _ROW_VEC),
+                    plgpu.layout_cast(jnp.full((R,), 0.0, jnp.float32), _ROW_VEC),
+                )
+                carry = lax.fori_loop(0, n_full, lambda t, c: overlap_step(t, c, False, acc_ref), carry)
+                p_last, _, den = lax.fori_loop(n_full, n_tiles, lambda t, c: overlap_step(t, c, True, acc_ref),
+                                               carry)
+                last = lax.rem(jnp.maximum(n_tiles - 1, 0), n_op)
+                # With no tiles (a padding block: nothing is stored) this multiplies zeros by a slot
+                # never filled; the result is discarded.
+                plgpu.wgmma(acc_ref, p_last, v_op.at[last])
+                acc = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
+                pl.when(n_tiles > 0)(lambda: plgpu.barrier_arrive(consumed_bar.at[last]))
+                return acc, den
+
             init = (
                 plgpu.layout_cast(jnp.full((R, D), 0.0, jnp.float32), plgpu.Layout.WGMMA),
                 plgpu.layout_cast(jnp.full((R,), _NEG_INIT, jnp.float32), _ROW_VEC),
@@ -375,8 +439,11 @@ def prefill_attention_kernel(
             )
             if pingpong:  # warpgroup 1 starts one phase behind, so the two alternate on the tensor cores
                 pl.when(wg == 1)(schedule)
-            carry = lax.fori_loop(0, n_full, lambda t, c: kv_step(t, c, False), init)
-            acc, _, den = lax.fori_loop(n_full, n_tiles, lambda t, c: kv_step(t, c, True), carry)
+            if overlap:
+                acc, den = pl.run_scoped(overlap_loops, plgpu.ACC((R, D), jnp.float32))
+            else:
+                carry = lax.fori_loop(0, n_full, lambda t, c: kv_step(t, c, False), init)
+                acc, _, den = lax.fori_loop(n_full, n_tiles, lambda t, c: kv_step(t, c, True), carry)
             if pingpong:  # ... and warpgroup 0 ends one phase later: both arrive 2 * n_tiles + 1 times
                 pl.when(wg == 0)(schedule)
             inv = jnp.where(den > 0, (vs_ref[...] if fp8 else 1.0) / den, 0.0)
@@ -405,10 +472,10 @@ def prefill_attention_kernel(
         scratch_types=[
             plgpu.SMEM((nc, R, D), op_dtype, transforms=_OP_TRANSFORMS),  # q
             plgpu.SMEM((nc, R, D), q.dtype),  # output staging (row-sliced by the stores)
-            plgpu.SMEM((n_stage, BLOCK_K, D), kv_dtype),
-            plgpu.SMEM((n_stage, BLOCK_K, D), kv_dtype),
-            plgpu.SMEM((n_op, BLOCK_K, D), op_dtype, transforms=_OP_TRANSFORMS),
-            plgpu.SMEM((n_op, BLOCK_K, D), op_dtype, transforms=_OP_TRANSFORMS),
+            plgpu.SMEM((n_stage, block_k, D), kv_dtype),
+            plgpu.SMEM((n_stage, block_k, D), kv_dtype),
+            plgpu.SMEM((n_op, block_k, D), op_dtype, transforms=_OP_TRANSFORMS),
+            plgpu.SMEM((n_op, block_k, D), op_dtype, transforms=_OP_TRANSFORMS),
             plgpu.SMEM((maxp,), jnp.int32),
             plgpu.Barrier(num_barriers=nc),
             plgpu.Barrier(),
@@ -416,7 +483,7 @@ def prefill_attention_kernel(
             plgpu.Barrier(num_barriers=n_op),
             plgpu.Barrier(num_arrivals=nc, num_barriers=n_op),
             plgpu.Barrier(num_arrivals=2),  # ping-pong schedule between the two consumers
-            *([] if p_in_registers else [plgpu.SMEM((nc, R, BLOCK_K), op_dtype, transforms=_OP_TRANSFORMS)]),
+            *([] if p_in_registers else [plgpu.SMEM((nc, R, block_k), op_dtype, transforms=_OP_TRANSFORMS)]),
         ],
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=_interpret_params(interpret, detect_races),

@@ -276,8 +276,13 @@ _TEXT_ONLY = (9, 0, 0)
         (BF16, 64, 2, [_PREFIX_EQ, _TEXT_ONLY, _CACHE_HIT], 0, 1, False, {}),
         (FP8, 128, 1, [_TEXT_ONLY, (20, 150, 160)], 3, 3, True, {}),
         (FP8, 32, 1, [_CACHE_HIT, _FULL_IMAGE], 0, 2, True, {"wg_rows": 64, "pingpong": False}),
+        # 128-key tiles: kv lengths 100 / 170 / 50 / 64 / 52 (none or one full tile, ragged tails),
+        # prefixes of 90 / 160 / 45 / 64 (160: an unmasked first tile, then a masked one)
+        (FP8, 16, 1, [_FULL_IMAGE, (20, 150, 160), _PREFIX_GT], 5, 2, True, {"block_k": 128}),
+        (BF16, 64, 2, [_PREFIX_EQ, (20, 150, 160), _CACHE_HIT], 0, 3, False, {"block_k": 128}),
     ],
-    ids=["fp8-p16-2wg-races", "bf16-p64-gqa2-1wg", "fp8-p128-short-3wg-races", "fp8-p32-64rows-nopingpong"],
+    ids=["fp8-p16-2wg-races", "bf16-p64-gqa2-1wg", "fp8-p128-short-3wg-races", "fp8-p32-64rows-nopingpong",
+         "fp8-p16-2wg-bk128-races", "bf16-p64-gqa2-3wg-bk128"],
 )
 def test_prefill_kernel_interpreted(dtype, page, group, segs, pad, consumers, races, kw):
     rng = fresh_rng()
@@ -391,7 +396,13 @@ def test_kernels_lower_at_other_page_sizes_and_configs():
     pool = _SDS((1024, 32, 64, 64), FP8)
     cases: list[tuple[dict[str, Any], int]] = [
         ({"wg_rows": 64}, 740), ({"wg_rows": 64, "pingpong": False, "acc_in_place": False}, 740),
-        ({"wg_rows": 128, "pingpong": False, "registers": (232, 40)}, 740), ({}, 10)]
+        ({"wg_rows": 128, "pingpong": False, "registers": (232, 40)}, 740), ({}, 10),
+        # 128-key tiles: the default schedule (3 x 64 rows), 2 x 128 rows, 4 x 64 rows
+        ({"block_k": 128}, 740), ({"wg_rows": 128, "block_k": 128, "registers": (216, 72)}, 740),
+        ({"num_consumers": 4, "wg_rows": 64, "block_k": 128, "registers": (112, 32)}, 740),
+        # FA3's intra-warpgroup overlap (GPU only: P in registers, O in a wgmma accumulator)
+        ({"overlap": True, "n_op": 3}, 740), ({"overlap": True, "n_op": 3, "registers": (152, 56)}, 740),
+        ({"overlap": True, "n_op": 3}, 1024), ({"overlap": True, "wg_rows": 128, "registers": (216, 72)}, 740)]
     for kw, T in cases:
         pre = functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE, **kw)
         _lower_for_h100(pre, _SDS((T, 32, 64), BF16), pool, pool, _SDS((2,), jnp.int32),
@@ -409,9 +420,15 @@ def test_prefill_kernel_refuses_settings_that_would_hang_or_cannot_run():
            {"registers": (212, 72)},  # not a multiple of 8
            {"num_consumers": 3, "registers": (152, 80)},  # 3 x 152 + 80 = 536 > 4 x 128
            {"wg_rows": 96},
+           {"block_k": 96},  # keys per tile: 64 or 128
+           {"block_k": 256},
            {"num_consumers": 3, "pingpong": True},
            {"interpret": True, "acc_in_place": True},
-           {"interpret": True, "p_in_registers": True}]
+           {"interpret": True, "p_in_registers": True},
+           {"overlap": True, "interpret": True},  # P in registers, O in an accumulator: GPU only
+           {"overlap": True, "pingpong": True},
+           {"overlap": True, "n_op": 1},  # holds two operand slots at once
+           {"overlap": True, "acc_in_place": False}]
     for kw in bad:
         with pytest.raises(ValueError):
             jax.eval_shape(functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE, **kw), *args)
