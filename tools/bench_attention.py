@@ -486,27 +486,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "2wg,r208/88": {"registers": (208, 88)},
             "R128,r216/72": {"wg_rows": 128, "registers": (216, 72)},
             # three or four 64-row consumers: a 740-token head in 4 (3) blocks, 128 (96) CTAs
-            "3wg,R64": {"num_consumers": 3, "wg_rows": 64},
+            "3wg,R64": {"num_consumers": 3, "wg_rows": 64, "block_k": 64},
             "3wg,R64,r152/56": {"num_consumers": 3, "wg_rows": 64, "registers": (152, 56)},
-            "3wg,R64,op3": {"num_consumers": 3, "wg_rows": 64, "n_op": 3},
+            "3wg,R64,op3": {"num_consumers": 3, "wg_rows": 64, "n_op": 3, "block_k": 64},
             "4wg,R64": {"num_consumers": 4, "wg_rows": 64},
+            "4wg,R64,r104/64": {"num_consumers": 4, "wg_rows": 64, "registers": (104, 64)},
+            "4wg,R64,r112/32": {"num_consumers": 4, "wg_rows": 64, "registers": (112, 32)},
+            # every warpgroup runs all of its CTA's key tiles (before: skip_tiles, the default since
+            # the fortieth session, only waits for and releases those past its own rows' limit)
+            "noskip": {"skip_tiles": False},
             # 128-key tiles (half the key-loop trips; S is 64 x 128 f32 per M tile: 64 registers a thread).
-            # setmaxnreg: nc x consumer + producer <= (nc + 1) x cap, cap 128 (3 wg), 168 (2), 96 (4)
-            "3wg,R64,bk128,r152/56": {"num_consumers": 3, "wg_rows": 64, "block_k": 128, "registers": (152, 56)},
+            # setmaxnreg: nc x consumer + producer <= (nc + 1) x cap, cap 128 (3 wg), 168 (2), 96 (4).
+            # Slower on the H200 and dropped (fortieth session, 740 / 1024 / 16 x 740 us): 3 x 64 at
+            # (152, 56) 21.5 / 44.2 / 295.3, 2 x 128 at (216, 72) 31.2 / 40.2 / 373.2, 4 x 64 at
+            # (112, 32) 45.3 / 52.0 / 472.8 (spills); with `overlap` 3 x 64 at (152, 56) 21.1 /
+            # 44.6 / 291.9, 4 x 64 28.2 / 35.0 / 328.4.
             "3wg,R64,bk128": {"num_consumers": 3, "wg_rows": 64, "block_k": 128},
-            "2wg,R128,bk128,r216/72": {"num_consumers": 2, "wg_rows": 128, "block_k": 128, "registers": (216, 72)},
-            "4wg,R64,bk128,r112/32": {"num_consumers": 4, "wg_rows": 64, "block_k": 128, "registers": (112, 32)},
+            "3wg,R64,bk128,op3": {"num_consumers": 3, "wg_rows": 64, "block_k": 128, "n_op": 3},
             # FA3's intra-warpgroup overlap: S_t and tile t-1's PV in flight together (`overlap`)
             "3wg,R64,ov": {"num_consumers": 3, "wg_rows": 64, "overlap": True, "n_op": 3},
-            "3wg,R64,ov,r152/56": {"num_consumers": 3, "wg_rows": 64, "overlap": True, "n_op": 3,
-                                   "registers": (152, 56)},
-            "4wg,R64,ov": {"num_consumers": 4, "wg_rows": 64, "overlap": True, "n_op": 3},
             "2wg,R128,ov,r216/72": {"num_consumers": 2, "wg_rows": 128, "overlap": True, "n_op": 3,
                                     "registers": (216, 72)},
         }
         if args.tune_prefill_only:  # the defaults against the 64-row multi-consumer, 128-key-tile and overlap variants
             pre_variants = {k: v for k, v in pre_variants.items()
-                            if k == "kernel" or "wg,R64" in k or "bk128" in k or ",ov" in k}
+                            if k in ("kernel", "noskip") or "wg,R64" in k or "bk128" in k or ",ov" in k}
         for label, ql, cached, prefix in pre_cases[:3] if args.tune_prefill or args.tune_prefill_only else []:
             emit(functools.partial(bench_prefill, rng, label, ql, cached, prefix, page, fp8, pre_variants, iters,
                                    cpu, kernel_kw, ks, vs), f"prefill tune {label}", optional=True)

@@ -135,6 +135,7 @@ def prefill_attention_kernel(
     acc_in_place: bool | None = None,
     block_k: int | None = None,  # keys per K/V tile (64 default; 128 halves the loop trips)
     overlap: bool = False,
+    skip_tiles: bool = True,
     interpret: bool = False,
     detect_races: bool = False,
 ) -> jax.Array:  # [T, H, D] in q.dtype; padding rows are zero
@@ -148,10 +149,6 @@ def prefill_attention_kernel(
                             f"{page_table.shape} do not match kv_lens {kv_lens.shape}")
     if n_stage < 1 or n_op < 1:
         raise ValueError(f"n_stage and n_op must be >= 1, got {n_stage}, {n_op}")
-    if block_k is None:
-        block_k = BLOCK_K
-    if block_k not in (64, 128):
-        raise ValueError(f"block_k (keys per K/V tile) must be 64 or 128, got {block_k}")
     if num_consumers is None:  # the schedule by size, unless the caller set the warpgroups' shape
         if wg_rows is None and registers is None and pingpong is None:
             num_consumers, wg_rows = prefill_schedule(q.shape[0], q.shape[1])
@@ -164,6 +161,10 @@ def prefill_attention_kernel(
         wg_rows = WIDE_WG_ROWS if q.shape[0] > 64 * nc else 64
     if wg_rows not in (64, 128):
         raise ValueError(f"wg_rows must be 64 or 128 (one or two wgmma M tiles), got {wg_rows}")
+    if block_k is None:  # 128-key tiles for three 64-row consumers at the launch's even register share
+        block_k = 128 if (nc, wg_rows, registers, overlap) == (3, 64, None, False) else BLOCK_K
+    if block_k not in (64, 128):
+        raise ValueError(f"block_k (keys per K/V tile) must be 64 or 128, got {block_k}")
     if registers is None and wg_rows == 128 and nc == 2 and not interpret:
         registers = _WIDE_REGISTERS
     if registers is not None:
@@ -312,6 +313,12 @@ def prefill_attention_kernel(
             first_pos = base + (row0 + own_lo - qs)
             n_full = jnp.where(n_own > 0, jnp.minimum(_allowed_limit(first_pos, pre), kvl) // block_k, 0)
             n_full = jnp.minimum(n_full, n_tiles)
+            # Key tiles past the last owned row's limit are fully masked for every owned row: their
+            # softmax update is exactly the identity (alpha 1, p 0). `skip_tiles` only waits for them
+            # and releases them (the CTA's producer loads what its furthest-seeing warpgroup needs).
+            last_pos = base + (row0 + own_hi - 1 - qs)
+            n_mine = jnp.where(n_own > 0, (jnp.minimum(_allowed_limit(last_pos, pre), kvl) + block_k - 1) // block_k, 0)
+            n_mine = jnp.clip(n_mine, n_full, n_tiles) if skip_tiles and not overlap else n_tiles
             # Mask operands as a row vector (2 registers per thread per 64 rows) and a column vector
             # (16 per 64 keys), so nothing [R, block_k]-sized stays live across the key loop.
             pos = plgpu.broadcasted_iota(jnp.int32, (R,), 0, layout=_ROW_VEC) + (row0 - qs + base)
@@ -443,7 +450,16 @@ def prefill_attention_kernel(
                 acc, den = pl.run_scoped(overlap_loops, plgpu.ACC((R, D), jnp.float32))
             else:
                 carry = lax.fori_loop(0, n_full, lambda t, c: kv_step(t, c, False), init)
-                acc, _, den = lax.fori_loop(n_full, n_tiles, lambda t, c: kv_step(t, c, True), carry)
+                acc, _, den = lax.fori_loop(n_full, n_mine, lambda t, c: kv_step(t, c, True), carry)
+
+                @pl.loop(n_mine, n_tiles)
+                def _skip(t):
+                    o = lax.rem(t, n_op)
+                    plgpu.barrier_wait(ready_bar.at[o])
+                    if pingpong:  # keep the two warpgroups' turns in step
+                        schedule()
+                        schedule()
+                    plgpu.barrier_arrive(consumed_bar.at[o])
             if pingpong:  # ... and warpgroup 0 ends one phase later: both arrive 2 * n_tiles + 1 times
                 pl.when(wg == 0)(schedule)
             inv = jnp.where(den > 0, (vs_ref[...] if fp8 else 1.0) / den, 0.0)
