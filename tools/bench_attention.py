@@ -490,6 +490,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "3wg,R64,r152/56": {"num_consumers": 3, "wg_rows": 64, "registers": (152, 56)},
             "3wg,R64,op3": {"num_consumers": 3, "wg_rows": 64, "n_op": 3, "block_k": 64},
             "4wg,R64": {"num_consumers": 4, "wg_rows": 64},
+            "4wg,R64,r96/96": {"num_consumers": 4, "wg_rows": 64, "registers": (96, 96)},  # the even share
             "4wg,R64,r104/64": {"num_consumers": 4, "wg_rows": 64, "registers": (104, 64)},
             "4wg,R64,r112/32": {"num_consumers": 4, "wg_rows": 64, "registers": (112, 32)},
             # every warpgroup runs all of its CTA's key tiles (before: skip_tiles, the default since
@@ -503,6 +504,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # 44.6 / 291.9, 4 x 64 28.2 / 35.0 / 328.4.
             "3wg,R64,bk128": {"num_consumers": 3, "wg_rows": 64, "block_k": 128},
             "3wg,R64,bk128,op3": {"num_consumers": 3, "wg_rows": 64, "block_k": 128, "n_op": 3},
+            # a third TMA staging slot: 48 KiB of K/V in flight per CTA instead of 32
+            "3wg,R64,bk128,st3": {"num_consumers": 3, "wg_rows": 64, "block_k": 128, "n_stage": 3},
+            "4wg,R64,st3": {"num_consumers": 4, "wg_rows": 64, "n_stage": 3},
             # FA3's intra-warpgroup overlap: S_t and tile t-1's PV in flight together (`overlap`)
             "3wg,R64,ov": {"num_consumers": 3, "wg_rows": 64, "overlap": True, "n_op": 3},
             "2wg,R128,ov,r216/72": {"num_consumers": 2, "wg_rows": 128, "overlap": True, "n_op": 3,
@@ -511,6 +515,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.tune_prefill_only:  # the defaults against the 64-row multi-consumer, 128-key-tile and overlap variants
             pre_variants = {k: v for k, v in pre_variants.items()
                             if k in ("kernel", "noskip") or "wg,R64" in k or "bk128" in k or ",ov" in k}
+        if args.variants:  # only these (and the defaults)
+            wanted = args.variants.split(";")
+            unknown = set(wanted) - set(pre_variants)
+            if unknown:
+                raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {sorted(pre_variants)}")
+            pre_variants = {k: v for k, v in pre_variants.items() if k == "kernel" or k in wanted}
         for label, ql, cached, prefix in pre_cases[:3] if args.tune_prefill or args.tune_prefill_only else []:
             emit(functools.partial(bench_prefill, rng, label, ql, cached, prefix, page, fp8, pre_variants, iters,
                                    cpu, kernel_kw, ks, vs), f"prefill tune {label}", optional=True)
@@ -607,6 +617,9 @@ def main() -> None:
                         "warpgroups) too")
     p.add_argument("--tune-prefill-only", action="store_true",
                    help="with --tune: the prefill variants alone (defaults, 64-row multi-consumer, 128-key tiles)")
+    p.add_argument("--variants", default="",
+                   help="with --tune-prefill(-only): prefill variants to run besides the defaults, ';'-separated "
+                        "(their labels contain commas)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpreted kernels, on the CPU")
     p.add_argument("--page", type=int, default=pa.DEFAULT_PAGE_SIZE, help="page size of the main grid")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per program")

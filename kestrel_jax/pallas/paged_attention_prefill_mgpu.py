@@ -66,6 +66,7 @@ from kestrel_jax.pallas.paged_attention_mgpu import (
 DEFAULT_CONSUMERS = 2
 WIDE_WG_ROWS = 128  # query rows per consumer warpgroup, unless the whole prefill fits 64 x consumers
 _WIDE_REGISTERS = (216, 72)  # setmaxnreg split for 2 consumers x 128 rows (+ producer)
+_FOUR_REGISTERS = (104, 64)  # ... and for 4 consumers x 64 rows (even share: 96)
 BLOCK_K = 64  # keys per tile (the default of `block_k`)
 _HEAD_DIM = 64
 _SWIZZLE = 128  # bf16 rows of 64 are exactly 128 bytes
@@ -167,6 +168,8 @@ def prefill_attention_kernel(
         raise ValueError(f"block_k (keys per K/V tile) must be 64 or 128, got {block_k}")
     if registers is None and wg_rows == 128 and nc == 2 and not interpret:
         registers = _WIDE_REGISTERS
+    if registers is None and wg_rows == 64 and nc == 4 and not interpret:
+        registers = _FOUR_REGISTERS
     if registers is not None:
         # setmaxnreg moves registers within the CTA's launch allocation (65536 / threads, in
         # multiples of 8, per thread): asking for more makes the consumers' increase wait forever.
