@@ -34,13 +34,22 @@ first rows belong to the previous block and are recomputed but not stored).
 128-row warpgroups need it (default (216, 72)): their S, P and O tiles do not fit in the even
 share of 168. Prefills of at most 64 x num_consumers rows (a prompt appended to a cached image)
 default to 64-row warpgroups: a second M tile would be padding.
-block_k: keys per K/V tile (64 default; 128 halves the loop trips).
+`block_k`: keys per K/V tile, 64 or 128 (128 halves the loop trips; the default for three 64-row
+consumers without a register split, 64 otherwise). `skip_tiles` (default on): a warpgroup only
+waits for and releases the CTA's key tiles past its own rows' limit (a causal prompt's early rows
+in a block with later ones), whose softmax update would be the identity. `overlap` (off; GPU
+only): FA3's intra-warpgroup pipelining, S of tile t issued with tile t-1's PV product.
 
 Measured on an H100 (FP8 pool, page 64, kernel alone, BENCHMARKS.md): 740-token image prefill
 29.8 us with 64-row warpgroups -> 23.1 us with 128 (96 CTAs, one wave) -> 20.7 us with three
 64-row consumers (128 CTAs, still one wave; `prefill_schedule` picks the shape by size); 1024
-tokens 33.7 -> 30.9 us; 16 x 740 tokens 340 -> 268 us. Ping-pong and the in-place PV are within 1-3 % either
-way at 128 rows (kept on: best or tied in the throughput case).
+tokens 33.7 -> 30.9 us; 16 x 740 tokens 340 -> 268 us. Ping-pong and the in-place PV are within
+1-3 % either way at 128 rows (kept on: best or tied in the throughput case). On an H200
+(fortieth session): 740 tokens 20.5-20.8 -> 19.5-19.8 us with 128-key tiles; 1024 tokens 28.8 ->
+26.6 with `skip_tiles` (block 3's first three warpgroups skip 3, 2 and 1 of its 16 tiles) -> 25.8-26.0
+with setmaxnreg (104, 64) for the four consumers. Not kept: `overlap` (740: 21.0 us; 2 x 128 rows
+at 16 x 740: 270.5 vs 270.8, no gain), a third operand or staging slot, 128-key tiles at other shapes
+(spills or two waves).
 """
 
 from __future__ import annotations
@@ -84,7 +93,8 @@ def prefill_schedule(num_tokens: int, num_heads: int, num_sms: int = _NUM_SMS) -
     queue in waves); two 64-row ones for short prefills (a prompt after a cached image). H100,
     seventeenth session, kernel alone, against two 128-row warpgroups: 740 tokens 23.1 -> 20.7 us
     (3 x 64); 1024 tokens 30.7 -> 29.0 (4 x 64; 3 x 64 would take two waves: 44.6); 16 x 740
-    tokens 266.6 (3 x 64: 286.0, 4 x 64: 267.0)."""
+    tokens 266.6 (3 x 64: 286.0, 4 x 64: 267.0). The key-tile size and register split that go
+    with each shape are chosen in `prefill_attention_kernel`."""
     if num_tokens <= 64 * DEFAULT_CONSUMERS:
         return DEFAULT_CONSUMERS, 64
     for consumers in (3, 4):  # 64-row consumers while their blocks fit one wave
