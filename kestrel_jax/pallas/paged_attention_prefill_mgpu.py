@@ -347,6 +347,12 @@ def prefill_attention_kernel(
                 plgpu.barrier_arrive(sched_bar)
                 plgpu.barrier_wait(sched_bar)
 
+            def online_softmax(s, m, den):  # base 2: (new running max, rescale, P, new denominator)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                return m_new, alpha, p, den * alpha + p.sum(axis=1)
+
             def apply_mask(t, s):  # keys < kv_len, and causal unless both sit in the prefix
                 shape = (R, block_k)
                 key = plgpu.broadcasted_iota(jnp.int32, (block_k,), 0, layout=_COL_VEC) + t * block_k
@@ -370,10 +376,7 @@ def prefill_attention_kernel(
                 s = pl.run_scoped(qk, plgpu.ACC((R, block_k), jnp.float32)) * scale
                 if masked:
                     s = apply_mask(t, s)
-                m_new = jnp.maximum(m, s.max(axis=1))
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                den = den * alpha + p.sum(axis=1)
+                m_new, alpha, p, den = online_softmax(s, m, den)
                 if acc_in_place:
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
@@ -425,10 +428,7 @@ def prefill_attention_kernel(
                 s = pl.run_scoped(issue, plgpu.ACC((R, block_k), jnp.float32)) * scale
                 if masked:
                     s = apply_mask(t, s)
-                m_new = jnp.maximum(m, s.max(axis=1))
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                den = den * alpha + p.sum(axis=1)
+                m_new, alpha, p, den = online_softmax(s, m, den)
                 p_op = p.astype(op_dtype)
                 acc = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)  # P_{t-1} V_{t-1} is in
                 pl.when(t > 0)(lambda: plgpu.barrier_arrive(consumed_bar.at[prev]))
