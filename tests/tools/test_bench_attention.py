@@ -1,0 +1,44 @@
+"""tools/bench_attention.py on the CPU (--cpu-smoke: interpreted kernels at tiny shapes): the run
+checks each kernel against its jnp reference and times it beside the reference in XLA, writes
+one JSON case per (op, shape) and exits; `--variants` refuses prefill variant names it does not
+know. The script otherwise runs only on a GPU, where a broken option costs a device call."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tools import bench_attention  # noqa: E402
+
+
+def _main(monkeypatch: pytest.MonkeyPatch, *args: str) -> None:
+    monkeypatch.setattr(sys, "argv", ["bench_attention.py", "--cpu-smoke", "--seed", "7", *args])
+    bench_attention.main()
+
+
+def test_cpu_smoke_run_checks_every_kernel_against_its_reference(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    out = tmp_path / "attention.json"
+    _main(monkeypatch, "--out", str(out))
+    res = json.loads(out.read_text())
+    assert res["info"]["mode"] == "cpu-smoke"
+    ops = sorted({c["op"] for c in res["cases"]})
+    assert ops == ["decode", "prefill", "write"], ops
+    for c in res["cases"]:
+        kern, ref = c["impls"]["kernel"], c["impls"]["xla_ref"]
+        assert "error" not in kern and "error" not in ref, c
+        assert kern["us"] > 0 and ref["us"] > 0 and kern["method"] == "host"
+        if c["op"] == "write":
+            assert kern["exact"] is True, c
+        else:  # FP8 pool, f32 accumulation: the kernel tests' bounds are 2^-10 of the values' scale
+            assert kern["nan"] == 0 and kern["max_rel_err"] < 2.0**-6, c
+
+
+def test_unknown_prefill_variants_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(SystemExit, match="--variants: unknown"):
+        _main(monkeypatch, "--tune", "--tune-prefill-only", "--variants", "noskip;no-such-variant")
