@@ -479,9 +479,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # tried here on 2026-11-24: neither was faster; BENCHMARKS.md has the figures.)
         dec_variants: dict[str, dict[str, Any]] = {"kernel": {}, "splits=1": {"num_splits": 1},
                                                    "splits=2": {"num_splits": 2},
-                                                   # KV heads of one sequence sharing a CTA's load ring
-                                                   "hp2": {"heads_per_cta": 2}, "hp4": {"heads_per_cta": 4},
-                                                   "hp2,d4": {"heads_per_cta": 2, "depth": 4}}
+                                                   # 32-row tiles: one key row per thread (fewer registers)
+                                                   "t32": {"tile_rows": 32},
+                                                   "t32,d4": {"tile_rows": 32, "depth": 4}}
+        # (KV heads sharing a CTA, `heads_per_cta` 2 and 4, were slower at every case here in the
+        # fortieth session; BENCHMARKS.md has the figures.)
         for b, kv in [] if args.tune_prefill_only else [(8, 512), (32, 128), (8, 64), (1, 740), (4, 740),
                                                            (64, 2048), (128, 1024)]:
             emit(functools.partial(bench_decode, rng, b, kv, page, fp8, dec_variants, iters, cpu, kernel_kw, ks, vs),

@@ -239,6 +239,7 @@ def decode_attention_kernel(
     prefetch_expert_part: int = 1,
     partial_rows: int = 0,
     heads_per_cta: int = 1,
+    tile_rows: int = _TILE,
     interpret: bool = False,
     detect_races: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, H, D] in q.dtype; inactive rows are zero
@@ -256,7 +257,11 @@ def decode_attention_kernel(
     head, so short sequences pay the page-table load and the first load's round trip once per
     `heads_per_cta` heads, with as many fewer CTAs. Slower at every measured case on an H200
     (fortieth session, kernel alone: B=32 at 128 tokens 12.1 us at 1, 13.9 at 2, 12.9 at 4; B=8 at
-    512 8.8 / 10.0 / 17.6): kept at 1, the parameter left for A/B runs."""
+    512 8.8 / 10.0 / 17.6): kept at 1, the parameter left for A/B runs. `tile_rows` (64 or 32):
+    keys per load-ring tile; 32 holds one key row per thread instead of two (half the K, V and
+    accumulator registers: more CTAs resident per SM where registers limit them, e.g. 1,024 CTAs
+    of two 64-row tiles at B=32 and 128 tokens, four per SM at 127 registers), at twice the loop
+    trips. Not yet timed (default 64)."""
     check_pool(k_pages, v_pages)
     if not decode_attention_kernel_supported(q, k_pages, page_table):
         raise KVLayoutError(f"decode kernel does not support q {q.shape} {q.dtype}, pool {k_pages.shape} "
@@ -271,18 +276,21 @@ def decode_attention_kernel(
     hp = heads_per_cta
     if hp < 1 or Hkv % hp:
         raise ValueError(f"heads_per_cta must divide the {Hkv} KV heads, got {hp}")
+    tile = tile_rows
+    if tile not in (32, 64):
+        raise ValueError(f"tile_rows must be 64 or 32 (two or one key rows per thread), got {tile}")
     page_table = _pad_page_table(page_table)
     maxp = page_table.shape[1]
-    max_tiles = -(-maxp * S // _TILE)
-    splits = planned_splits(B, Hkv, maxp, S, num_splits)
+    max_tiles = -(-maxp * S // tile)
+    splits = planned_splits(B, Hkv, maxp, S, num_splits, tile_rows=tile)
     per_split = -(-max_tiles // splits)
     unmerged = splits > 1 and partial_rows >= B
     out_rows = partial_rows if unmerged else B
-    if depth is None:  # few CTAs must each keep more bytes in flight
-        depth = 8 if B * (Hkv // hp) * splits < 2 * _NUM_SMS else 4
+    if depth is None:  # few CTAs must each keep more bytes in flight (counted in 64-row tiles)
+        depth = (8 if B * (Hkv // hp) * splits < 2 * _NUM_SMS else 4) * (_TILE // tile)
     depth = min(depth, hp * per_split)  # short contexts need fewer slots (more CTAs fit in SMEM)
-    copies = max(1, _TILE // S)  # TMA boxes per tile
-    box = min(S, _TILE)  # rows per box
+    copies = max(1, tile // S)  # TMA boxes per tile
+    box = min(S, tile)  # rows per box
     fp8 = is_fp8(k_pages.dtype)
 
     if splits == 1:
@@ -308,7 +316,7 @@ def decode_attention_kernel(
         s = lax.axis_index("s")
         plgpu.copy_gmem_to_smem(pt_ref.at[b], pt_smem, pt_bar)
         n = lens_ref[b]
-        n_tiles = (n + _TILE - 1) // _TILE
+        n_tiles = (n + tile - 1) // tile
         tiles_per_split = (n_tiles + splits - 1) // splits  # this sequence's split of its tiles
         first = s * tiles_per_split
         count = jnp.maximum(jnp.minimum(first + tiles_per_split, n_tiles) - first, 0)
@@ -323,9 +331,9 @@ def decode_attention_kernel(
             else:
                 per = jnp.maximum(count, 1)  # issued only while v < hp * count
                 h, i = hc * hp + v // per, lax.rem(v, per)
-            tile = first + i
+            t_idx = first + i  # this sequence's tile (of `tile` keys)
             for c in range(copies):
-                tok = tile * _TILE + c * box
+                tok = t_idx * tile + c * box
                 page = jnp.clip(pt_smem[jnp.minimum(tok // S, maxp - 1)], 0, P - 1)
                 rows = pl.ds(tok % S, box)
                 dst = pl.ds(c * box, box)
@@ -335,7 +343,7 @@ def decode_attention_kernel(
         qs = []
         for j in range(hp * g):
             qv = plgpu.load(q_ref.at[b, hc * hp * g + j], layout=_CHAN, optimized=False).astype(jnp.float32)
-            qs.append(lax.broadcast_in_dim(qv * q_mult, (_TILE, D), (1,)))
+            qs.append(lax.broadcast_in_dim(qv * q_mult, (tile, D), (1,)))
         plgpu.barrier_wait(pt_bar)
         for i in range(depth):
             pl.when(i < n_ring)(functools.partial(issue, jnp.int32(i), jnp.int32(i)))
@@ -351,13 +359,13 @@ def decode_attention_kernel(
         if n_pf and not prefetch_late:  # behind this CTA's own first loads (its critical path)
             ask_l2()
 
-        row_ids = plgpu.broadcasted_iota(jnp.int32, (_TILE,), 0, layout=_ROW)
+        row_ids = plgpu.broadcasted_iota(jnp.int32, (tile,), 0, layout=_ROW)
 
         def init_state():
             return tuple(
-                (plgpu.layout_cast(jnp.full((_TILE,), _NEG_INIT, jnp.float32), _ROW),
-                 plgpu.layout_cast(jnp.full((_TILE,), 0.0, jnp.float32), _ROW),
-                 plgpu.layout_cast(jnp.full((_TILE, D), 0.0, jnp.float32), _ROWS))
+                (plgpu.layout_cast(jnp.full((tile,), _NEG_INIT, jnp.float32), _ROW),
+                 plgpu.layout_cast(jnp.full((tile,), 0.0, jnp.float32), _ROW),
+                 plgpu.layout_cast(jnp.full((tile, D), 0.0, jnp.float32), _ROWS))
                 for _ in range(g)
             )
 
@@ -368,9 +376,9 @@ def decode_attention_kernel(
             kt = plgpu.load(k_buf.at[slot], layout=_ROWS, optimized=False).astype(jnp.float32)
             vt = plgpu.load(v_buf.at[slot], layout=_ROWS, optimized=False).astype(jnp.float32)
             if masked:
-                valid = row_ids + (first + i) * _TILE < n
+                valid = row_ids + (first + i) * tile < n
                 # Rows past kv_len may hold anything (NaN in tests): select, never multiply, them away.
-                vt = jnp.where(lax.broadcast_in_dim(valid, (_TILE, D), (0,)), vt, 0.0)
+                vt = jnp.where(lax.broadcast_in_dim(valid, (tile, D), (0,)), vt, 0.0)
             new = []
             for j in range(g):
                 m, den, acc = carry[j]
@@ -381,14 +389,14 @@ def decode_attention_kernel(
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(sc - m_new)
                 den = den * alpha + p
-                acc = (acc * lax.broadcast_in_dim(alpha, (_TILE, D), (0,))
-                       + lax.broadcast_in_dim(p, (_TILE, D), (0,)) * vt)
+                acc = (acc * lax.broadcast_in_dim(alpha, (tile, D), (0,))
+                       + lax.broadcast_in_dim(p, (tile, D), (0,)) * vt)
                 new.append((m_new, den, acc))
             pl.when(v + depth < n_ring)(functools.partial(issue, v + depth, slot))
             return tuple(new)
 
         # Only the sequence's last tile can be partial: every other tile runs without masks.
-        full = jnp.minimum(count, jnp.maximum(n // _TILE - first, 0))
+        full = jnp.minimum(count, jnp.maximum(n // tile - first, 0))
         for head in range(hp):
             final = lax.fori_loop(0, full, functools.partial(step, masked=False, head=head), init_state())
             final = lax.fori_loop(full, count, functools.partial(step, masked=True, head=head), final)
@@ -399,7 +407,7 @@ def decode_attention_kernel(
                 m_all = jnp.max(m, axis=0)
                 w = jnp.exp2(m - m_all)
                 l_all = jnp.sum(den * w, axis=0)
-                o = jnp.sum(acc * lax.broadcast_in_dim(w, (_TILE, D), (0,)), axis=0)
+                o = jnp.sum(acc * lax.broadcast_in_dim(w, (tile, D), (0,)), axis=0)
                 inv = jnp.where(l_all > 0, v_mult / l_all, 0.0)
                 row = (hc * hp + head) * g + j
                 if lse_ref is None:
@@ -416,8 +424,8 @@ def decode_attention_kernel(
         kernel_name="kestrel_decode_attention",
         scratch_types=[
             plgpu.SMEM((maxp,), jnp.int32),
-            plgpu.SMEM((depth, _TILE, D), k_pages.dtype),
-            plgpu.SMEM((depth, _TILE, D), v_pages.dtype),
+            plgpu.SMEM((depth, tile, D), k_pages.dtype),
+            plgpu.SMEM((depth, tile, D), v_pages.dtype),
             plgpu.Barrier(),
             plgpu.Barrier(num_arrivals=2 * copies, num_barriers=depth),
         ],
@@ -434,10 +442,11 @@ def decode_attention_kernel(
     return merge_splits(outs[0], outs[1], q.dtype)
 
 
-def planned_splits(batch: int, n_kv_heads: int, max_pages: int, page_size: int, num_splits: int | None = None) -> int:
+def planned_splits(batch: int, n_kv_heads: int, max_pages: int, page_size: int, num_splits: int | None = None,
+                   *, tile_rows: int = _TILE) -> int:
     """The split count `decode_attention_kernel` runs with (page tables padded as it pads them)."""
     max_pages = -(-max_pages // _PT_ALIGN) * _PT_ALIGN
-    max_tiles = -(-max_pages * page_size // _TILE)
+    max_tiles = -(-max_pages * page_size // tile_rows)
     splits = max(1, min(num_splits or default_num_splits(batch, n_kv_heads, max_tiles), max_tiles))
     per_split = -(-max_tiles // splits)
     return -(-max_tiles // per_split)  # no split left empty by construction at full length

@@ -168,15 +168,18 @@ def test_write_kernel_interpreted(dtype):
 
 
 @pytest.mark.parametrize(
-    "dtype,page,splits,group,n_kv,heads_per_cta",
-    [(FP8, 16, 1, 1, 1, 1), (FP8, 64, 3, 1, 1, 1), (BF16, 32, 2, 2, 1, 1),
+    "dtype,page,splits,group,n_kv,heads_per_cta,tile_rows",
+    [(FP8, 16, 1, 1, 1, 1, 64), (FP8, 64, 3, 1, 1, 1, 64), (BF16, 32, 2, 2, 1, 1, 64),
      # KV heads sharing a CTA: one load ring over both heads' tiles (depth 3 < the ring's length
      # at the long rows, so entries of the second head are issued while the first is reduced)
-     (FP8, 16, 1, 1, 2, 2), (FP8, 64, 2, 1, 4, 2), (BF16, 32, 1, 2, 2, 2)],
+     (FP8, 16, 1, 1, 2, 2, 64), (FP8, 64, 2, 1, 4, 2, 64), (BF16, 32, 1, 2, 2, 2, 64),
+     # 32-row tiles: one key row per thread; half a page per tile at page 64, two pages at 16
+     (FP8, 64, 3, 1, 1, 1, 32), (FP8, 16, 1, 1, 2, 2, 32), (BF16, 32, 2, 2, 1, 1, 32)],
     ids=["fp8-p16-nosplit", "fp8-p64-split3", "bf16-p32-split2-gqa2",
-         "fp8-p16-2heads", "fp8-p64-split2-4kv-2heads", "bf16-p32-gqa2-2heads"],
+         "fp8-p16-2heads", "fp8-p64-split2-4kv-2heads", "bf16-p32-gqa2-2heads",
+         "fp8-p64-split3-t32", "fp8-p16-2heads-t32", "bf16-p32-split2-gqa2-t32"],
 )
-def test_decode_kernel_interpreted(dtype, page, splits, group, n_kv, heads_per_cta):
+def test_decode_kernel_interpreted(dtype, page, splits, group, n_kv, heads_per_cta, tile_rows):
     rng = fresh_rng()
     max_pages = 5
     # lengths 1, page-1, page, page+1, a long random one, and an inactive row (0)
@@ -186,7 +189,9 @@ def test_decode_kernel_interpreted(dtype, page, splits, group, n_kv, heads_per_c
                                                  max_pages, B)
     q = jnp.asarray(rng.standard_normal((B, n_kv * group, 64)), BF16)
     lens = jnp.asarray(kv_lens)
-    kw = {"heads_per_cta": heads_per_cta, "depth": 3} if heads_per_cta > 1 else {}
+    kw: dict[str, Any] = {"heads_per_cta": heads_per_cta, "depth": 3} if heads_per_cta > 1 else {}
+    if tile_rows != 64:
+        kw["tile_rows"] = tile_rows
     f = jax.jit(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, num_splits=splits,
                                   interpret=True, **kw))
     out = f(q, k_pages, v_pages, lens, table, ks, vs)
@@ -313,12 +318,15 @@ def test_prefill_kernel_interpreted(dtype, page, group, segs, pad, consumers, ra
         assert not np.any(as_f32(out)[int(cu[-1]):]), "padding rows must be zero"
 
 
-def test_decode_kernel_refuses_heads_per_cta_that_do_not_divide_the_kv_heads():
+def test_decode_kernel_refuses_heads_per_cta_and_tile_rows_it_cannot_run():
     pool = _SDS((16, 4, 16, 64), FP8)
     args = (_SDS((2, 4, 64), BF16), pool, pool, _SDS((2,), jnp.int32), _SDS((2, 4), jnp.int32), _F32, _F32)
     for hp in (0, 3, 8):
         with pytest.raises(ValueError, match="heads_per_cta"):
             jax.eval_shape(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, heads_per_cta=hp), *args)
+    for rows in (16, 48, 128):
+        with pytest.raises(ValueError, match="tile_rows"):
+            jax.eval_shape(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, tile_rows=rows), *args)
     jax.eval_shape(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, heads_per_cta=4), *args)
 
 
@@ -402,9 +410,11 @@ def test_kernels_lower_at_other_page_sizes_and_configs():
         table = _SDS((8, 2048 // S), jnp.int32)
         dec = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE)
         _lower_for_h100(dec, _SDS((8, 32, 64), BF16), pool, pool, _SDS((8,), jnp.int32), table, _F32, _F32)
-        dec2 = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, heads_per_cta=2)
-        _lower_for_h100(dec2, _SDS((32, 32, 64), BF16), pool, pool, _SDS((32,), jnp.int32),
-                        _SDS((32, 128 // S), jnp.int32), _F32, _F32)  # B=32 at 128 tokens: 512 CTAs
+        dec_cases: list[dict[str, Any]] = [{"heads_per_cta": 2}, {"tile_rows": 32}]
+        for dkw in dec_cases:  # B=32 at 128 tokens
+            dec2 = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, **dkw)
+            _lower_for_h100(dec2, _SDS((32, 32, 64), BF16), pool, pool, _SDS((32,), jnp.int32),
+                            _SDS((32, 128 // S), jnp.int32), _F32, _F32)
     pool = _SDS((1024, 32, 16, 64), FP8)
     pre = functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE)
     _lower_for_h100(pre, _SDS((740, 32, 64), BF16), pool, pool, _SDS((2,), jnp.int32),
