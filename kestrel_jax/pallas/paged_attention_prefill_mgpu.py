@@ -47,9 +47,10 @@ tokens 33.7 -> 30.9 us; 16 x 740 tokens 340 -> 268 us. Ping-pong and the in-plac
 1-3 % either way at 128 rows (kept on: best or tied in the throughput case). On an H200
 (fortieth session): 740 tokens 20.5-20.8 -> 19.5-19.8 us with 128-key tiles; 1024 tokens 28.8 ->
 26.6 with `skip_tiles` (block 3's first three warpgroups skip 3, 2 and 1 of its 16 tiles) -> 25.8-26.0
-with setmaxnreg (104, 64) for the four consumers. Not kept: `overlap` (740: 21.0 us; 2 x 128 rows
-at 16 x 740: 270.5 vs 270.8, no gain), a third operand or staging slot, 128-key tiles at other shapes
-(spills or two waves).
+with setmaxnreg (104, 64) for the four consumers, which also take a third staging slot (1024:
+25.8-26.0 either way; as the multi-wave shape, KESTREL_JAX_PREFILL_WIDE=4x64, 16 x 740 266.5 against
+269.3-272.8 for two 128-row consumers). Not kept: `overlap` (740: 21.0 us; 2 x 128 rows at 16 x 740:
+270.5 vs 270.8, no gain), a third operand slot, 128-key tiles at other shapes (spills or two waves).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ from kestrel_jax.pallas.paged_attention_mgpu import (
     _pad_page_table,
     own_buffer,
 )
+from kestrel_jax.switches import choice
 
 DEFAULT_CONSUMERS = 2
 WIDE_WG_ROWS = 128  # query rows per consumer warpgroup, unless the whole prefill fits 64 x consumers
@@ -85,7 +87,8 @@ _COL_VEC = plgpu.Layout.WGMMA.reduce(0)  # [block_k] per accumulator column
 _OP_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(_SWIZZLE))  # type: ignore[abstract]
 
 
-def prefill_schedule(num_tokens: int, num_heads: int, num_sms: int = _NUM_SMS) -> tuple[int, int]:
+def prefill_schedule(num_tokens: int, num_heads: int, num_sms: int = _NUM_SMS,
+                     wide: str | None = None) -> tuple[int, int]:
     """(consumer warpgroups, rows per warpgroup) for a prefill of `num_tokens` flattened query
     rows (static) over `num_heads` heads. Three 64-row warpgroups where their blocks x heads fit
     in one wave of CTAs (a block of 192 rows costs less than one of 256), else four where those
@@ -93,14 +96,19 @@ def prefill_schedule(num_tokens: int, num_heads: int, num_sms: int = _NUM_SMS) -
     queue in waves); two 64-row ones for short prefills (a prompt after a cached image). H100,
     seventeenth session, kernel alone, against two 128-row warpgroups: 740 tokens 23.1 -> 20.7 us
     (3 x 64); 1024 tokens 30.7 -> 29.0 (4 x 64; 3 x 64 would take two waves: 44.6); 16 x 740
-    tokens 266.6 (3 x 64: 286.0, 4 x 64: 267.0). The key-tile size and register split that go
-    with each shape are chosen in `prefill_attention_kernel`."""
+    tokens 266.6 (3 x 64: 286.0, 4 x 64: 267.0). The key-tile size, register split and staging
+    depth that go with each shape are chosen in `prefill_attention_kernel`. `wide` (default: the
+    switch KESTREL_JAX_PREFILL_WIDE, read at trace time, "2x128") is the multi-wave shape; "4x64"
+    (four 64-row consumers, three staging slots) ran the 16 x 740 case 1.0-1.6% faster on an H200
+    (fortieth session, kernel alone), not yet timed in the engine."""
     if num_tokens <= 64 * DEFAULT_CONSUMERS:
         return DEFAULT_CONSUMERS, 64
     for consumers in (3, 4):  # 64-row consumers while their blocks fit one wave
         if -(-num_tokens // (consumers * 64)) * num_heads <= num_sms:
             return consumers, 64
-    return DEFAULT_CONSUMERS, WIDE_WG_ROWS
+    if wide is None:
+        wide = choice("KESTREL_JAX_PREFILL_WIDE", "2x128", ("2x128", "4x64"))
+    return (4, 64) if wide == "4x64" else (DEFAULT_CONSUMERS, WIDE_WG_ROWS)
 
 
 def prefill_attention_kernel_supported(q: jax.Array, k_pages: jax.Array, page_table: jax.Array) -> bool:
@@ -136,7 +144,7 @@ def prefill_attention_kernel(
     v_scale: jax.Array,  # [] f32
     *,
     sm_scale: float,
-    n_stage: int = 2,
+    n_stage: int | None = None,  # None: 3 for four 64-row consumers, else 2
     n_op: int = 2,
     num_consumers: int | None = None,  # None: `prefill_schedule` (2 with wg_rows/registers/pingpong set)
     registers: tuple[int, int] | None = None,
@@ -158,8 +166,6 @@ def prefill_attention_kernel(
     if cu_q_lens.shape != (B + 1,) or prefix_lens.shape != (B,) or page_table.shape[0] != B:
         raise KVLayoutError(f"cu_q_lens {cu_q_lens.shape}, prefix_lens {prefix_lens.shape}, page_table "
                             f"{page_table.shape} do not match kv_lens {kv_lens.shape}")
-    if n_stage < 1 or n_op < 1:
-        raise ValueError(f"n_stage and n_op must be >= 1, got {n_stage}, {n_op}")
     if num_consumers is None:  # the schedule by size, unless the caller set the warpgroups' shape
         if wg_rows is None and registers is None and pingpong is None:
             num_consumers, wg_rows = prefill_schedule(q.shape[0], q.shape[1])
@@ -172,6 +178,10 @@ def prefill_attention_kernel(
         wg_rows = WIDE_WG_ROWS if q.shape[0] > 64 * nc else 64
     if wg_rows not in (64, 128):
         raise ValueError(f"wg_rows must be 64 or 128 (one or two wgmma M tiles), got {wg_rows}")
+    if n_stage is None:  # four consumers: a third staging slot (H200: 16 x 740 -2%, 1024 unchanged)
+        n_stage = 3 if (nc, wg_rows) == (4, 64) else 2
+    if n_stage < 1 or n_op < 1:
+        raise ValueError(f"n_stage and n_op must be >= 1, got {n_stage}, {n_op}")
     if block_k is None:  # 128-key tiles for three 64-row consumers at the launch's even register share
         block_k = 128 if (nc, wg_rows, registers, overlap) == (3, 64, None, False) else BLOCK_K
     if block_k not in (64, 128):

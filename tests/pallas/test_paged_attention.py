@@ -290,9 +290,11 @@ _TEXT_ONLY = (9, 0, 0)
         # prefixes of 90 / 160 / 45 / 64 (160: an unmasked first tile, then a masked one)
         (FP8, 16, 1, [_FULL_IMAGE, (20, 150, 160), _PREFIX_GT], 5, 2, True, {"block_k": 128}),
         (BF16, 64, 2, [_PREFIX_EQ, (20, 150, 160), _CACHE_HIT], 0, 3, False, {"block_k": 128}),
+        # four 64-row consumers (their default: three staging slots)
+        (FP8, 32, 1, [_FULL_IMAGE, (20, 150, 160), _TEXT_ONLY], 3, 4, True, {"wg_rows": 64}),
     ],
     ids=["fp8-p16-2wg-races", "bf16-p64-gqa2-1wg", "fp8-p128-short-3wg-races", "fp8-p32-64rows-nopingpong",
-         "fp8-p16-2wg-bk128-races", "bf16-p64-gqa2-3wg-bk128"],
+         "fp8-p16-2wg-bk128-races", "bf16-p64-gqa2-3wg-bk128", "fp8-p32-4wg-races"],
 )
 def test_prefill_kernel_interpreted(dtype, page, group, segs, pad, consumers, races, kw):
     rng = fresh_rng()
@@ -427,6 +429,7 @@ def test_kernels_lower_at_other_page_sizes_and_configs():
         # 128-key tiles: the default schedule (3 x 64 rows), 2 x 128 rows, 4 x 64 rows
         ({"block_k": 128}, 740), ({"wg_rows": 128, "block_k": 128, "registers": (216, 72)}, 740),
         ({"num_consumers": 4, "wg_rows": 64, "block_k": 128, "registers": (112, 32)}, 740),
+        ({"num_consumers": 4, "wg_rows": 64}, 2964),  # the multi-wave shape of KESTREL_JAX_PREFILL_WIDE=4x64
         # FA3's intra-warpgroup overlap (GPU only: P in registers, O in a wgmma accumulator)
         ({"overlap": True, "n_op": 3}, 740), ({"overlap": True, "n_op": 3, "registers": (152, 56)}, 740),
         ({"overlap": True, "n_op": 3}, 1024), ({"overlap": True, "wg_rows": 128, "registers": (216, 72)}, 740)]
@@ -506,6 +509,18 @@ def test_prefill_schedule_by_size():
         assert pp.prefill_schedule(T, 32) == cfg, T
     assert pp.prefill_schedule(740, 32, num_sms=100) == (4, 64)  # fewer SMs: 3 x 64 would take two waves
     assert pp.prefill_schedule(740, 32, num_sms=64) == (2, 128)  # neither 64-row shape fits one wave
+
+
+def test_prefill_wide_shape_switch(monkeypatch: pytest.MonkeyPatch):
+    """KESTREL_JAX_PREFILL_WIDE picks the multi-wave shape (four 64-row consumers for an A/B in the
+    engine); one-wave sizes keep theirs; a value it does not know is refused."""
+    monkeypatch.setenv("KESTREL_JAX_PREFILL_WIDE", "4x64")
+    assert pp.prefill_schedule(16 * 740, 32) == (4, 64)
+    assert pp.prefill_schedule(740, 32) == (3, 64) and pp.prefill_schedule(10, 32) == (2, 64)
+    assert pp.prefill_schedule(16 * 740, 32, wide="2x128") == (2, 128)
+    monkeypatch.setenv("KESTREL_JAX_PREFILL_WIDE", "8x32")
+    with pytest.raises(ValueError, match="KESTREL_JAX_PREFILL_WIDE"):
+        pp.prefill_schedule(16 * 740, 32)
 
 
 def test_prefill_default_schedule_interpreted():
