@@ -482,8 +482,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                    # 32-row tiles: one key row per thread (fewer registers)
                                                    "t32": {"tile_rows": 32},
                                                    "t32,d4": {"tile_rows": 32, "depth": 4}}
-        # (KV heads sharing a CTA, `heads_per_cta` 2 and 4, were slower at every case here in the
-        # fortieth session; BENCHMARKS.md has the figures.)
+        # (Several KV heads per CTA on one load ring were slower at every case here in the fortieth
+        # session: built, measured and removed; BENCHMARKS.md has the figures.)
         for b, kv in [] if args.tune_prefill_only else [(8, 512), (32, 128), (8, 64), (1, 740), (4, 740),
                                                            (64, 2048), (128, 1024)]:
             emit(functools.partial(bench_decode, rng, b, kv, page, fp8, dec_variants, iters, cpu, kernel_kw, ks, vs),
@@ -511,21 +511,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # setmaxnreg: nc x consumer + producer <= (nc + 1) x cap, cap 128 (3 wg), 168 (2), 96 (4).
             # Slower on the H200 and dropped (fortieth session, 740 / 1024 / 16 x 740 us): 3 x 64 at
             # (152, 56) 21.5 / 44.2 / 295.3, 2 x 128 at (216, 72) 31.2 / 40.2 / 373.2, 4 x 64 at
-            # (112, 32) 45.3 / 52.0 / 472.8 (spills); with `overlap` 3 x 64 at (152, 56) 21.1 /
-            # 44.6 / 291.9, 4 x 64 28.2 / 35.0 / 328.4.
+            # (112, 32) 45.3 / 52.0 / 472.8 (spills). FA3's intra-warpgroup pipelining (tile t's S
+            # issued with tile t-1's PV) was slower at every shape: built, measured and removed.
             "3wg,R64,bk128": {"num_consumers": 3, "wg_rows": 64, "block_k": 128},
             "3wg,R64,bk128,op3": {"num_consumers": 3, "wg_rows": 64, "block_k": 128, "n_op": 3},
             # a third TMA staging slot: 48 KiB of K/V in flight per CTA instead of 32
             "3wg,R64,bk128,st3": {"num_consumers": 3, "wg_rows": 64, "block_k": 128, "n_stage": 3},
             "4wg,R64,st3": {"num_consumers": 4, "wg_rows": 64, "n_stage": 3},
-            # FA3's intra-warpgroup overlap: S_t and tile t-1's PV in flight together (`overlap`)
-            "3wg,R64,ov": {"num_consumers": 3, "wg_rows": 64, "overlap": True, "n_op": 3},
-            "2wg,R128,ov,r216/72": {"num_consumers": 2, "wg_rows": 128, "overlap": True, "n_op": 3,
-                                    "registers": (216, 72)},
         }
-        if args.tune_prefill_only:  # the defaults against the 64-row multi-consumer, 128-key-tile and overlap variants
+        if args.tune_prefill_only:  # the defaults against the 64-row multi-consumer and 128-key-tile variants
             pre_variants = {k: v for k, v in pre_variants.items()
-                            if k in ("kernel", "noskip") or "wg,R64" in k or "bk128" in k or ",ov" in k}
+                            if k in ("kernel", "noskip") or "wg,R64" in k or "bk128" in k}
         if args.variants:  # only these (and the defaults)
             wanted = args.variants.split(";")
             unknown = set(wanted) - set(pre_variants)

@@ -238,7 +238,6 @@ def decode_attention_kernel(
     prefetch_late: bool = False,
     prefetch_expert_part: int = 1,
     partial_rows: int = 0,
-    heads_per_cta: int = 1,
     tile_rows: int = _TILE,
     interpret: bool = False,
     detect_races: bool = False,
@@ -252,16 +251,13 @@ def decode_attention_kernel(
     it changes the result. With `partial_rows` >= B and more than one split (`planned_splits`), the
     split partials are returned unmerged, (o [partial_rows, H, splits, D] f32, lse [partial_rows, H,
     splits] f32; rows >= B unwritten), for a consumer that merges them itself
-    (`gemv_mgpu.gemv_merged`). `heads_per_cta` KV heads of one sequence share a CTA: their tiles
-    form one load ring (all issued ahead as far as `depth` allows) and are reduced head after
-    head, so short sequences pay the page-table load and the first load's round trip once per
-    `heads_per_cta` heads, with as many fewer CTAs. Slower at every measured case on an H200
-    (fortieth session, kernel alone: B=32 at 128 tokens 12.1 us at 1, 13.9 at 2, 12.9 at 4; B=8 at
-    512 8.8 / 10.0 / 17.6): kept at 1, the parameter left for A/B runs. `tile_rows` (64 or 32):
-    keys per load-ring tile; 32 holds one key row per thread instead of two (half the K, V and
-    accumulator registers: more CTAs resident per SM where registers limit them, e.g. 1,024 CTAs
-    of two 64-row tiles at B=32 and 128 tokens, four per SM at 127 registers), at twice the loop
-    trips. Not yet timed (default 64)."""
+    (`gemv_mgpu.gemv_merged`). `tile_rows` (64 or 32): keys per load-ring tile; 32 holds one key
+    row per thread instead of two (half the K, V and accumulator registers: more CTAs resident per
+    SM where registers limit them, e.g. 1,024 CTAs of two 64-row tiles at B=32 and 128 tokens, four
+    per SM at 127 registers), at twice the loop trips. Not yet timed (default 64). (Several KV heads
+    of one sequence per CTA, on one load ring reduced head after head, were slower at every case
+    on an H200, fortieth session, e.g. B=32 at 128 tokens 12.1 us at one head, 13.9 at two, 12.9 at
+    four: built, measured and removed.)"""
     check_pool(k_pages, v_pages)
     if not decode_attention_kernel_supported(q, k_pages, page_table):
         raise KVLayoutError(f"decode kernel does not support q {q.shape} {q.dtype}, pool {k_pages.shape} "
@@ -273,9 +269,6 @@ def decode_attention_kernel(
     B, H, D = q.shape
     P, Hkv, S, _ = k_pages.shape
     g = H // Hkv
-    hp = heads_per_cta
-    if hp < 1 or Hkv % hp:
-        raise ValueError(f"heads_per_cta must divide the {Hkv} KV heads, got {hp}")
     tile = tile_rows
     if tile not in (32, 64):
         raise ValueError(f"tile_rows must be 64 or 32 (two or one key rows per thread), got {tile}")
@@ -287,8 +280,8 @@ def decode_attention_kernel(
     unmerged = splits > 1 and partial_rows >= B
     out_rows = partial_rows if unmerged else B
     if depth is None:  # few CTAs must each keep more bytes in flight (counted in 64-row tiles)
-        depth = (8 if B * (Hkv // hp) * splits < 2 * _NUM_SMS else 4) * (_TILE // tile)
-    depth = min(depth, hp * per_split)  # short contexts need fewer slots (more CTAs fit in SMEM)
+        depth = (8 if B * Hkv * splits < 2 * _NUM_SMS else 4) * (_TILE // tile)
+    depth = min(depth, per_split)  # short contexts need fewer slots (more CTAs fit in SMEM)
     copies = max(1, tile // S)  # TMA boxes per tile
     box = min(S, tile)  # rows per box
     fp8 = is_fp8(k_pages.dtype)
@@ -312,7 +305,7 @@ def decode_attention_kernel(
             o_ref, lse_ref = rest[:2]
         pt_smem, k_buf, v_buf, pt_bar, bars = rest[len(out_type):]
         b = lax.axis_index("b")
-        hc = lax.axis_index("h")  # this CTA's heads: hc * hp ... hc * hp + hp - 1
+        h = lax.axis_index("h")
         s = lax.axis_index("s")
         plgpu.copy_gmem_to_smem(pt_ref.at[b], pt_smem, pt_bar)
         n = lens_ref[b]
@@ -323,14 +316,7 @@ def decode_attention_kernel(
         q_mult = sm_scale * LOG2E * (ks_ref[...] if fp8 else 1.0)
         v_mult = vs_ref[...] if fp8 else 1.0
 
-        n_ring = hp * count  # head j's tile i is ring entry j * count + i
-
-        def issue(v: jax.Array, slot: jax.Array) -> None:
-            if hp == 1:
-                h, i = hc, v
-            else:
-                per = jnp.maximum(count, 1)  # issued only while v < hp * count
-                h, i = hc * hp + v // per, lax.rem(v, per)
+        def issue(i: jax.Array, slot: jax.Array) -> None:
             t_idx = first + i  # this sequence's tile (of `tile` keys)
             for c in range(copies):
                 tok = t_idx * tile + c * box
@@ -341,16 +327,16 @@ def decode_attention_kernel(
                 plgpu.copy_gmem_to_smem(v_ref.at[page, h, rows], v_buf.at[slot, dst], bars.at[slot])
 
         qs = []
-        for j in range(hp * g):
-            qv = plgpu.load(q_ref.at[b, hc * hp * g + j], layout=_CHAN, optimized=False).astype(jnp.float32)
+        for j in range(g):
+            qv = plgpu.load(q_ref.at[b, h * g + j], layout=_CHAN, optimized=False).astype(jnp.float32)
             qs.append(lax.broadcast_in_dim(qv * q_mult, (tile, D), (1,)))
         plgpu.barrier_wait(pt_bar)
         for i in range(depth):
-            pl.when(i < n_ring)(functools.partial(issue, jnp.int32(i), jnp.int32(i)))
+            pl.when(i < count)(functools.partial(issue, jnp.int32(i), jnp.int32(i)))
 
         def ask_l2():
-            cta = (b * (Hkv // hp) + hc) * splits + s
-            n_ctas = B * (Hkv // hp) * splits
+            cta = (b * Hkv + h) * splits + s
+            n_ctas = B * Hkv * splits
             l2_prefetch.issue(pf_refs[:len(pf_views)], cta, n_ctas)
             for i in range(len(pf_experts)):
                 w_ref, meta_ref = pf_refs[len(pf_views) + 2 * i:len(pf_views) + 2 * i + 2]
@@ -360,18 +346,15 @@ def decode_attention_kernel(
             ask_l2()
 
         row_ids = plgpu.broadcasted_iota(jnp.int32, (tile,), 0, layout=_ROW)
+        init = tuple(
+            (plgpu.layout_cast(jnp.full((tile,), _NEG_INIT, jnp.float32), _ROW),
+             plgpu.layout_cast(jnp.full((tile,), 0.0, jnp.float32), _ROW),
+             plgpu.layout_cast(jnp.full((tile, D), 0.0, jnp.float32), _ROWS))
+            for _ in range(g)
+        )
 
-        def init_state():
-            return tuple(
-                (plgpu.layout_cast(jnp.full((tile,), _NEG_INIT, jnp.float32), _ROW),
-                 plgpu.layout_cast(jnp.full((tile,), 0.0, jnp.float32), _ROW),
-                 plgpu.layout_cast(jnp.full((tile, D), 0.0, jnp.float32), _ROWS))
-                for _ in range(g)
-            )
-
-        def step(i, carry, masked: bool, head: int):
-            v = head * count + i if hp > 1 else i  # ring entry
-            slot = lax.rem(v, depth)
+        def step(i, carry, masked: bool):
+            slot = lax.rem(i, depth)
             plgpu.barrier_wait(bars.at[slot])
             kt = plgpu.load(k_buf.at[slot], layout=_ROWS, optimized=False).astype(jnp.float32)
             vt = plgpu.load(v_buf.at[slot], layout=_ROWS, optimized=False).astype(jnp.float32)
@@ -382,7 +365,7 @@ def decode_attention_kernel(
             new = []
             for j in range(g):
                 m, den, acc = carry[j]
-                sc = jnp.sum(kt * qs[head * g + j], axis=1)
+                sc = jnp.sum(kt * qs[j], axis=1)
                 if masked:
                     sc = jnp.where(valid, sc, -jnp.inf)
                 m_new = jnp.maximum(m, sc)
@@ -392,34 +375,32 @@ def decode_attention_kernel(
                 acc = (acc * lax.broadcast_in_dim(alpha, (tile, D), (0,))
                        + lax.broadcast_in_dim(p, (tile, D), (0,)) * vt)
                 new.append((m_new, den, acc))
-            pl.when(v + depth < n_ring)(functools.partial(issue, v + depth, slot))
+            pl.when(i + depth < count)(functools.partial(issue, i + depth, slot))
             return tuple(new)
 
         # Only the sequence's last tile can be partial: every other tile runs without masks.
         full = jnp.minimum(count, jnp.maximum(n // tile - first, 0))
-        for head in range(hp):
-            final = lax.fori_loop(0, full, functools.partial(step, masked=False, head=head), init_state())
-            final = lax.fori_loop(full, count, functools.partial(step, masked=True, head=head), final)
-            if n_pf and prefetch_late and head == hp - 1:
-                ask_l2()
-            for j in range(g):
-                m, den, acc = final[j]
-                m_all = jnp.max(m, axis=0)
-                w = jnp.exp2(m - m_all)
-                l_all = jnp.sum(den * w, axis=0)
-                o = jnp.sum(acc * lax.broadcast_in_dim(w, (tile, D), (0,)), axis=0)
-                inv = jnp.where(l_all > 0, v_mult / l_all, 0.0)
-                row = (hc * hp + head) * g + j
-                if lse_ref is None:
-                    o_ref.at[b, row][...] = (o * inv).astype(o_ref.dtype)
-                else:
-                    o_ref.at[b, row, s][...] = o * inv
-                    lse_ref[b, row, s] = jnp.where(l_all > 0, m_all + jnp.log2(l_all), -jnp.inf)
+        final = lax.fori_loop(0, full, functools.partial(step, masked=False), init)
+        final = lax.fori_loop(full, count, functools.partial(step, masked=True), final)
+        if n_pf and prefetch_late:
+            ask_l2()
+        for j in range(g):
+            m, den, acc = final[j]
+            m_all = jnp.max(m, axis=0)
+            w = jnp.exp2(m - m_all)
+            l_all = jnp.sum(den * w, axis=0)
+            o = jnp.sum(acc * lax.broadcast_in_dim(w, (tile, D), (0,)), axis=0)
+            inv = jnp.where(l_all > 0, v_mult / l_all, 0.0)
+            if lse_ref is None:
+                o_ref.at[b, h * g + j][...] = (o * inv).astype(o_ref.dtype)
+            else:
+                o_ref.at[b, h * g + j, s][...] = o * inv
+                lse_ref[b, h * g + j, s] = jnp.where(l_all > 0, m_all + jnp.log2(l_all), -jnp.inf)
 
     kern = plgpu.kernel(
         body,
         out_type=out_type,
-        grid=(B, Hkv // hp, splits),
+        grid=(B, Hkv, splits),
         grid_names=("b", "h", "s"),
         kernel_name="kestrel_decode_attention",
         scratch_types=[

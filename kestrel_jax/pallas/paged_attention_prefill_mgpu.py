@@ -37,8 +37,7 @@ default to 64-row warpgroups: a second M tile would be padding.
 `block_k`: keys per K/V tile, 64 or 128 (128 halves the loop trips; the default for three 64-row
 consumers without a register split, 64 otherwise). `skip_tiles` (default on): a warpgroup only
 waits for and releases the CTA's key tiles past its own rows' limit (a causal prompt's early rows
-in a block with later ones), whose softmax update would be the identity. `overlap` (off; GPU
-only): FA3's intra-warpgroup pipelining, S of tile t issued with tile t-1's PV product.
+in a block with later ones), whose softmax update would be the identity.
 
 Measured on an H100 (FP8 pool, page 64, kernel alone, BENCHMARKS.md): 740-token image prefill
 29.8 us with 64-row warpgroups -> 23.1 us with 128 (96 CTAs, one wave) -> 20.7 us with three
@@ -49,8 +48,10 @@ tokens 33.7 -> 30.9 us; 16 x 740 tokens 340 -> 268 us. Ping-pong and the in-plac
 26.6 with `skip_tiles` (block 3's first three warpgroups skip 3, 2 and 1 of its 16 tiles) -> 25.8-26.0
 with setmaxnreg (104, 64) for the four consumers, which also take a third staging slot (1024:
 25.8-26.0 either way; as the multi-wave shape, KESTREL_JAX_PREFILL_WIDE=4x64, 16 x 740 266.5 against
-269.3-272.8 for two 128-row consumers). Not kept: `overlap` (740: 21.0 us; 2 x 128 rows at 16 x 740:
-270.5 vs 270.8, no gain), a third operand slot, 128-key tiles at other shapes (spills or two waves).
+269.3-272.8 for two 128-row consumers). Not kept: FA3's intra-warpgroup
+pipelining (S of tile t issued with tile t-1's PV product: 740 21.0 us, no gain anywhere, no spills
+or serialised MMAs in ptxas's report; built and removed), a third operand slot, 128-key tiles at
+other shapes (spills or two waves).
 """
 
 from __future__ import annotations
@@ -153,7 +154,6 @@ def prefill_attention_kernel(
     pingpong: bool | None = None,
     acc_in_place: bool | None = None,
     block_k: int | None = None,  # keys per K/V tile (64 default; 128 halves the loop trips)
-    overlap: bool = False,
     skip_tiles: bool = True,
     interpret: bool = False,
     detect_races: bool = False,
@@ -183,7 +183,7 @@ def prefill_attention_kernel(
     if n_stage < 1 or n_op < 1:
         raise ValueError(f"n_stage and n_op must be >= 1, got {n_stage}, {n_op}")
     if block_k is None:  # 128-key tiles for three 64-row consumers at the launch's even register share
-        block_k = 128 if (nc, wg_rows, registers, overlap) == (3, 64, None, False) else BLOCK_K
+        block_k = 128 if (nc, wg_rows, registers) == (3, 64, None) else BLOCK_K
     if block_k not in (64, 128):
         raise ValueError(f"block_k (keys per K/V tile) must be 64 or 128, got {block_k}")
     if registers is None and wg_rows == 128 and nc == 2 and not interpret:
@@ -213,17 +213,6 @@ def prefill_attention_kernel(
         acc_in_place = not interpret
     if acc_in_place and interpret:
         raise ValueError("acc_in_place=True cannot be interpreted (no register-initialised wgmma accumulator)")
-    if overlap:
-        # FA3's intra-warpgroup pipelining: tile t's S = Q K^T and tile t-1's O += P V are issued
-        # together and the softmax of tile t runs while the PV product is in flight. P stays in
-        # registers across a loop trip and O in a wgmma accumulator: GPU only.
-        if interpret or not (p_in_registers and acc_in_place):
-            raise ValueError("overlap=True needs p_in_registers and acc_in_place (GPU only, not interpreted)")
-        if pingpong:
-            raise ValueError("overlap=True and pingpong=True are two different consumer schedules; pick one")
-        pingpong = False
-        if n_op < 2:
-            raise ValueError(f"overlap=True holds two operand slots at a time: n_op must be >= 2, got {n_op}")
     if pingpong is None:
         pingpong = nc == 2
     if pingpong and nc != 2:
@@ -341,7 +330,7 @@ def prefill_attention_kernel(
             # and releases them (the CTA's producer loads what its furthest-seeing warpgroup needs).
             last_pos = base + (row0 + own_hi - 1 - qs)
             n_mine = jnp.where(n_own > 0, (jnp.minimum(_allowed_limit(last_pos, pre), kvl) + block_k - 1) // block_k, 0)
-            n_mine = jnp.clip(n_mine, n_full, n_tiles) if skip_tiles and not overlap else n_tiles
+            n_mine = jnp.clip(n_mine, n_full, n_tiles) if skip_tiles else n_tiles
             # Mask operands as a row vector (2 registers per thread per 64 rows) and a column vector
             # (16 per 64 keys), so nothing [R, block_k]-sized stays live across the key loop.
             pos = plgpu.broadcasted_iota(jnp.int32, (R,), 0, layout=_ROW_VEC) + (row0 - qs + base)
@@ -357,21 +346,6 @@ def prefill_attention_kernel(
                 plgpu.barrier_arrive(sched_bar)
                 plgpu.barrier_wait(sched_bar)
 
-            def online_softmax(s, m, den):  # base 2: (new running max, rescale, P, new denominator)
-                m_new = jnp.maximum(m, s.max(axis=1))
-                alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                return m_new, alpha, p, den * alpha + p.sum(axis=1)
-
-            def apply_mask(t, s):  # keys < kv_len, and causal unless both sit in the prefix
-                shape = (R, block_k)
-                key = plgpu.broadcasted_iota(jnp.int32, (block_k,), 0, layout=_COL_VEC) + t * block_k
-                key_ok = lax.broadcast_in_dim(key < kvl, shape, [1])
-                in_prefix = lax.broadcast_in_dim(row_sees_prefix, shape, [0]) & lax.broadcast_in_dim(
-                    key < pre, shape, [1])
-                causal = lax.broadcast_in_dim(key, shape, [1]) <= lax.broadcast_in_dim(pos, shape, [0])
-                return jnp.where(key_ok & (causal | in_prefix), s, -jnp.inf)
-
             def kv_step(t, carry, masked: bool):
                 acc, m, den = carry
                 o = lax.rem(t, n_op)
@@ -385,8 +359,17 @@ def prefill_attention_kernel(
 
                 s = pl.run_scoped(qk, plgpu.ACC((R, block_k), jnp.float32)) * scale
                 if masked:
-                    s = apply_mask(t, s)
-                m_new, alpha, p, den = online_softmax(s, m, den)
+                    shape = (R, block_k)
+                    key = plgpu.broadcasted_iota(jnp.int32, (block_k,), 0, layout=_COL_VEC) + t * block_k
+                    key_ok = lax.broadcast_in_dim(key < kvl, shape, [1])
+                    in_prefix = lax.broadcast_in_dim(row_sees_prefix, shape, [0]) & lax.broadcast_in_dim(
+                        key < pre, shape, [1])
+                    causal = lax.broadcast_in_dim(key, shape, [1]) <= lax.broadcast_in_dim(pos, shape, [0])
+                    s = jnp.where(key_ok & (causal | in_prefix), s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                den = den * alpha + p.sum(axis=1)
                 if acc_in_place:
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
 
@@ -422,46 +405,6 @@ def prefill_attention_kernel(
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_t
                 return acc, m_new, den
 
-            def overlap_step(t, carry, masked: bool, acc_ref):
-                # Issue S_t = Q K_t^T, then O += P_{t-1} V_{t-1} (at t = 0: P = 0 against V_0, which
-                # the producer has zeroed past kv_len, so it adds exact zeros); wait for S_t only.
-                p_prev, m, den = carry
-                o = lax.rem(t, n_op)
-                prev = lax.rem(jnp.maximum(t - 1, 0), n_op)
-                plgpu.barrier_wait(ready_bar.at[o])
-
-                def issue(s_ref):
-                    plgpu.wgmma(s_ref, q_smem.at[wg], k_op.at[o].transpose((1, 0)))
-                    plgpu.wgmma(acc_ref, p_prev, v_op.at[prev])
-                    return plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-
-                s = pl.run_scoped(issue, plgpu.ACC((R, block_k), jnp.float32)) * scale
-                if masked:
-                    s = apply_mask(t, s)
-                m_new, alpha, p, den = online_softmax(s, m, den)
-                p_op = p.astype(op_dtype)
-                acc = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)  # P_{t-1} V_{t-1} is in
-                pl.when(t > 0)(lambda: plgpu.barrier_arrive(consumed_bar.at[prev]))
-                acc_ref[...] = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                return p_op, m_new, den
-
-            def overlap_loops(acc_ref):
-                carry = (
-                    plgpu.layout_cast(jnp.full((R, block_k), 0.0, op_dtype), plgpu.Layout.WGMMA),
-                    plgpu.layout_cast(jnp.full((R,), _NEG_INIT, jnp.float32), _ROW_VEC),
-                    plgpu.layout_cast(jnp.full((R,), 0.0, jnp.float32), _ROW_VEC),
-                )
-                carry = lax.fori_loop(0, n_full, lambda t, c: overlap_step(t, c, False, acc_ref), carry)
-                p_last, _, den = lax.fori_loop(n_full, n_tiles, lambda t, c: overlap_step(t, c, True, acc_ref),
-                                               carry)
-                last = lax.rem(jnp.maximum(n_tiles - 1, 0), n_op)
-                # With no tiles (a padding block: nothing is stored) this multiplies zeros by a slot
-                # never filled; the result is discarded.
-                plgpu.wgmma(acc_ref, p_last, v_op.at[last])
-                acc = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
-                pl.when(n_tiles > 0)(lambda: plgpu.barrier_arrive(consumed_bar.at[last]))
-                return acc, den
-
             init = (
                 plgpu.layout_cast(jnp.full((R, D), 0.0, jnp.float32), plgpu.Layout.WGMMA),
                 plgpu.layout_cast(jnp.full((R,), _NEG_INIT, jnp.float32), _ROW_VEC),
@@ -469,20 +412,17 @@ def prefill_attention_kernel(
             )
             if pingpong:  # warpgroup 1 starts one phase behind, so the two alternate on the tensor cores
                 pl.when(wg == 1)(schedule)
-            if overlap:
-                acc, den = pl.run_scoped(overlap_loops, plgpu.ACC((R, D), jnp.float32))
-            else:
-                carry = lax.fori_loop(0, n_full, lambda t, c: kv_step(t, c, False), init)
-                acc, _, den = lax.fori_loop(n_full, n_mine, lambda t, c: kv_step(t, c, True), carry)
+            carry = lax.fori_loop(0, n_full, lambda t, c: kv_step(t, c, False), init)
+            acc, _, den = lax.fori_loop(n_full, n_mine, lambda t, c: kv_step(t, c, True), carry)
 
-                @pl.loop(n_mine, n_tiles)
-                def _skip(t):
-                    o = lax.rem(t, n_op)
-                    plgpu.barrier_wait(ready_bar.at[o])
-                    if pingpong:  # keep the two warpgroups' turns in step
-                        schedule()
-                        schedule()
-                    plgpu.barrier_arrive(consumed_bar.at[o])
+            @pl.loop(n_mine, n_tiles)
+            def _skip(t):
+                o = lax.rem(t, n_op)
+                plgpu.barrier_wait(ready_bar.at[o])
+                if pingpong:  # keep the two warpgroups' turns in step
+                    schedule()
+                    schedule()
+                plgpu.barrier_arrive(consumed_bar.at[o])
             if pingpong:  # ... and warpgroup 0 ends one phase later: both arrive 2 * n_tiles + 1 times
                 pl.when(wg == 0)(schedule)
             inv = jnp.where(den > 0, (vs_ref[...] if fp8 else 1.0) / den, 0.0)

@@ -168,18 +168,14 @@ def test_write_kernel_interpreted(dtype):
 
 
 @pytest.mark.parametrize(
-    "dtype,page,splits,group,n_kv,heads_per_cta,tile_rows",
-    [(FP8, 16, 1, 1, 1, 1, 64), (FP8, 64, 3, 1, 1, 1, 64), (BF16, 32, 2, 2, 1, 1, 64),
-     # KV heads sharing a CTA: one load ring over both heads' tiles (depth 3 < the ring's length
-     # at the long rows, so entries of the second head are issued while the first is reduced)
-     (FP8, 16, 1, 1, 2, 2, 64), (FP8, 64, 2, 1, 4, 2, 64), (BF16, 32, 1, 2, 2, 2, 64),
+    "dtype,page,splits,group,n_kv,tile_rows",
+    [(FP8, 16, 1, 1, 1, 64), (FP8, 64, 3, 1, 1, 64), (BF16, 32, 2, 2, 1, 64),
      # 32-row tiles: one key row per thread; half a page per tile at page 64, two pages at 16
-     (FP8, 64, 3, 1, 1, 1, 32), (FP8, 16, 1, 1, 2, 2, 32), (BF16, 32, 2, 2, 1, 1, 32)],
+     (FP8, 64, 3, 1, 1, 32), (FP8, 16, 1, 1, 2, 32), (BF16, 32, 2, 2, 1, 32)],
     ids=["fp8-p16-nosplit", "fp8-p64-split3", "bf16-p32-split2-gqa2",
-         "fp8-p16-2heads", "fp8-p64-split2-4kv-2heads", "bf16-p32-gqa2-2heads",
-         "fp8-p64-split3-t32", "fp8-p16-2heads-t32", "bf16-p32-split2-gqa2-t32"],
+         "fp8-p64-split3-t32", "fp8-p16-2kv-t32", "bf16-p32-split2-gqa2-t32"],
 )
-def test_decode_kernel_interpreted(dtype, page, splits, group, n_kv, heads_per_cta, tile_rows):
+def test_decode_kernel_interpreted(dtype, page, splits, group, n_kv, tile_rows):
     rng = fresh_rng()
     max_pages = 5
     # lengths 1, page-1, page, page+1, a long random one, and an inactive row (0)
@@ -189,9 +185,7 @@ def test_decode_kernel_interpreted(dtype, page, splits, group, n_kv, heads_per_c
                                                  max_pages, B)
     q = jnp.asarray(rng.standard_normal((B, n_kv * group, 64)), BF16)
     lens = jnp.asarray(kv_lens)
-    kw: dict[str, Any] = {"heads_per_cta": heads_per_cta, "depth": 3} if heads_per_cta > 1 else {}
-    if tile_rows != 64:
-        kw["tile_rows"] = tile_rows
+    kw: dict[str, Any] = {"tile_rows": tile_rows} if tile_rows != 64 else {}
     f = jax.jit(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, num_splits=splits,
                                   interpret=True, **kw))
     out = f(q, k_pages, v_pages, lens, table, ks, vs)
@@ -320,16 +314,13 @@ def test_prefill_kernel_interpreted(dtype, page, group, segs, pad, consumers, ra
         assert not np.any(as_f32(out)[int(cu[-1]):]), "padding rows must be zero"
 
 
-def test_decode_kernel_refuses_heads_per_cta_and_tile_rows_it_cannot_run():
+def test_decode_kernel_refuses_tile_rows_it_cannot_run():
     pool = _SDS((16, 4, 16, 64), FP8)
     args = (_SDS((2, 4, 64), BF16), pool, pool, _SDS((2,), jnp.int32), _SDS((2, 4), jnp.int32), _F32, _F32)
-    for hp in (0, 3, 8):
-        with pytest.raises(ValueError, match="heads_per_cta"):
-            jax.eval_shape(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, heads_per_cta=hp), *args)
     for rows in (16, 48, 128):
         with pytest.raises(ValueError, match="tile_rows"):
             jax.eval_shape(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, tile_rows=rows), *args)
-    jax.eval_shape(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, heads_per_cta=4), *args)
+    jax.eval_shape(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, tile_rows=32), *args)
 
 
 def test_kernels_reject_unsupported_shapes():
@@ -412,11 +403,9 @@ def test_kernels_lower_at_other_page_sizes_and_configs():
         table = _SDS((8, 2048 // S), jnp.int32)
         dec = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE)
         _lower_for_h100(dec, _SDS((8, 32, 64), BF16), pool, pool, _SDS((8,), jnp.int32), table, _F32, _F32)
-        dec_cases: list[dict[str, Any]] = [{"heads_per_cta": 2}, {"tile_rows": 32}]
-        for dkw in dec_cases:  # B=32 at 128 tokens
-            dec2 = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, **dkw)
-            _lower_for_h100(dec2, _SDS((32, 32, 64), BF16), pool, pool, _SDS((32,), jnp.int32),
-                            _SDS((32, 128 // S), jnp.int32), _F32, _F32)
+        dec32 = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, tile_rows=32)
+        _lower_for_h100(dec32, _SDS((32, 32, 64), BF16), pool, pool, _SDS((32,), jnp.int32),
+                        _SDS((32, 128 // S), jnp.int32), _F32, _F32)  # B=32 at 128 tokens
     pool = _SDS((1024, 32, 16, 64), FP8)
     pre = functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE)
     _lower_for_h100(pre, _SDS((740, 32, 64), BF16), pool, pool, _SDS((2,), jnp.int32),
@@ -430,9 +419,7 @@ def test_kernels_lower_at_other_page_sizes_and_configs():
         ({"block_k": 128}, 740), ({"wg_rows": 128, "block_k": 128, "registers": (216, 72)}, 740),
         ({"num_consumers": 4, "wg_rows": 64, "block_k": 128, "registers": (112, 32)}, 740),
         ({"num_consumers": 4, "wg_rows": 64}, 2964),  # the multi-wave shape of KESTREL_JAX_PREFILL_WIDE=4x64
-        # FA3's intra-warpgroup overlap (GPU only: P in registers, O in a wgmma accumulator)
-        ({"overlap": True, "n_op": 3}, 740), ({"overlap": True, "n_op": 3, "registers": (152, 56)}, 740),
-        ({"overlap": True, "n_op": 3}, 1024), ({"overlap": True, "wg_rows": 128, "registers": (216, 72)}, 740)]
+    ]
     for kw, T in cases:
         pre = functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE, **kw)
         _lower_for_h100(pre, _SDS((T, 32, 64), BF16), pool, pool, _SDS((2,), jnp.int32),
@@ -454,11 +441,7 @@ def test_prefill_kernel_refuses_settings_that_would_hang_or_cannot_run():
            {"block_k": 256},
            {"num_consumers": 3, "pingpong": True},
            {"interpret": True, "acc_in_place": True},
-           {"interpret": True, "p_in_registers": True},
-           {"overlap": True, "interpret": True},  # P in registers, O in an accumulator: GPU only
-           {"overlap": True, "pingpong": True},
-           {"overlap": True, "n_op": 1},  # holds two operand slots at once
-           {"overlap": True, "acc_in_place": False}]
+           {"interpret": True, "p_in_registers": True}]
     for kw in bad:
         with pytest.raises(ValueError):
             jax.eval_shape(functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE, **kw), *args)
