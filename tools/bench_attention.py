@@ -481,11 +481,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                    "splits=2": {"num_splits": 2},
                                                    # 32-row tiles: one key row per thread (fewer registers)
                                                    "t32": {"tile_rows": 32},
-                                                   "t32,d4": {"tile_rows": 32, "depth": 4}}
+                                                   "t32,d4": {"tile_rows": 32, "depth": 4},
+                                                   # fewer slots (less SMEM per CTA) at either tile size
+                                                   "d2": {"depth": 2}, "t32,d2": {"tile_rows": 32, "depth": 2}}
         # (Several KV heads per CTA on one load ring were slower at every case here in the fortieth
         # session: built, measured and removed; BENCHMARKS.md has the figures.)
-        for b, kv in [] if args.tune_prefill_only else [(8, 512), (32, 128), (8, 64), (1, 740), (4, 740),
-                                                           (64, 2048), (128, 1024)]:
+        dec_cases = [(8, 512), (32, 128), (8, 64), (1, 740), (4, 740), (64, 2048), (128, 1024)]
+        if args.decode_cases:  # "BxKV,BxKV,..."
+            dec_cases = [(int(b), int(kv)) for b, kv in (c.split("x") for c in args.decode_cases.split(","))]
+        for b, kv in [] if args.tune_prefill_only else dec_cases * args.repeat:
             emit(functools.partial(bench_decode, rng, b, kv, page, fp8, dec_variants, iters, cpu, kernel_kw, ks, vs),
                  f"decode tune {b}x{kv}", optional=True)
         pre_variants: dict[str, dict[str, Any]] = {
@@ -624,6 +628,9 @@ def main() -> None:
                         "warpgroups) too")
     p.add_argument("--tune-prefill-only", action="store_true",
                    help="with --tune: the prefill variants alone (defaults, 64-row multi-consumer, 128-key tiles)")
+    p.add_argument("--decode-cases", default="",
+                   help="--tune: decode cases as 'BxKV,...' (default: issue 3's targets and a few more)")
+    p.add_argument("--repeat", type=int, default=1, help="--tune: run the decode cases this many times")
     p.add_argument("--variants", default="",
                    help="with --tune-prefill(-only): prefill variants to run besides the defaults, ';'-separated "
                         "(their labels contain commas)")
