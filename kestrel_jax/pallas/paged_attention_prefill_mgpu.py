@@ -47,8 +47,8 @@ tokens 33.7 -> 30.9 us; 16 x 740 tokens 340 -> 268 us. Ping-pong and the in-plac
 (fortieth session): 740 tokens 20.5-20.8 -> 19.5-19.8 us with 128-key tiles; 1024 tokens 28.8 ->
 26.6 with `skip_tiles` (block 3's first three warpgroups skip 3, 2 and 1 of its 16 tiles) -> 25.8-26.0
 with setmaxnreg (104, 64) for the four consumers, which also take a third staging slot (1024:
-25.8-26.0 either way; as the multi-wave shape, KESTREL_JAX_PREFILL_WIDE=4x64, 16 x 740 266.5 against
-269.3-272.8 for two 128-row consumers). Not kept: FA3's intra-warpgroup
+25.8-26.0 either way; as the multi-wave shape, the default since the forty-first session, 16 x 740
+266.5 against 269.3-272.8 for two 128-row consumers). Not kept: FA3's intra-warpgroup
 pipelining (S of tile t issued with tile t-1's PV product: 740 21.0 us, no gain anywhere, no spills
 or serialised MMAs in ptxas's report; built and removed), a third operand slot, 128-key tiles at
 other shapes (spills or two waves).
@@ -99,16 +99,18 @@ def prefill_schedule(num_tokens: int, num_heads: int, num_sms: int = _NUM_SMS,
     (3 x 64); 1024 tokens 30.7 -> 29.0 (4 x 64; 3 x 64 would take two waves: 44.6); 16 x 740
     tokens 266.6 (3 x 64: 286.0, 4 x 64: 267.0). The key-tile size, register split and staging
     depth that go with each shape are chosen in `prefill_attention_kernel`. `wide` (default: the
-    switch KESTREL_JAX_PREFILL_WIDE, read at trace time, "2x128") is the multi-wave shape; "4x64"
-    (four 64-row consumers, three staging slots) ran the 16 x 740 case 1.0-1.6% faster on an H200
-    (fortieth session, kernel alone), not yet timed in the engine."""
+    switch KESTREL_JAX_PREFILL_WIDE, read at trace time, "4x64") is the multi-wave shape: "4x64"
+    (four 64-row consumers, three staging slots) ran the 16 x 740 case 1.0-1.6% faster than "2x128"
+    (two 128-row consumers) on an H200 (fortieth session, kernel alone); in the engine (forty-first
+    session, W2 at 64 clients, 1536-3072-token prefill steps) MD3 9,088 / 9,084 against 8,987 /
+    9,100 output tok/s, MD2 10,030 against 10,000: within the runs' spread, no loss."""
     if num_tokens <= 64 * DEFAULT_CONSUMERS:
         return DEFAULT_CONSUMERS, 64
     for consumers in (3, 4):  # 64-row consumers while their blocks fit one wave
         if -(-num_tokens // (consumers * 64)) * num_heads <= num_sms:
             return consumers, 64
     if wide is None:
-        wide = choice("KESTREL_JAX_PREFILL_WIDE", "2x128", ("2x128", "4x64"))
+        wide = choice("KESTREL_JAX_PREFILL_WIDE", "4x64", ("2x128", "4x64"))
     return (4, 64) if wide == "4x64" else (DEFAULT_CONSUMERS, WIDE_WG_ROWS)
 
 

@@ -323,6 +323,47 @@ def test_decode_kernel_refuses_tile_rows_it_cannot_run():
     jax.eval_shape(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, tile_rows=32), *args)
 
 
+def test_decode_tile_plan():
+    """32-row tiles in a four-slot ring only for a large grid (two or more CTAs per SM, no splits)
+    over a short page table (<= 256 keys); given values are kept."""
+    plan = pm.decode_tile_plan
+    assert plan(32, 32, 2, 64) == (32, 4)  # B=32 at 128 tokens: 1,024 CTAs
+    assert plan(32, 32, 16, 16) == (32, 4) and plan(64, 32, 4, 64) == (32, 4) and plan(32, 32, 1, 128) == (32, 4)
+    assert plan(32, 32, 5, 64) == (64, None) and plan(32, 32, 3, 128) == (64, None)  # 320 and 384 keys
+    assert plan(8, 32, 2, 64) == (64, None)  # 256 CTAs: under two per SM
+    assert plan(32, 32, 2, 64, num_splits=2) == (64, None)
+    assert plan(32, 32, 2, 64, tile_rows=64) == (64, None) and plan(1, 32, 12, 64, tile_rows=32) == (32, None)
+    assert plan(32, 32, 2, 64, depth=2) == (32, 2)
+
+
+def test_decode_kernel_default_plan_interpreted(monkeypatch: pytest.MonkeyPatch):
+    """The default plan's 32-row tiles, run interpreted against the reference: with the SM count the
+    plan sizes its grid by set to 2, six sequences of one KV head over a 64-key table are a large
+    grid over a short table (lengths 1, page-1, page, page+1, a random one, an inactive row)."""
+    monkeypatch.setattr(pm, "_NUM_SMS", 2)
+    chosen: list[tuple[int, int | None]] = []
+    real_plan = pm.decode_tile_plan
+
+    def spy(*a: Any) -> tuple[int, int | None]:
+        chosen.append(real_plan(*a))
+        return chosen[-1]
+
+    monkeypatch.setattr(pm, "decode_tile_plan", spy)
+    rng = fresh_rng()
+    page, max_pages = 16, 4
+    kv_lens = np.array([1, page - 1, page, page + 1, rng.integers(2, max_pages * page + 1), 0], np.int32)
+    B = len(kv_lens)
+    k_pages, v_pages, table, ks, vs = _make_pool(rng, B * max_pages + 3, 1, page, FP8, kv_lens, max_pages, B)
+    q = jnp.asarray(rng.standard_normal((B, 1, 64)), BF16)
+    lens = jnp.asarray(kv_lens)
+    out = jax.jit(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, interpret=True))(
+        q, k_pages, v_pages, lens, table, ks, vs)
+    assert chosen == [(32, 4)]
+    ref = pa.decode_attention_ref(q, k_pages, v_pages, lens, table, ks, vs, sm_scale=SM_SCALE)
+    _check(out, ref, _vmax(v_pages, np.asarray(table), kv_lens, vs), atol=2.0**-10, what="decode")
+    assert not np.any(as_f32(out)[-1]), "inactive row (kv_len 0) must be zero"
+
+
 def test_kernels_reject_unsupported_shapes():
     q = jnp.zeros((2, 4, 128), BF16)
     pool = jnp.zeros((4, 4, 16, 128), FP8)
@@ -403,7 +444,8 @@ def test_kernels_lower_at_other_page_sizes_and_configs():
         table = _SDS((8, 2048 // S), jnp.int32)
         dec = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE)
         _lower_for_h100(dec, _SDS((8, 32, 64), BF16), pool, pool, _SDS((8,), jnp.int32), table, _F32, _F32)
-        dec32 = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, tile_rows=32)
+        assert pm.decode_tile_plan(32, 32, 128 // S, S) == (32, 4)  # the default at B=32, 128 tokens
+        dec32 = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE)
         _lower_for_h100(dec32, _SDS((32, 32, 64), BF16), pool, pool, _SDS((32,), jnp.int32),
                         _SDS((32, 128 // S), jnp.int32), _F32, _F32)  # B=32 at 128 tokens
     pool = _SDS((1024, 32, 16, 64), FP8)
@@ -418,7 +460,7 @@ def test_kernels_lower_at_other_page_sizes_and_configs():
         # 128-key tiles: the default schedule (3 x 64 rows), 2 x 128 rows, 4 x 64 rows
         ({"block_k": 128}, 740), ({"wg_rows": 128, "block_k": 128, "registers": (216, 72)}, 740),
         ({"num_consumers": 4, "wg_rows": 64, "block_k": 128, "registers": (112, 32)}, 740),
-        ({"num_consumers": 4, "wg_rows": 64}, 2964),  # the multi-wave shape of KESTREL_JAX_PREFILL_WIDE=4x64
+        ({"num_consumers": 4, "wg_rows": 64}, 2964),  # the default multi-wave shape (four 64-row consumers)
     ]
     for kw, T in cases:
         pre = functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE, **kw)
@@ -483,24 +525,29 @@ def test_own_buffer_keeps_every_valid_value():
     np.testing.assert_array_equal(np.asarray(pm.own_buffer(bf, jnp.bfloat16), np.float32), [-2.0, 7.0])
 
 
-def test_prefill_schedule_by_size():
+def test_prefill_schedule_by_size(monkeypatch: pytest.MonkeyPatch):
     """64-row consumers (three, else four) where their blocks fit one wave of CTAs (a 740-token image
-    prefill: 4 x 32 = 128 CTAs), two 128-row ones past it, two 64-row ones for short prefills."""
+    prefill: 4 x 32 = 128 CTAs), the multi-wave shape past it (four 64-row consumers; two 128-row
+    ones with wide="2x128"), two 64-row ones for short prefills."""
+    monkeypatch.delenv("KESTREL_JAX_PREFILL_WIDE", raising=False)
     expect = {10: (2, 64), 128: (2, 64), 129: (3, 64), 740: (3, 64), 768: (3, 64), 800: (4, 64),
-              1024: (4, 64), 1025: (2, 128), 2048: (2, 128), 16 * 740: (2, 128)}
+              1024: (4, 64), 1025: (4, 64), 2048: (4, 64), 16 * 740: (4, 64)}
     for T, cfg in expect.items():
         assert pp.prefill_schedule(T, 32) == cfg, T
+        assert pp.prefill_schedule(T, 32, wide="2x128") == (cfg if T <= 1024 else (2, 128)), T
     assert pp.prefill_schedule(740, 32, num_sms=100) == (4, 64)  # fewer SMs: 3 x 64 would take two waves
-    assert pp.prefill_schedule(740, 32, num_sms=64) == (2, 128)  # neither 64-row shape fits one wave
+    assert pp.prefill_schedule(740, 32, num_sms=64, wide="2x128") == (2, 128)  # neither fits one wave
 
 
 def test_prefill_wide_shape_switch(monkeypatch: pytest.MonkeyPatch):
-    """KESTREL_JAX_PREFILL_WIDE picks the multi-wave shape (four 64-row consumers for an A/B in the
-    engine); one-wave sizes keep theirs; a value it does not know is refused."""
-    monkeypatch.setenv("KESTREL_JAX_PREFILL_WIDE", "4x64")
+    """KESTREL_JAX_PREFILL_WIDE picks the multi-wave shape (four 64-row consumers by default, two
+    128-row ones for an A/B); one-wave sizes keep theirs; a value it does not know is refused."""
+    monkeypatch.delenv("KESTREL_JAX_PREFILL_WIDE", raising=False)
     assert pp.prefill_schedule(16 * 740, 32) == (4, 64)
+    monkeypatch.setenv("KESTREL_JAX_PREFILL_WIDE", "2x128")
+    assert pp.prefill_schedule(16 * 740, 32) == (2, 128)
     assert pp.prefill_schedule(740, 32) == (3, 64) and pp.prefill_schedule(10, 32) == (2, 64)
-    assert pp.prefill_schedule(16 * 740, 32, wide="2x128") == (2, 128)
+    assert pp.prefill_schedule(16 * 740, 32, wide="4x64") == (4, 64)
     monkeypatch.setenv("KESTREL_JAX_PREFILL_WIDE", "8x32")
     with pytest.raises(ValueError, match="KESTREL_JAX_PREFILL_WIDE"):
         pp.prefill_schedule(16 * 740, 32)
