@@ -480,6 +480,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dec_variants: dict[str, dict[str, Any]] = {"kernel": {}, "splits=1": {"num_splits": 1},
                                                    "splits=2": {"num_splits": 2},
                                                    # 32-row tiles: one key row per thread (fewer registers)
+                                                   # the default picks 32-row tiles, four slots, for large
+                                                   # grids over short tables (`decode_tile_plan`)
+                                                   "t64": {"tile_rows": 64},
                                                    "t32": {"tile_rows": 32},
                                                    "t32,d4": {"tile_rows": 32, "depth": 4},
                                                    # fewer slots (less SMEM per CTA) at either tile size

@@ -23,7 +23,9 @@ which keeps the inner loop free of cross-warp traffic; the 64 row states are mer
 the end (the only cross-warp reduction). Only a sequence's last tile is masked. With
 splits > 1 the CTAs write (o, log2-sum-exp) partials and a small XLA fusion merges them.
 Defaults: splits only when B * Hkv < 132 (at most one CTA per SM), depth 8 when the grid is
-under two CTAs per SM, else 4 (both capped by the tiles a split can have).
+under two CTAs per SM, else 4 (both capped by the tiles a split can have); 32-row tiles (one key
+row per thread, 79 registers instead of 127) in a four-slot ring for large grids over page tables
+of at most 256 keys (`decode_tile_plan`: B=32 at 128 tokens 12.1 -> 11.8 us on an H200).
 
 Predicted H100 SXM times (HBM ~3.35 TB/s peak, ~3.0 TB/s copy; per-CTA fixed cost ~2-3 us:
 kv_len and page-table loads, first TMA round trip, final merge), FP8 pool, page 64, defaults:
@@ -238,7 +240,7 @@ def decode_attention_kernel(
     prefetch_late: bool = False,
     prefetch_expert_part: int = 1,
     partial_rows: int = 0,
-    tile_rows: int = _TILE,
+    tile_rows: int | None = None,
     interpret: bool = False,
     detect_races: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, H, D] in q.dtype; inactive rows are zero
@@ -253,8 +255,8 @@ def decode_attention_kernel(
     splits] f32; rows >= B unwritten), for a consumer that merges them itself
     (`gemv_mgpu.gemv_merged`). `tile_rows` (64 or 32): keys per load-ring tile; 32 holds one key
     row per thread instead of two (half the K, V and accumulator registers: more CTAs resident per
-    SM where registers limit them, e.g. 1,024 CTAs of two 64-row tiles at B=32 and 128 tokens, four
-    per SM at 127 registers), at twice the loop trips. Not yet timed (default 64). (Several KV heads
+    SM where registers limit them: 79 registers against 127), at twice the loop trips; None picks by
+    shape (`decode_tile_plan`). (Several KV heads
     of one sequence per CTA, on one load ring reduced head after head, were slower at every case
     on an H200, fortieth session, e.g. B=32 at 128 tokens 12.1 us at one head, 13.9 at two, 12.9 at
     four: built, measured and removed.)"""
@@ -269,9 +271,9 @@ def decode_attention_kernel(
     B, H, D = q.shape
     P, Hkv, S, _ = k_pages.shape
     g = H // Hkv
-    tile = tile_rows
-    if tile not in (32, 64):
-        raise ValueError(f"tile_rows must be 64 or 32 (two or one key rows per thread), got {tile}")
+    if tile_rows is not None and tile_rows not in (32, 64):
+        raise ValueError(f"tile_rows must be 64 or 32 (two or one key rows per thread), got {tile_rows}")
+    tile, depth = decode_tile_plan(B, Hkv, page_table.shape[1], S, num_splits, tile_rows, depth)
     page_table = _pad_page_table(page_table)
     maxp = page_table.shape[1]
     max_tiles = -(-maxp * S // tile)
@@ -421,6 +423,28 @@ def decode_attention_kernel(
     if unmerged:
         return outs[0], outs[1]
     return merge_splits(outs[0], outs[1], q.dtype)
+
+
+_SHORT_TABLE_ROWS = 256  # key rows a page table covers at most for `decode_tile_plan`'s 32-row tiles
+
+
+def decode_tile_plan(batch: int, n_kv_heads: int, max_pages: int, page_size: int, num_splits: int | None = None,
+                     tile_rows: int | None = None, depth: int | None = None) -> tuple[int, int | None]:
+    """(tile rows, depth or None for the kernel's default) for `decode_attention_kernel`. Unless
+    given: 32-row tiles in a four-slot ring where the grid needs no splits and fills two or more CTAs
+    per SM, and the page table covers at most 256 keys (before the kernel pads it); 64-row tiles
+    otherwise. H200, kernel alone, forty-first session (three runs): B=32 at 128 tokens 11.80-11.84
+    us against 12.08-12.12 for 64-row tiles (four slots, two of them used), 12.27-12.31 for 32-row
+    tiles at eight slots and 12.69-12.72 at two; 64-row tiles at two slots 12.08-12.10, so not the
+    SMEM per CTA. Longer tables keep 64-row tiles: 32-row ones at four slots were slower at B=4 and
+    740 tokens (9.1 against 7.3-7.4 us), B=64 at 896 (67.7-68.3 against 66.8-66.9) and B=64 at 2048
+    (150.0-151.0 against 148.9-149.0), and the same at B=8 and 512 (8.9 against 8.7-8.8)."""
+    if tile_rows is not None:
+        return tile_rows, depth
+    if (max_pages * page_size <= _SHORT_TABLE_ROWS and batch * n_kv_heads >= 2 * _NUM_SMS
+            and planned_splits(batch, n_kv_heads, max_pages, page_size, num_splits) == 1):
+        return 32, 4 if depth is None else depth
+    return _TILE, depth
 
 
 def planned_splits(batch: int, n_kv_heads: int, max_pages: int, page_size: int, num_splits: int | None = None,
