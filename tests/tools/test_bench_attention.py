@@ -37,8 +37,31 @@ def test_cpu_smoke_run_checks_every_kernel_against_its_reference(monkeypatch: py
             assert kern["exact"] is True, c
         else:  # FP8 pool, f32 accumulation: the kernel tests' bounds are 2^-10 of the values' scale
             assert kern["nan"] == 0 and kern["max_rel_err"] < 2.0**-6, c
+            lay = c["impls"]["layer"]  # the engine-like call: same kernel, same bound
+            assert "error" not in lay and lay["nan"] == 0 and lay["max_rel_err"] < 2.0**-6, c
 
 
 def test_unknown_prefill_variants_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit, match="--variants: unknown"):
         _main(monkeypatch, "--tune", "--tune-prefill-only", "--variants", "noskip;no-such-variant")
+
+
+def test_layer_pools_hold_each_rotations_pages_at_the_shared_table() -> None:
+    """Rotation i's pool holds, at the shared table's page ids, the pages that rotation's own table
+    points at (so every layer call reads the data the per-rotation call would)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    r, b, maxp, pad = 3, 2, 3, 4
+    pages = r * b * maxp + 1
+    k = jnp.asarray(rng.standard_normal((pages, 1, 2, 4)), jnp.float32)
+    v = k * 2
+    tables = np.zeros((r, b, pad), np.int32)
+    tables[:, :, :maxp] = rng.permutation(pages)[: r * b * maxp].reshape(r, b, maxp)
+    kps, vps, shared = bench_attention.layer_pools(rng, k, v, tables, maxp)
+    sh = np.asarray(shared)
+    assert sh.shape == (b, pad) and len(set(sh[:, :maxp].ravel())) == b * maxp
+    for i in range(r):
+        np.testing.assert_array_equal(np.asarray(kps[i])[sh[:, :maxp]], np.asarray(k)[tables[i, :, :maxp]])
+        np.testing.assert_array_equal(np.asarray(vps[i])[sh[:, :maxp]], np.asarray(v)[tables[i, :, :maxp]])
