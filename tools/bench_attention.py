@@ -530,15 +530,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                    "t32": {"tile_rows": 32},
                                                    "t32,d4": {"tile_rows": 32, "depth": 4},
                                                    # fewer slots (less SMEM per CTA) at either tile size
-                                                   "d2": {"depth": 2}, "t32,d2": {"tile_rows": 32, "depth": 2}}
+                                                   "d2": {"depth": 2}, "t32,d2": {"tile_rows": 32, "depth": 2},
+                                                   # 16-row tiles: 8 channels of one row per thread
+                                                   "t16": {"tile_rows": 16}, "t16,d8": {"tile_rows": 16, "depth": 8},
+                                                   "t16,d4": {"tile_rows": 16, "depth": 4}}
         # (Several KV heads per CTA on one load ring were slower at every case here in the fortieth
         # session: built, measured and removed; BENCHMARKS.md has the figures.)
         dec_cases = [(8, 512), (32, 128), (8, 64), (1, 740), (4, 740), (64, 2048), (128, 1024)]
         if args.decode_cases:  # "BxKV,BxKV,..."
             dec_cases = [(int(b), int(kv)) for b, kv in (c.split("x") for c in args.decode_cases.split(","))]
-        for b, kv in [] if args.tune_prefill_only else dec_cases * args.repeat:
-            emit(functools.partial(bench_decode, rng, b, kv, page, fp8, dec_variants, iters, cpu, kernel_kw, ks, vs),
-                 f"decode tune {b}x{kv}", optional=True)
         pre_variants: dict[str, dict[str, Any]] = {
             "kernel": {},  # defaults
             "old": {"pingpong": False, "acc_in_place": False},  # the third session's schedule
@@ -573,12 +573,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.tune_prefill_only:  # the defaults against the 64-row multi-consumer and 128-key-tile variants
             pre_variants = {k: v for k, v in pre_variants.items()
                             if k in ("kernel", "noskip") or "wg,R64" in k or "bk128" in k}
-        if args.variants:  # only these (and the defaults)
+        if args.variants:  # only these (and the defaults), decode and prefill names alike
             wanted = args.variants.split(";")
-            unknown = set(wanted) - set(pre_variants)
+            unknown = set(wanted) - set(pre_variants) - set(dec_variants)
             if unknown:
-                raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: {sorted(pre_variants)}")
+                raise SystemExit(f"--variants: unknown {sorted(unknown)}; known: prefill {sorted(pre_variants)}, "
+                                 f"decode {sorted(dec_variants)}")
             pre_variants = {k: v for k, v in pre_variants.items() if k == "kernel" or k in wanted}
+            dec_variants = {k: v for k, v in dec_variants.items() if k == "kernel" or k in wanted}
+        for b, kv in [] if args.tune_prefill_only else dec_cases * args.repeat:
+            emit(functools.partial(bench_decode, rng, b, kv, page, fp8, dec_variants, iters, cpu, kernel_kw, ks, vs),
+                 f"decode tune {b}x{kv}", optional=True)
         for label, ql, cached, prefix in pre_cases[:3] if args.tune_prefill or args.tune_prefill_only else []:
             emit(functools.partial(bench_prefill, rng, label, ql, cached, prefix, page, fp8, pre_variants, iters,
                                    cpu, kernel_kw, ks, vs), f"prefill tune {label}", optional=True)

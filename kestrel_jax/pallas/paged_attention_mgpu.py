@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +70,23 @@ _ROWS = plgpu.Layout.TILED(
 )
 _ROW = _ROWS.reduce(1)  # [rows]: one value per row (replicated over the row's 4 lanes)
 _CHAN = _ROWS.reduce(0)  # [64]: one value per channel
+# 16-row tiles (`tile_rows=16`): 4 warps x 4 lanes cover 16 rows, 8 lanes x 8 channels a row, so a
+# thread holds 8 channels of one row (half the registers of the 32-row layout; q.k reduces over 8
+# lanes).
+_ROWS16 = plgpu.Layout.TILED(
+    mgpu_fa.Tiling(((16, 64), (4, 64), (8,), (4,))),
+    warp_dims=(-6,),
+    lane_dims=(-4, -3),
+    vector_dim=-1,
+)
+_TILE_ROWS = (64, 32, 16)
+
+
+def _tile_layouts(tile: int) -> tuple[Any, Any, Any]:
+    """(tile [rows, 64], per-row [rows], per-channel [64]) register layouts for `tile` rows."""
+    if tile == 16:
+        return _ROWS16, _ROWS16.reduce(1), _ROWS16.reduce(0)
+    return _ROWS, _ROW, _CHAN
 
 
 def _interpret_params(interpret: bool, detect_races: bool) -> object:
@@ -253,10 +271,11 @@ def decode_attention_kernel(
     it changes the result. With `partial_rows` >= B and more than one split (`planned_splits`), the
     split partials are returned unmerged, (o [partial_rows, H, splits, D] f32, lse [partial_rows, H,
     splits] f32; rows >= B unwritten), for a consumer that merges them itself
-    (`gemv_mgpu.gemv_merged`). `tile_rows` (64 or 32): keys per load-ring tile; 32 holds one key
+    (`gemv_mgpu.gemv_merged`). `tile_rows` (64, 32 or 16): keys per load-ring tile; 32 holds one key
     row per thread instead of two (half the K, V and accumulator registers: more CTAs resident per
-    SM where registers limit them: 79 registers against 127), at twice the loop trips; None picks by
-    shape (`decode_tile_plan`). (Several KV heads
+    SM where registers limit them: 79 registers against 127), at twice the loop trips; 16 holds
+    half a row (8 channels) per thread in its own layout (`_ROWS16`), aiming under 64 registers
+    (eight CTAs per SM), not yet timed; None picks by shape (`decode_tile_plan`). (Several KV heads
     of one sequence per CTA, on one load ring reduced head after head, were slower at every case
     on an H200, fortieth session, e.g. B=32 at 128 tokens 12.1 us at one head, 13.9 at two, 12.9 at
     four: built, measured and removed.)"""
@@ -271,8 +290,9 @@ def decode_attention_kernel(
     B, H, D = q.shape
     P, Hkv, S, _ = k_pages.shape
     g = H // Hkv
-    if tile_rows is not None and tile_rows not in (32, 64):
-        raise ValueError(f"tile_rows must be 64 or 32 (two or one key rows per thread), got {tile_rows}")
+    if tile_rows is not None and tile_rows not in _TILE_ROWS:
+        raise ValueError(f"tile_rows must be 64, 32 or 16 (two or one key rows per thread, or half a row), "
+                         f"got {tile_rows}")
     tile, depth = decode_tile_plan(B, Hkv, page_table.shape[1], S, num_splits, tile_rows, depth)
     page_table = _pad_page_table(page_table)
     maxp = page_table.shape[1]
@@ -287,6 +307,7 @@ def decode_attention_kernel(
     copies = max(1, tile // S)  # TMA boxes per tile
     box = min(S, tile)  # rows per box
     fp8 = is_fp8(k_pages.dtype)
+    rows_l, row_l, chan_l = _tile_layouts(tile)
 
     if splits == 1:
         out_type: tuple[jax.ShapeDtypeStruct, ...] = (jax.ShapeDtypeStruct((B, H, D), q.dtype),)
@@ -330,7 +351,7 @@ def decode_attention_kernel(
 
         qs = []
         for j in range(g):
-            qv = plgpu.load(q_ref.at[b, h * g + j], layout=_CHAN, optimized=False).astype(jnp.float32)
+            qv = plgpu.load(q_ref.at[b, h * g + j], layout=chan_l, optimized=False).astype(jnp.float32)
             qs.append(lax.broadcast_in_dim(qv * q_mult, (tile, D), (1,)))
         plgpu.barrier_wait(pt_bar)
         for i in range(depth):
@@ -347,19 +368,19 @@ def decode_attention_kernel(
         if n_pf and not prefetch_late:  # behind this CTA's own first loads (its critical path)
             ask_l2()
 
-        row_ids = plgpu.broadcasted_iota(jnp.int32, (tile,), 0, layout=_ROW)
+        row_ids = plgpu.broadcasted_iota(jnp.int32, (tile,), 0, layout=row_l)
         init = tuple(
-            (plgpu.layout_cast(jnp.full((tile,), _NEG_INIT, jnp.float32), _ROW),
-             plgpu.layout_cast(jnp.full((tile,), 0.0, jnp.float32), _ROW),
-             plgpu.layout_cast(jnp.full((tile, D), 0.0, jnp.float32), _ROWS))
+            (plgpu.layout_cast(jnp.full((tile,), _NEG_INIT, jnp.float32), row_l),
+             plgpu.layout_cast(jnp.full((tile,), 0.0, jnp.float32), row_l),
+             plgpu.layout_cast(jnp.full((tile, D), 0.0, jnp.float32), rows_l))
             for _ in range(g)
         )
 
         def step(i, carry, masked: bool):
             slot = lax.rem(i, depth)
             plgpu.barrier_wait(bars.at[slot])
-            kt = plgpu.load(k_buf.at[slot], layout=_ROWS, optimized=False).astype(jnp.float32)
-            vt = plgpu.load(v_buf.at[slot], layout=_ROWS, optimized=False).astype(jnp.float32)
+            kt = plgpu.load(k_buf.at[slot], layout=rows_l, optimized=False).astype(jnp.float32)
+            vt = plgpu.load(v_buf.at[slot], layout=rows_l, optimized=False).astype(jnp.float32)
             if masked:
                 valid = row_ids + (first + i) * tile < n
                 # Rows past kv_len may hold anything (NaN in tests): select, never multiply, them away.

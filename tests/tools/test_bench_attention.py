@@ -1,6 +1,6 @@
 """tools/bench_attention.py on the CPU (--cpu-smoke: interpreted kernels at tiny shapes): the run
 checks each kernel against its jnp reference and times it beside the reference in XLA, writes
-one JSON case per (op, shape) and exits; `--variants` refuses prefill variant names it does not
+one JSON case per (op, shape) and exits; `--variants` refuses variant names it does not
 know. The script otherwise runs only on a GPU, where a broken option costs a device call."""
 
 from __future__ import annotations
@@ -65,3 +65,15 @@ def test_layer_pools_hold_each_rotations_pages_at_the_shared_table() -> None:
     for i in range(r):
         np.testing.assert_array_equal(np.asarray(kps[i])[sh[:, :maxp]], np.asarray(k)[tables[i, :, :maxp]])
         np.testing.assert_array_equal(np.asarray(vps[i])[sh[:, :maxp]], np.asarray(v)[tables[i, :, :maxp]])
+
+
+def test_tune_runs_only_the_decode_variants_asked_for(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`--tune --variants` keeps the defaults and the named decode variants (here 16-row tiles)."""
+    out = tmp_path / "tune.json"
+    _main(monkeypatch, "--tune", "--decode-cases", "2x40", "--variants", "t16", "--out", str(out))
+    cases = json.loads(out.read_text())["cases"]
+    assert [c["op"] for c in cases] == ["decode"]
+    impls = cases[0]["impls"]
+    assert sorted(impls) == ["kernel", "t16"], impls
+    for res in impls.values():
+        assert "error" not in res and res["nan"] == 0 and res["max_rel_err"] < 2.0**-6, impls
