@@ -443,7 +443,7 @@ def test_kernels_lower_at_other_page_sizes_and_configs():
     pre = functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE, num_consumers=3, registers=(144, 80))
     _lower_for_h100(pre, _SDS((740, 32, 64), BF16), pool, pool, _SDS((2,), jnp.int32),
                     _SDS((1,), jnp.int32), _SDS((1, 32), jnp.int32), _SDS((1,), jnp.int32), _F32, _F32)
-    for S in (16, 128):  # several boxes per 64-row tile / several tiles per page
+    for S in (16, 64, 128):  # several boxes per 64-row tile / one page a tile / several tiles per page
         pool = _SDS((1024, 32, S, 64), FP8)
         table = _SDS((8, 2048 // S), jnp.int32)
         dec = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE)
