@@ -238,6 +238,8 @@ def bench_decode(rng, b, kv, page, dtype, impls, iters, cpu, kernel_kw, ks, vs) 
                 prog = jax.jit(lambda kp, vp, t, q, n, f=f: tuple(f(q[i], kp, vp, n, t[i], ks, vs)
                                                                   for i in range(r)))
             t0 = time.time()
+            # (to stderr, where --ptxas-info's report of this compile follows it)
+            print(f"  decode {b}x{kv} {name}: compiling", file=sys.stderr, flush=True)
             outs = jax.block_until_ready(prog(*args))
             res = {"compile_s": round(time.time() - t0, 2)}
             if name != "xla_ref":
