@@ -525,10 +525,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # tried here on 2026-11-24: neither was faster; BENCHMARKS.md has the figures.)
         dec_variants: dict[str, dict[str, Any]] = {"kernel": {}, "splits=1": {"num_splits": 1},
                                                    "splits=2": {"num_splits": 2},
-                                                   # 32-row tiles: one key row per thread (fewer registers)
-                                                   # the default picks 32-row tiles, four slots, for large
-                                                   # grids over short tables (`decode_tile_plan`)
+                                                   # 64-row tiles always (the default picks 32-row tiles in a
+                                                   # four-slot ring for large grids over short tables:
+                                                   # `decode_tile_plan`)
                                                    "t64": {"tile_rows": 64},
+                                                   # 32-row tiles: one key row per thread (fewer registers)
                                                    "t32": {"tile_rows": 32},
                                                    "t32,d4": {"tile_rows": 32, "depth": 4},
                                                    # fewer slots (less SMEM per CTA) at either tile size
@@ -686,7 +687,7 @@ def main() -> None:
                    help="--tune: decode cases as 'BxKV,...' (default: issue 3's targets and a few more)")
     p.add_argument("--repeat", type=int, default=1, help="--tune: run the decode cases this many times")
     p.add_argument("--variants", default="",
-                   help="with --tune-prefill(-only): prefill variants to run besides the defaults, ';'-separated "
+                   help="with --tune: the decode and prefill variants to run besides the defaults, ';'-separated "
                         "(their labels contain commas)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, interpreted kernels, on the CPU")
     p.add_argument("--page", type=int, default=pa.DEFAULT_PAGE_SIZE, help="page size of the main grid")
