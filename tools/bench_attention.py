@@ -525,8 +525,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # tried here on 2026-11-24: neither was faster; BENCHMARKS.md has the figures.)
         dec_variants: dict[str, dict[str, Any]] = {"kernel": {}, "splits=1": {"num_splits": 1},
                                                    "splits=2": {"num_splits": 2},
-                                                   # 64-row tiles always (the default picks 32-row tiles in a
-                                                   # four-slot ring for large grids over short tables:
+                                                   # 64-row tiles always (the default picks 16-row tiles in an
+                                                   # eight-slot ring for large grids over short tables:
                                                    # `decode_tile_plan`)
                                                    "t64": {"tile_rows": 64},
                                                    # 32-row tiles: one key row per thread (fewer registers)

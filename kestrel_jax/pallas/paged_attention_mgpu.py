@@ -23,9 +23,9 @@ which keeps the inner loop free of cross-warp traffic; the 64 row states are mer
 the end (the only cross-warp reduction). Only a sequence's last tile is masked. With
 splits > 1 the CTAs write (o, log2-sum-exp) partials and a small XLA fusion merges them.
 Defaults: splits only when B * Hkv < 132 (at most one CTA per SM), depth 8 when the grid is
-under two CTAs per SM, else 4 (both capped by the tiles a split can have); 32-row tiles (one key
-row per thread, 79 registers instead of 127) in a four-slot ring for large grids over page tables
-of at most 256 keys (`decode_tile_plan`: B=32 at 128 tokens 12.1 -> 11.8 us on an H200).
+under two CTAs per SM, else 4 (both capped by the tiles a split can have); 16-row tiles (half a
+key row per thread, 55 registers instead of 127) in an eight-slot ring for large grids over page
+tables of at most 256 keys (`decode_tile_plan`: B=32 at 128 tokens 12.1 -> 9.9 us on an H200).
 
 Predicted H100 SXM times (HBM ~3.35 TB/s peak, ~3.0 TB/s copy; per-CTA fixed cost ~2-3 us:
 kv_len and page-table loads, first TMA round trip, final merge), FP8 pool, page 64, defaults:
@@ -274,8 +274,8 @@ def decode_attention_kernel(
     (`gemv_mgpu.gemv_merged`). `tile_rows` (64, 32 or 16): keys per load-ring tile; 32 holds one key
     row per thread instead of two (half the K, V and accumulator registers: more CTAs resident per
     SM where registers limit them: 79 registers against 127), at twice the loop trips; 16 holds
-    half a row (8 channels) per thread in its own layout (`_ROWS16`), aiming under 64 registers
-    (eight CTAs per SM), not yet timed; None picks by shape (`decode_tile_plan`). (Several KV heads
+    half a row (8 channels) per thread in its own layout (`_ROWS16`): 55 registers, eight CTAs per
+    SM; None picks by shape (`decode_tile_plan`). (Several KV heads
     of one sequence per CTA, on one load ring reduced head after head, were slower at every case
     on an H200, fortieth session, e.g. B=32 at 128 tokens 12.1 us at one head, 13.9 at two, 12.9 at
     four: built, measured and removed.)"""
@@ -446,25 +446,26 @@ def decode_attention_kernel(
     return merge_splits(outs[0], outs[1], q.dtype)
 
 
-_SHORT_TABLE_ROWS = 256  # key rows a page table covers at most for `decode_tile_plan`'s 32-row tiles
+_SHORT_TABLE_ROWS = 256  # key rows a page table covers at most for `decode_tile_plan`'s 16-row tiles
 
 
 def decode_tile_plan(batch: int, n_kv_heads: int, max_pages: int, page_size: int, num_splits: int | None = None,
                      tile_rows: int | None = None, depth: int | None = None) -> tuple[int, int | None]:
     """(tile rows, depth or None for the kernel's default) for `decode_attention_kernel`. Unless
-    given: 32-row tiles in a four-slot ring where the grid needs no splits and fills two or more CTAs
-    per SM, and the page table covers at most 256 keys (before the kernel pads it); 64-row tiles
-    otherwise. H200, kernel alone, forty-first session (three runs): B=32 at 128 tokens 11.80-11.84
-    us against 12.08-12.12 for 64-row tiles (four slots, two of them used), 12.27-12.31 for 32-row
-    tiles at eight slots and 12.69-12.72 at two; 64-row tiles at two slots 12.08-12.10, so not the
-    SMEM per CTA. Longer tables keep 64-row tiles: 32-row ones at four slots were slower at B=4 and
-    740 tokens (9.1 against 7.3-7.4 us), B=64 at 896 (67.7-68.3 against 66.8-66.9) and B=64 at 2048
-    (150.0-151.0 against 148.9-149.0), and the same at B=8 and 512 (8.9 against 8.7-8.8)."""
+    given: 16-row tiles in an eight-slot ring (128 keys in flight) where the grid needs no splits
+    and fills two or more CTAs per SM, and the page table covers at most 256 keys (before the
+    kernel pads it); 64-row tiles otherwise. H200, kernel alone, forty-second session (two runs):
+    B=32 at 128 tokens 9.9 us against 11.8 for 32-row tiles at four slots (the forty-first
+    session's plan) and 12.1 for 64-row tiles; ptxas: 55 registers against 79 and 119-127, so eight
+    CTAs fit per SM and the 1,024 CTAs run as one wave. Longer tables keep 64-row tiles: 16-row
+    ones were slower at B=8 and 512 tokens (10.8-11.5 against 8.8 us), B=4 and 740 (13.1-13.6
+    against 7.4), B=1 and 740 (4.9-5.2 against 4.1-4.2) and B=64 at 896 (79.6-85.8 against 66.6-66.9);
+    32-row tiles at four slots lost the same way in the forty-first session."""
     if tile_rows is not None:
         return tile_rows, depth
     if (max_pages * page_size <= _SHORT_TABLE_ROWS and batch * n_kv_heads >= 2 * _NUM_SMS
             and planned_splits(batch, n_kv_heads, max_pages, page_size, num_splits) == 1):
-        return 32, 4 if depth is None else depth
+        return 16, 8 if depth is None else depth
     return _TILE, depth
 
 

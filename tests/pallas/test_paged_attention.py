@@ -328,20 +328,20 @@ def test_decode_kernel_refuses_tile_rows_it_cannot_run():
 
 
 def test_decode_tile_plan():
-    """32-row tiles in a four-slot ring only for a large grid (two or more CTAs per SM, no splits)
+    """16-row tiles in an eight-slot ring only for a large grid (two or more CTAs per SM, no splits)
     over a short page table (<= 256 keys); given values are kept."""
     plan = pm.decode_tile_plan
-    assert plan(32, 32, 2, 64) == (32, 4)  # B=32 at 128 tokens: 1,024 CTAs
-    assert plan(32, 32, 16, 16) == (32, 4) and plan(64, 32, 4, 64) == (32, 4) and plan(32, 32, 1, 128) == (32, 4)
+    assert plan(32, 32, 2, 64) == (16, 8)  # B=32 at 128 tokens: 1,024 CTAs
+    assert plan(32, 32, 16, 16) == (16, 8) and plan(64, 32, 4, 64) == (16, 8) and plan(32, 32, 1, 128) == (16, 8)
     assert plan(32, 32, 5, 64) == (64, None) and plan(32, 32, 3, 128) == (64, None)  # 320 and 384 keys
     assert plan(8, 32, 2, 64) == (64, None)  # 256 CTAs: under two per SM
     assert plan(32, 32, 2, 64, num_splits=2) == (64, None)
     assert plan(32, 32, 2, 64, tile_rows=64) == (64, None) and plan(1, 32, 12, 64, tile_rows=32) == (32, None)
-    assert plan(32, 32, 2, 64, depth=2) == (32, 2)
+    assert plan(32, 32, 2, 64, depth=2) == (16, 2)
 
 
 def test_decode_kernel_default_plan_interpreted(monkeypatch: pytest.MonkeyPatch):
-    """The default plan's 32-row tiles, run interpreted against the reference: with the SM count the
+    """The default plan's 16-row tiles, run interpreted against the reference: with the SM count the
     plan sizes its grid by set to 2, six sequences of one KV head over a 64-key table are a large
     grid over a short table (lengths 1, page-1, page, page+1, a random one, an inactive row)."""
     monkeypatch.setattr(pm, "_NUM_SMS", 2)
@@ -362,7 +362,7 @@ def test_decode_kernel_default_plan_interpreted(monkeypatch: pytest.MonkeyPatch)
     lens = jnp.asarray(kv_lens)
     out = jax.jit(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, interpret=True))(
         q, k_pages, v_pages, lens, table, ks, vs)
-    assert chosen == [(32, 4)]
+    assert chosen == [(16, 8)]
     ref = pa.decode_attention_ref(q, k_pages, v_pages, lens, table, ks, vs, sm_scale=SM_SCALE)
     _check(out, ref, _vmax(v_pages, np.asarray(table), kv_lens, vs), atol=2.0**-10, what="decode")
     assert not np.any(as_f32(out)[-1]), "inactive row (kv_len 0) must be zero"
@@ -448,12 +448,12 @@ def test_kernels_lower_at_other_page_sizes_and_configs():
         table = _SDS((8, 2048 // S), jnp.int32)
         dec = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE)
         _lower_for_h100(dec, _SDS((8, 32, 64), BF16), pool, pool, _SDS((8,), jnp.int32), table, _F32, _F32)
-        assert pm.decode_tile_plan(32, 32, 128 // S, S) == (32, 4)  # the default at B=32, 128 tokens
-        dec32 = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE)
-        _lower_for_h100(dec32, _SDS((32, 32, 64), BF16), pool, pool, _SDS((32,), jnp.int32),
-                        _SDS((32, 128 // S), jnp.int32), _F32, _F32)  # B=32 at 128 tokens
-        dec16 = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, tile_rows=16)
+        assert pm.decode_tile_plan(32, 32, 128 // S, S) == (16, 8)  # the default at B=32, 128 tokens
+        dec16 = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE)
         _lower_for_h100(dec16, _SDS((32, 32, 64), BF16), pool, pool, _SDS((32,), jnp.int32),
+                        _SDS((32, 128 // S), jnp.int32), _F32, _F32)  # B=32 at 128 tokens
+        dec32 = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, tile_rows=32, depth=4)
+        _lower_for_h100(dec32, _SDS((32, 32, 64), BF16), pool, pool, _SDS((32,), jnp.int32),
                         _SDS((32, 128 // S), jnp.int32), _F32, _F32)
     pool = _SDS((1024, 32, 16, 64), FP8)
     pre = functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE)
