@@ -453,18 +453,23 @@ def decode_tile_plan(batch: int, n_kv_heads: int, max_pages: int, page_size: int
                      tile_rows: int | None = None, depth: int | None = None) -> tuple[int, int | None]:
     """(tile rows, depth or None for the kernel's default) for `decode_attention_kernel`. Unless
     given: 16-row tiles in an eight-slot ring (128 keys in flight) where the grid needs no splits
-    and fills two or more CTAs per SM, and the page table covers at most 256 keys (before the
-    kernel pads it); 64-row tiles otherwise. H200, kernel alone, forty-second session (two runs):
-    B=32 at 128 tokens 9.9 us against 11.8 for 32-row tiles at four slots (the forty-first
-    session's plan) and 12.1 for 64-row tiles; ptxas: 55 registers against 79 and 119-127, so eight
-    CTAs fit per SM and the 1,024 CTAs run as one wave. Longer tables keep 64-row tiles: 16-row
-    ones were slower at B=8 and 512 tokens (10.8-11.5 against 8.8 us), B=4 and 740 (13.1-13.6
-    against 7.4), B=1 and 740 (4.9-5.2 against 4.1-4.2) and B=64 at 896 (79.6-85.8 against 66.6-66.9);
-    32-row tiles at four slots lost the same way in the forty-first session."""
+    and the page table (before the kernel pads it) covers at most 128 keys, or at most 256 keys
+    with two to eight CTAs per SM; 64-row tiles otherwise. H200, kernel alone, forty-second session:
+    B=32 at 128 tokens 9.9 us (two runs) against 11.8 for 32-row tiles at four slots (the
+    forty-first session's plan) and 12.1 for 64-row tiles; ptxas: 55 registers against 79 and
+    119-127, so eight CTAs fit per SM and the 1,024 CTAs run as one wave. At 128 keys or fewer the
+    16-row tiles won at every grid timed (B=8 at 64 / 128 keys 3.3 / 4.8 against 3.8 / 5.2, B=16,
+    64, 128 at 128 keys 6.5 / 17.2 / 31.4 against 7.6 / 20.9 / 38.2); at 256 keys only from 512
+    to 1,024 CTAs (B=16 / 32: 9.3 / 15.6 against 10.0 / 16.0), not at 256 (B=8: 7.0 against 6.4)
+    or from 2,048 (B=64 / 128: 28.1 / 51.8 against 27.0 / 48.8). Longer tables keep 64-row tiles:
+    16-row ones were slower at B=8 and 512 tokens (10.8-11.5 against 8.8 us), B=4 and 740
+    (13.1-13.6 against 7.4), B=1 and 740 (4.9-5.2 against 4.1-4.2) and B=64 at 896 (79.6-85.8
+    against 66.6-66.9); 32-row tiles at four slots lost the same way in the forty-first session."""
     if tile_rows is not None:
         return tile_rows, depth
-    if (max_pages * page_size <= _SHORT_TABLE_ROWS and batch * n_kv_heads >= 2 * _NUM_SMS
-            and planned_splits(batch, n_kv_heads, max_pages, page_size, num_splits) == 1):
+    keys, ctas = max_pages * page_size, batch * n_kv_heads
+    short = keys <= _SHORT_TABLE_ROWS // 2 or (keys <= _SHORT_TABLE_ROWS and 2 * _NUM_SMS <= ctas <= 8 * _NUM_SMS)
+    if short and planned_splits(batch, n_kv_heads, max_pages, page_size, num_splits) == 1:
         return 16, 8 if depth is None else depth
     return _TILE, depth
 

@@ -328,13 +328,16 @@ def test_decode_kernel_refuses_tile_rows_it_cannot_run():
 
 
 def test_decode_tile_plan():
-    """16-row tiles in an eight-slot ring only for a large grid (two or more CTAs per SM, no splits)
-    over a short page table (<= 256 keys); given values are kept."""
+    """16-row tiles in an eight-slot ring only without splits over a short page table: <= 128 keys,
+    or <= 256 keys at two to eight CTAs per SM; given values are kept."""
     plan = pm.decode_tile_plan
     assert plan(32, 32, 2, 64) == (16, 8)  # B=32 at 128 tokens: 1,024 CTAs
-    assert plan(32, 32, 16, 16) == (16, 8) and plan(64, 32, 4, 64) == (16, 8) and plan(32, 32, 1, 128) == (16, 8)
+    assert plan(32, 32, 16, 16) == (16, 8) and plan(32, 32, 1, 128) == (16, 8) and plan(128, 32, 2, 64) == (16, 8)
+    assert plan(8, 32, 1, 64) == (16, 8) and plan(8, 32, 2, 64) == (16, 8)  # 256 CTAs at 64 / 128 keys
+    assert plan(16, 32, 4, 64) == (16, 8) and plan(32, 32, 4, 64) == (16, 8)  # 256 keys: 512 / 1,024 CTAs
+    assert plan(8, 32, 4, 64) == (64, None) and plan(64, 32, 4, 64) == (64, None)  # 256 keys: 256 / 2,048 CTAs
     assert plan(32, 32, 5, 64) == (64, None) and plan(32, 32, 3, 128) == (64, None)  # 320 and 384 keys
-    assert plan(8, 32, 2, 64) == (64, None)  # 256 CTAs: under two per SM
+    assert plan(1, 32, 2, 64) == (64, None) and plan(2, 32, 1, 64) == (64, None)  # small grids: splits
     assert plan(32, 32, 2, 64, num_splits=2) == (64, None)
     assert plan(32, 32, 2, 64, tile_rows=64) == (64, None) and plan(1, 32, 12, 64, tile_rows=32) == (32, None)
     assert plan(32, 32, 2, 64, depth=2) == (16, 2)
