@@ -24,8 +24,8 @@ the end (the only cross-warp reduction). Only a sequence's last tile is masked. 
 splits > 1 the CTAs write (o, log2-sum-exp) partials and a small XLA fusion merges them.
 Defaults: splits only when B * Hkv < 132 (at most one CTA per SM), depth 8 when the grid is
 under two CTAs per SM, else 4 (both capped by the tiles a split can have); 16-row tiles (half a
-key row per thread, 55 registers instead of 127) in an eight-slot ring for large grids over page
-tables of at most 256 keys (`decode_tile_plan`: B=32 at 128 tokens 12.1 -> 9.9 us on an H200).
+key row per thread, 55 registers instead of 127) in an eight-slot ring for unsplit grids over
+short page tables (`decode_tile_plan`: B=32 at 128 tokens 12.1 -> 9.9 us on an H200).
 
 Predicted H100 SXM times (HBM ~3.35 TB/s peak, ~3.0 TB/s copy; per-CTA fixed cost ~2-3 us:
 kv_len and page-table loads, first TMA round trip, final merge), FP8 pool, page 64, defaults:
@@ -275,10 +275,9 @@ def decode_attention_kernel(
     row per thread instead of two (half the K, V and accumulator registers: more CTAs resident per
     SM where registers limit them: 79 registers against 127), at twice the loop trips; 16 holds
     half a row (8 channels) per thread in its own layout (`_ROWS16`): 55 registers, eight CTAs per
-    SM; None picks by shape (`decode_tile_plan`). (Several KV heads
-    of one sequence per CTA, on one load ring reduced head after head, were slower at every case
-    on an H200, fortieth session, e.g. B=32 at 128 tokens 12.1 us at one head, 13.9 at two, 12.9 at
-    four: built, measured and removed.)"""
+    SM; None picks by shape (`decode_tile_plan`). (Several KV heads of one sequence per CTA, on one
+    load ring reduced head after head, were slower at every case on an H200, fortieth session, e.g.
+    B=32 at 128 tokens 12.1 us at one head, 13.9 at two, 12.9 at four: built, measured and removed.)"""
     check_pool(k_pages, v_pages)
     if not decode_attention_kernel_supported(q, k_pages, page_table):
         raise KVLayoutError(f"decode kernel does not support q {q.shape} {q.dtype}, pool {k_pages.shape} "
