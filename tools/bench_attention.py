@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark the paged-attention kernels (decode, prefill, KV write) on the GPU.
 
-    PYTHONPATH=. python3 tools/bench_attention.py --out $OUT/attention.json   # GPU, full (< 8 min)
+    PYTHONPATH=. python3 tools/bench_attention.py --out $OUT/attention.json   # GPU, the full grid
+    PYTHONPATH=. python3 tools/bench_attention.py --decode-cases 1x128,1x512 # GPU, a part of the grid
     PYTHONPATH=. python3 tools/bench_attention.py --quick                     # GPU, a few cases
     PYTHONPATH=. python3 tools/bench_attention.py --cpu-smoke                 # CPU, interpreted, tiny
     PYTHONPATH=. python3 tools/bench_attention.py --tune [--tune-prefill]     # GPU, kernel variants only
@@ -57,6 +58,17 @@ DIMS = {"h": 32, "hkv": 32}
 SM_SCALE = 0.125
 DECODE_B = [1, 4, 8, 32, 64, 128]
 DECODE_KV = [128, 512, 740, 1024, 2048, 4096]
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """'BxKV,BxKV,...' -> [(B, KV), ...]."""
+    try:
+        cases = [(int(b), int(kv)) for b, kv in (c.strip().split("x") for c in text.split(","))]
+    except ValueError:
+        raise SystemExit(f"--decode-cases: expected 'BxKV,BxKV,...' (e.g. 32x128,8x512), got {text!r}") from None
+    if any(b < 1 or kv < 1 for b, kv in cases):
+        raise SystemExit(f"--decode-cases: batch and KV length must be >= 1, got {text!r}")
+    return cases
+
+
 # Kestrel's published H100 figures (us per layer call), KERNELS.md section 3.
 TARGETS_US = {("decode", 1, 740): 9.6, ("decode", 4, 740): 17.1, ("decode", 8, 512): 10.0,
               ("decode", 32, 128): 11.8, ("prefill", 1, 740): 19.9, ("prefill", 1, 1024): 27.3,
@@ -512,6 +524,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dec_grid = [(1, 740), (4, 740), (8, 512), (32, 128), (64, 2048)]
     else:
         dec_grid = [(b, kv) for b in DECODE_B for kv in DECODE_KV]
+    if args.decode_cases and not args.tune:  # a part of the grid (e.g. one of several device calls)
+        dec_grid = parse_cases(args.decode_cases)
     if not cpu and not args.quick:
         pre_cases = [("image 740", [740], [0], [730]), ("image+prompt 1024", [1024], [0], [730]),
                      ("16 x image 740", [740] * 16, [0] * 16, [730] * 16),
@@ -540,8 +554,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # (Several KV heads per CTA on one load ring were slower at every case here in the fortieth
         # session: built, measured and removed; BENCHMARKS.md has the figures.)
         dec_cases = [(8, 512), (32, 128), (8, 64), (1, 740), (4, 740), (64, 2048), (128, 1024)]
-        if args.decode_cases:  # "BxKV,BxKV,..."
-            dec_cases = [(int(b), int(kv)) for b, kv in (c.split("x") for c in args.decode_cases.split(","))]
+        if args.decode_cases:
+            dec_cases = parse_cases(args.decode_cases)
         pre_variants: dict[str, dict[str, Any]] = {
             "kernel": {},  # defaults
             "old": {"pingpong": False, "acc_in_place": False},  # the third session's schedule
@@ -615,7 +629,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # 1. the issue's decode grid, prefill cases and KV writes (always)
     for b, kv in dec_grid:
-        impls: dict[str, dict[str, Any]] = {"kernel": {}, LAYER: {}, "xla_ref": {}}
+        impls: dict[str, dict[str, Any]] = {"kernel": {}, "xla_ref": {}}
+        if cpu or ("decode", b, kv) in TARGETS_US or (b, kv) == (64, 2048):  # the verdict's figure
+            impls = {"kernel": {}, LAYER: {}, "xla_ref": {}}
         if not cpu and (b, kv) in stock_at:
             impls["stock_bf16"] = {}
         emit(functools.partial(bench_decode, rng, b, kv, page, fp8, impls, iters, cpu, kernel_kw, ks, vs),
@@ -684,7 +700,8 @@ def main() -> None:
     p.add_argument("--tune-prefill-only", action="store_true",
                    help="with --tune: the prefill variants alone (defaults, 64-row multi-consumer, 128-key tiles)")
     p.add_argument("--decode-cases", default="",
-                   help="--tune: decode cases as 'BxKV,...' (default: issue 3's targets and a few more)")
+                   help="decode cases as 'BxKV,...': with --tune, the cases tuned (default: issue 3's targets "
+                        "and a few more); else the part of the B x KV grid to run (default: all of it)")
     p.add_argument("--repeat", type=int, default=1, help="--tune: run the decode cases this many times")
     p.add_argument("--variants", default="",
                    help="with --tune: the decode and prefill variants to run besides the defaults, ';'-separated "

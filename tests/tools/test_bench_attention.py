@@ -77,3 +77,18 @@ def test_tune_runs_only_the_decode_variants_asked_for(monkeypatch: pytest.Monkey
     assert sorted(impls) == ["kernel", "t16"], impls
     for res in impls.values():
         assert "error" not in res and res["nan"] == 0 and res["max_rel_err"] < 2.0**-6, impls
+
+
+def test_decode_cases_pick_the_part_of_the_grid_to_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Without --tune, --decode-cases replaces the decode grid (the full B x KV grid takes more than
+    one device call); the prefill and write cases still run. A malformed list is refused."""
+    out = tmp_path / "grid.json"
+    _main(monkeypatch, "--decode-cases", "1x24,3x17", "--out", str(out))
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["B"], c["KV"]) for c in cases if c["op"] == "decode"] == [(1, 24), (3, 17)]
+    assert {c["op"] for c in cases} == {"decode", "prefill", "write"}
+    for c in cases:
+        assert "error" not in c["impls"]["kernel"], c
+    with pytest.raises(SystemExit, match="--decode-cases"):
+        _main(monkeypatch, "--decode-cases", "1x24,3by17")
+    assert bench_attention.parse_cases("32x128, 8x512") == [(32, 128), (8, 512)]
