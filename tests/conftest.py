@@ -67,7 +67,6 @@ SLOW_FIRST = (
     "serving/test_vision_batches.py",
     "tools/test_benchmark.py",
     "tools/test_bench_attention.py",  # ~16 s: the interpreted kernels at tiny shapes (session 40)
-    "models/test_dense_decode_ln.py",  # ~22 s: two tiny runners' prefill and decode steps, twice
     "models/test_loader.py",
     "test_kv_scales.py",
     "models/test_decode_fusion.py",
