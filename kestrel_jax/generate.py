@@ -27,6 +27,7 @@ from kestrel_jax.models.region import coord_bin_to_value, size_bin_to_value
 from kestrel_jax.models.text import AttentionBatch, KVCache
 from kestrel_jax.pallas.paged_attention import init_kv_pool
 from kestrel_jax.pallas.sampling import SamplingParams, sample_reference
+from kestrel_jax.prompts import box_from_center
 
 
 class GenerationError(ValueError):
@@ -212,9 +213,11 @@ class ReferenceGenerator:
             logits_seen.append(step.logits)
             banned = suppress
 
-    def region_loop(self, seq: Sequence_, first: StepOut, *, boxes: bool, max_objects: int) -> tuple[
-            list[dict[str, float]], dict[str, list[Any]]]:
-        """Point/detect loop (MOONDREAM.md §7.4). Returns objects and a trace of the logits."""
+    def region_loop(self, seq: Sequence_, first: StepOut, *, boxes: bool, max_objects: int,
+                    clamp_boxes: bool = False) -> tuple[list[dict[str, float]], dict[str, list[Any]]]:
+        """Point/detect loop (MOONDREAM.md §7.4). Returns objects and a trace of the logits. Boxes
+        are the reference implementation's (unclamped) unless `clamp_boxes` (the engine's output:
+        `prompts.box_from_center`)."""
         tk = self.cfg.tokenizer
         region = self.model.region
         trace: dict[str, list[Any]] = {"hidden": [], "x": [], "y": [], "size": [], "next": [], "next_tok": []}
@@ -241,7 +244,7 @@ class ReferenceGenerator:
                 w = float(size_bin_to_value(jnp.argmax(sl[0])))
                 hh = float(size_bin_to_value(jnp.argmax(sl[1])))
                 st = self.feed(seq, self.size_embedding(w, hh), decode=True)
-                objects.append({"x_min": x - w / 2, "y_min": y - hh / 2, "x_max": x + w / 2, "y_max": y + hh / 2})
+                objects.append(box_from_center(x, y, w, hh, clamp=clamp_boxes))
             else:
                 objects.append({"x": x, "y": y})
             h, logits = st.hidden, st.logits

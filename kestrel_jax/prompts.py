@@ -26,6 +26,15 @@ CaptionLength = Literal["short", "normal", "long"]
 SpatialRef = Sequence[float] | Mapping[str, float]
 
 
+def box_from_center(x: float, y: float, w: float, h: float, *, clamp: bool = True) -> dict[str, float]:
+    """A detected object's box from its centre and size (MOONDREAM.md section 7.3): centre -+ size / 2.
+    The engine reports boxes clamped to [0, 1] of the image, as Kestrel does (a box may otherwise
+    reach past an edge); `clamp=False` keeps the reference implementation's unclamped values (the
+    golden parity checks). The model itself is fed the unclamped size either way."""
+    box = {"x_min": x - w / 2, "y_min": y - h / 2, "x_max": x + w / 2, "y_max": y + h / 2}
+    return {k: min(max(v, 0.0), 1.0) for k, v in box.items()} if clamp else box
+
+
 class PromptError(ValueError):
     """A prompt cannot be built from the given text, options or spatial references."""
 

@@ -132,7 +132,7 @@ class ReferenceMoondream:
             raise GenerationError(f"max_objects must be >= 1, got {limit}")
         seq, first, metrics = self._start(image, prompt)
         t0 = time.perf_counter()
-        objects, trace = self.gen.region_loop(seq, first, boxes=boxes, max_objects=limit)
+        objects, trace = self.gen.region_loop(seq, first, boxes=boxes, max_objects=limit, clamp_boxes=True)
         metrics["decode_s"] = time.perf_counter() - t0
         reason = "stop" if trace["next_tok"] and trace["next_tok"][-1] == self.cfg.tokenizer.eos_id else "length"
         if not objects:

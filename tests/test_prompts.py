@@ -21,6 +21,7 @@ from kestrel_jax.prompts import (
     Prompt,
     PromptError,
     SpatialRef,
+    box_from_center,
     caption_prompt,
     default_query_reasoning,
     detect_prompt,
@@ -228,3 +229,14 @@ def test_prompt_is_frozen_and_with_real_tokenizer():
     assert tok.decode(body) == "How many dogs are there?"
     d = detect_prompt(cfg, tok.encode, "red car")
     assert tok.decode(d.ids[len(cfg.tokenizer.templates.detect_prefix): -1]) == " red car"
+
+
+def test_box_from_center_clamps_to_the_image_unless_asked_not_to():
+    """Centre -+ size / 2; the engine's boxes are clamped to [0, 1] (Kestrel's output), the
+    reference's are not (the golden parity checks compare those)."""
+    inside = box_from_center(0.5, 0.25, 0.5, 0.25)
+    assert inside == {"x_min": 0.25, "y_min": 0.125, "x_max": 0.75, "y_max": 0.375}
+    assert box_from_center(0.5, 0.25, 0.5, 0.25, clamp=False) == inside
+    past = box_from_center(0.9, 0.1, 0.5, 0.5, clamp=False)
+    assert past == {"x_min": 0.65, "y_min": -0.15, "x_max": 1.15, "y_max": 0.35}
+    assert box_from_center(0.9, 0.1, 0.5, 0.5) == {"x_min": 0.65, "y_min": 0.0, "x_max": 1.0, "y_max": 0.35}

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kestrel_jax.models.config import MoondreamConfig
-from kestrel_jax.prompts import Prompt
+from kestrel_jax.prompts import Prompt, box_from_center
 from kestrel_jax.serving.batch import RowSpec
 
 Skill = Literal["caption", "query", "detect", "point"]
@@ -254,7 +254,7 @@ class Job:
         # size
         x, y = self.pending_xy
         w, h = out.size
-        self.objects.append({"x_min": x - w / 2, "y_min": y - h / 2, "x_max": x + w / 2, "y_max": y + h / 2})
+        self.objects.append(box_from_center(x, y, w, h))
         self.next_kind, self.next_value, self.phase = IN_SIZE, (w, h), "decide"
         return False
 

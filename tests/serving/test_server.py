@@ -116,6 +116,7 @@ def test_every_endpoint_shape(engine: InferenceEngine) -> None:
     assert len(out["detect"][1]["objects"]) <= 2 and len(out["point"][1]["points"]) <= 2
     for box in out["detect"][1]["objects"]:
         assert set(box) == {"x_min", "y_min", "x_max", "y_max"}
+        assert all(0.0 <= v <= 1.0 for v in box.values()), box  # clamped to the image, as Kestrel's
     for pt in out["point"][1]["points"]:
         assert set(pt) == {"x", "y"}
     _leak_free(engine)
