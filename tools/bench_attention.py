@@ -58,17 +58,6 @@ DIMS = {"h": 32, "hkv": 32}
 SM_SCALE = 0.125
 DECODE_B = [1, 4, 8, 32, 64, 128]
 DECODE_KV = [128, 512, 740, 1024, 2048, 4096]
-def parse_cases(text: str) -> list[tuple[int, int]]:
-    """'BxKV,BxKV,...' -> [(B, KV), ...]."""
-    try:
-        cases = [(int(b), int(kv)) for b, kv in (c.strip().split("x") for c in text.split(","))]
-    except ValueError:
-        raise SystemExit(f"--decode-cases: expected 'BxKV,BxKV,...' (e.g. 32x128,8x512), got {text!r}") from None
-    if any(b < 1 or kv < 1 for b, kv in cases):
-        raise SystemExit(f"--decode-cases: batch and KV length must be >= 1, got {text!r}")
-    return cases
-
-
 # Kestrel's published H100 figures (us per layer call), KERNELS.md section 3.
 TARGETS_US = {("decode", 1, 740): 9.6, ("decode", 4, 740): 17.1, ("decode", 8, 512): 10.0,
               ("decode", 32, 128): 11.8, ("prefill", 1, 740): 19.9, ("prefill", 1, 1024): 27.3,
@@ -208,6 +197,17 @@ def layer_pools(rng: np.random.Generator, k_pages: jax.Array, v_pages: jax.Array
 
 
 LAYER = "layer"  # impl name: the kernel as the engine's layers call it (see `layer_pools`)
+
+
+def parse_cases(text: str) -> list[tuple[int, int]]:
+    """--decode-cases: 'BxKV,BxKV,...' -> [(B, KV), ...]."""
+    try:
+        cases = [(int(b), int(kv)) for b, kv in (c.strip().split("x") for c in text.split(","))]
+    except ValueError:
+        raise SystemExit(f"--decode-cases: expected 'BxKV,BxKV,...' (e.g. 32x128,8x512), got {text!r}") from None
+    if any(b < 1 or kv < 1 for b, kv in cases):
+        raise SystemExit(f"--decode-cases: batch and KV length must be >= 1, got {text!r}")
+    return cases
 
 
 # ------------------------------------------------------------------------------ decode
@@ -543,11 +543,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                    # eight-slot ring for large grids over short tables:
                                                    # `decode_tile_plan`)
                                                    "t64": {"tile_rows": 64},
-                                                   # 32-row tiles: one key row per thread (fewer registers)
-                                                   "t32": {"tile_rows": 32},
-                                                   "t32,d4": {"tile_rows": 32, "depth": 4},
-                                                   # fewer slots (less SMEM per CTA) at either tile size
-                                                   "d2": {"depth": 2}, "t32,d2": {"tile_rows": 32, "depth": 2},
+                                                   # fewer slots (less SMEM per CTA)
+                                                   "d2": {"depth": 2},
                                                    # 16-row tiles: 8 channels of one row per thread
                                                    "t16": {"tile_rows": 16}, "t16,d8": {"tile_rows": 16, "depth": 8},
                                                    "t16,d4": {"tile_rows": 16, "depth": 4}}

@@ -71,22 +71,20 @@ _ROWS = plgpu.Layout.TILED(
 _ROW = _ROWS.reduce(1)  # [rows]: one value per row (replicated over the row's 4 lanes)
 _CHAN = _ROWS.reduce(0)  # [64]: one value per channel
 # 16-row tiles (`tile_rows=16`): 4 warps x 4 lanes cover 16 rows, 8 lanes x 8 channels a row, so a
-# thread holds 8 channels of one row (half the registers of the 32-row layout; q.k reduces over 8
-# lanes).
+# thread holds 8 channels of one row (a quarter of `_ROWS`' 16 channels of two rows; q.k reduces
+# over 8 lanes).
 _ROWS16 = plgpu.Layout.TILED(
     mgpu_fa.Tiling(((16, 64), (4, 64), (8,), (4,))),
     warp_dims=(-6,),
     lane_dims=(-4, -3),
     vector_dim=-1,
 )
-_TILE_ROWS = (64, 32, 16)
+_TILE_ROWS = (64, 16)
 
 
 def _tile_layouts(tile: int) -> tuple[Any, Any, Any]:
     """(tile [rows, 64], per-row [rows], per-channel [64]) register layouts for `tile` rows."""
-    if tile == 16:
-        return _ROWS16, _ROWS16.reduce(1), _ROWS16.reduce(0)
-    return _ROWS, _ROW, _CHAN
+    return (_ROWS16, _ROWS16.reduce(1), _ROWS16.reduce(0)) if tile == 16 else (_ROWS, _ROW, _CHAN)
 
 
 def _interpret_params(interpret: bool, detect_races: bool) -> object:
@@ -271,11 +269,12 @@ def decode_attention_kernel(
     it changes the result. With `partial_rows` >= B and more than one split (`planned_splits`), the
     split partials are returned unmerged, (o [partial_rows, H, splits, D] f32, lse [partial_rows, H,
     splits] f32; rows >= B unwritten), for a consumer that merges them itself
-    (`gemv_mgpu.gemv_merged`). `tile_rows` (64, 32 or 16): keys per load-ring tile; 32 holds one key
-    row per thread instead of two (half the K, V and accumulator registers: more CTAs resident per
-    SM where registers limit them: 79 registers against 127), at twice the loop trips; 16 holds
-    half a row (8 channels) per thread in its own layout (`_ROWS16`): 55 registers, eight CTAs per
-    SM; None picks by shape (`decode_tile_plan`). (Several KV heads of one sequence per CTA, on one
+    (`gemv_mgpu.gemv_merged`). `tile_rows` (64 or 16): keys per load-ring tile; 16 holds half a key
+    row (8 channels) per thread in its own layout (`_ROWS16`) instead of two rows: 55 registers
+    against 119-127, eight CTAs per SM, at four times the loop trips; None picks by shape
+    (`decode_tile_plan`). (32-row tiles, one key row per thread at 79 registers, were slower than
+    one of the two at every case timed on an H200, forty-first and forty-second sessions: built,
+    measured and removed.) (Several KV heads of one sequence per CTA, on one
     load ring reduced head after head, were slower at every case on an H200, fortieth session, e.g.
     B=32 at 128 tokens 12.1 us at one head, 13.9 at two, 12.9 at four: built, measured and removed.)"""
     check_pool(k_pages, v_pages)
@@ -290,8 +289,7 @@ def decode_attention_kernel(
     P, Hkv, S, _ = k_pages.shape
     g = H // Hkv
     if tile_rows is not None and tile_rows not in _TILE_ROWS:
-        raise ValueError(f"tile_rows must be 64, 32 or 16 (two or one key rows per thread, or half a row), "
-                         f"got {tile_rows}")
+        raise ValueError(f"tile_rows must be 64 or 16 (two key rows per thread, or half a row), got {tile_rows}")
     tile, depth = decode_tile_plan(B, Hkv, page_table.shape[1], S, num_splits, tile_rows, depth)
     page_table = _pad_page_table(page_table)
     maxp = page_table.shape[1]
@@ -463,7 +461,7 @@ def decode_tile_plan(batch: int, n_kv_heads: int, max_pages: int, page_size: int
     or from 2,048 (B=64 / 128: 28.1 / 51.8 against 27.0 / 48.8). Longer tables keep 64-row tiles:
     16-row ones were slower at B=8 and 512 tokens (10.8-11.5 against 8.8 us), B=4 and 740
     (13.1-13.6 against 7.4), B=1 and 740 (4.9-5.2 against 4.1-4.2) and B=64 at 896 (79.6-85.8
-    against 66.6-66.9); 32-row tiles at four slots lost the same way in the forty-first session."""
+    against 66.6-66.9)."""
     if tile_rows is not None:
         return tile_rows, depth
     keys, ctas = max_pages * page_size, batch * n_kv_heads

@@ -170,12 +170,12 @@ def test_write_kernel_interpreted(dtype):
 @pytest.mark.parametrize(
     "dtype,page,splits,group,n_kv,tile_rows",
     [(FP8, 16, 1, 1, 1, 64), (FP8, 64, 3, 1, 1, 64), (BF16, 32, 2, 2, 1, 64),
-     # 32-row tiles: one key row per thread; half a page per tile at page 64, two pages at 16
-     (FP8, 64, 3, 1, 1, 32), (FP8, 16, 1, 1, 2, 32), (BF16, 32, 2, 2, 1, 32),
+     # two KV heads (each case names its tile size: over these short tables the plan would pick 16)
+     (FP8, 16, 1, 1, 2, 64),
      # 16-row tiles: half a key row per thread in their own layout; a page of 8 is half a tile
      (FP8, 64, 3, 1, 1, 16), (FP8, 8, 1, 1, 2, 16), (BF16, 16, 2, 2, 1, 16)],
     ids=["fp8-p16-nosplit", "fp8-p64-split3", "bf16-p32-split2-gqa2",
-         "fp8-p64-split3-t32", "fp8-p16-2kv-t32", "bf16-p32-split2-gqa2-t32",
+         "fp8-p16-2kv-nosplit",
          "fp8-p64-split3-t16", "fp8-p8-2kv-t16", "bf16-p16-split2-gqa2-t16"],
 )
 def test_decode_kernel_interpreted(dtype, page, splits, group, n_kv, tile_rows):
@@ -188,9 +188,8 @@ def test_decode_kernel_interpreted(dtype, page, splits, group, n_kv, tile_rows):
                                                  max_pages, B)
     q = jnp.asarray(rng.standard_normal((B, n_kv * group, 64)), BF16)
     lens = jnp.asarray(kv_lens)
-    kw: dict[str, Any] = {"tile_rows": tile_rows} if tile_rows != 64 else {}
     f = jax.jit(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, num_splits=splits,
-                                  interpret=True, **kw))
+                                  tile_rows=tile_rows, interpret=True))
     out = f(q, k_pages, v_pages, lens, table, ks, vs)
     ref = pa.decode_attention_ref(q, k_pages, v_pages, lens, table, ks, vs, sm_scale=SM_SCALE)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -320,10 +319,10 @@ def test_prefill_kernel_interpreted(dtype, page, group, segs, pad, consumers, ra
 def test_decode_kernel_refuses_tile_rows_it_cannot_run():
     pool = _SDS((16, 4, 16, 64), FP8)
     args = (_SDS((2, 4, 64), BF16), pool, pool, _SDS((2,), jnp.int32), _SDS((2, 4), jnp.int32), _F32, _F32)
-    for rows in (8, 48, 128):
+    for rows in (8, 32, 48, 128):
         with pytest.raises(ValueError, match="tile_rows"):
             jax.eval_shape(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, tile_rows=rows), *args)
-    for rows in (16, 32):
+    for rows in (16, 64):
         jax.eval_shape(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, tile_rows=rows), *args)
 
 
@@ -339,7 +338,7 @@ def test_decode_tile_plan():
     assert plan(32, 32, 5, 64) == (64, None) and plan(32, 32, 3, 128) == (64, None)  # 320 and 384 keys
     assert plan(1, 32, 2, 64) == (64, None) and plan(2, 32, 1, 64) == (64, None)  # small grids: splits
     assert plan(32, 32, 2, 64, num_splits=2) == (64, None)
-    assert plan(32, 32, 2, 64, tile_rows=64) == (64, None) and plan(1, 32, 12, 64, tile_rows=32) == (32, None)
+    assert plan(32, 32, 2, 64, tile_rows=64) == (64, None) and plan(1, 32, 12, 64, tile_rows=16) == (16, None)
     assert plan(32, 32, 2, 64, depth=2) == (16, 2)
 
 
@@ -455,8 +454,8 @@ def test_kernels_lower_at_other_page_sizes_and_configs():
         dec16 = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE)
         _lower_for_h100(dec16, _SDS((32, 32, 64), BF16), pool, pool, _SDS((32,), jnp.int32),
                         _SDS((32, 128 // S), jnp.int32), _F32, _F32)  # B=32 at 128 tokens
-        dec32 = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, tile_rows=32, depth=4)
-        _lower_for_h100(dec32, _SDS((32, 32, 64), BF16), pool, pool, _SDS((32,), jnp.int32),
+        dec64 = functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, tile_rows=64)
+        _lower_for_h100(dec64, _SDS((32, 32, 64), BF16), pool, pool, _SDS((32,), jnp.int32),
                         _SDS((32, 128 // S), jnp.int32), _F32, _F32)
     pool = _SDS((1024, 32, 16, 64), FP8)
     pre = functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE)
