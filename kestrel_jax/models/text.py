@@ -457,8 +457,6 @@ class TextModel(nnx.Module):
         n16_next: jax.Array | None = None  # and its f16 copy, where that kernel formed one
         # prefill and mixed steps: `ops.residual_layer_norm` (captures keep the jnp expressions)
         block_ln = batch.cu_q_lens is not None and not capture
-        # decode steps, opt-in: a dense block's LayerNorm in that launch too (no addends)
-        dense_ln = batch.cu_q_lens is None and not capture and ops.dense_decode_layer_norm_wanted()
         for i, block in enumerate(self.blocks):
             aux: dict[str, jax.Array] | None = {} if capture else None
             if aux is not None:
@@ -476,7 +474,7 @@ class TextModel(nnx.Module):
                     # recomputing earlier layers' residual adds inside this layer's (H100: with the
                     # kernel and no barrier, each residual fusion took ~1.5 us longer).
                     x = jax.lax.optimization_barrier(x)
-            if n_next is None and (block_ln or (dense_ln and not moe)):  # the first block of a step
+            if n_next is None and block_ln:  # the first block of a prefill or mixed step
                 _, n_next = ops.residual_layer_norm(x, (), block.ln.scale[...], block.ln.bias[...], eps=block.ln.eps)
             n = block.ln(x) if n_next is None else n_next  # [T or pad_rows, D]
             n_next = None
@@ -515,7 +513,6 @@ class TextModel(nnx.Module):
                 m = combine_rows(rows, t, x.dtype)
             elif out_joined and dense_in is not None:  # `a`: attention's output before its projection
                 x = x + block.dense_decode_out(a, dense_in[1])
-                n_next = self._dense_decode_ln(x, nxt_block, ln_kernel) if dense_ln else None
                 continue
             elif dense_in is not None and isinstance(block.mlp, MLP):  # MLP.__call__ from its fc1 product
                 m = block.mlp.fc2(gelu_tanh(dense_in[1]))
@@ -528,22 +525,10 @@ class TextModel(nnx.Module):
                                                     eps=nxt_block.ln.eps)
             else:
                 x = (x + a) + m
-                if dense_ln:
-                    n_next = self._dense_decode_ln(x, nxt_block, ln_kernel)
             if aux is not None:
                 captured.append(aux)
         new_cache = KVCache(tuple(ks), tuple(vs), cache.k_scale, cache.v_scale)
         return x, new_cache, captured
-
-    @staticmethod
-    def _dense_decode_ln(x: jax.Array, nxt: Block | None, moe_ln_kernel: bool) -> jax.Array | None:
-        """LN(x) for the next block in `ops.residual_layer_norm`'s launch, where the decode step
-        would otherwise run `nxt.ln(x)` in XLA: a next block that is dense, or an MoE block without
-        its own LayerNorm kernel (`ops.decode_moe_layer_norm`, up to the QKV kernel's rows). None
-        after the last block."""
-        if nxt is None or (isinstance(nxt.mlp, MoE) and moe_ln_kernel):
-            return None
-        return ops.residual_layer_norm(x, (), nxt.ln.scale[...], nxt.ln.bias[...], eps=nxt.ln.eps)[1]
 
     @staticmethod
     def _dense_input(n: jax.Array, batch: AttentionBatch) -> jax.Array:

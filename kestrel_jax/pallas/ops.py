@@ -403,16 +403,6 @@ def linear_gelu(x: jax.Array, fc1: Linear) -> jax.Array:
     return gelu_tanh(fc1(x))
 
 
-def dense_decode_layer_norm_wanted() -> bool:
-    """Whether decode steps form the LayerNorm of a dense block (MD2's every block, MD3's first
-    four) with `residual_layer_norm`'s one launch (`layer_norm_blocks`, no addends: XLA keeps the
-    residual fusion that sums the projections' split-K partials) instead of XLA's two (statistics,
-    normalisation): KESTREL_JAX_DENSE_DECODE_LN=1, read at trace time. Off by default until timed:
-    the MD2 64-row decode step spent 1.5 + 1.7 us per layer in XLA's pair (H200, thirty-sixth
-    session), the MoE layers' decode LayerNorm kernel takes ~1.6."""
-    return flag("KESTREL_JAX_DENSE_DECODE_LN", False)
-
-
 def residual_layer_norm_wanted() -> bool:
     """Whether a decode MoE layer followed by another forms its residual in the next layer's
     LayerNorm launch (`decode_residual_layer_norm`): KESTREL_JAX_RESIDUAL_LN=1, read at trace time.

@@ -4,8 +4,7 @@ runner's decode steps give the same outputs as with the separate weights (the in
 columns are the two GEMMs' columns: bit-identical; the output product rounds the sum of its two
 terms once: within bf16 rounding, the same tokens; a one-row step keeps the separate products), the
 joined weights are the separate ones side by side / stacked, MoE layers get none, prefill keeps the
-separate ones, runners started at once on one model all get them, and a bad setting is refused.
-Also the dense blocks' decode LayerNorm in one kernel launch (KESTREL_JAX_DENSE_DECODE_LN, the end)."""
+separate ones, runners started at once on one model all get them, and a bad setting is refused."""
 
 from __future__ import annotations
 
@@ -21,8 +20,6 @@ from kestrel_jax.models.config import tiny_config
 from kestrel_jax.models.layers import gelu_tanh
 from kestrel_jax.models.moondream import random_model
 from kestrel_jax.models.text import MLP
-from kestrel_jax.pallas import layer_norm_blocks as L
-from kestrel_jax.pallas import ops
 from kestrel_jax.serving import batch as bt
 from kestrel_jax.serving.runner import Runner, RunnerConfig
 
@@ -169,6 +166,7 @@ def test_decode_qkv_kernel_reads_the_joined_product(monkeypatch: pytest.MonkeyPa
     on jnp) reads the QKV columns of the joined product in place of their slice; the steps' outputs
     are those of the jnp path within bf16 rounding (the kernel rounds as the jnp path does, but
     its sin/cos and the KV write differ in the last bits), the sampled tokens equal."""
+    from kestrel_jax.pallas import ops
     from kestrel_jax.pallas import qkv_epilogue as qe
 
     ref, _ = _steps("md2", "on")
@@ -216,75 +214,3 @@ def test_bad_setting_is_refused():
     with pytest.raises(ValueError, match="fused_dense_decode must be auto, on or off"):
         Runner(model, RunnerConfig(num_pages=16, max_seq_len=128, page_size=PAGE, vision_buckets=(2,),
                                    fused_dense_decode="yes"), out_rows=8)
-
-
-# KESTREL_JAX_DENSE_DECODE_LN=1: decode steps form a dense block's LayerNorm in the residual +
-# LayerNorm kernel's launch (`ops.residual_layer_norm` with no addends, interpreted here) instead of
-# XLA's two. Each dense block's LayerNorm (and an MoE block's, where the MoE LayerNorm kernel does
-# not take it) goes through it once per trace of a decode step; the steps' outputs are those of the
-# jnp path within bf16 rounding (the kernel reduces the statistics in another order), the sampled
-# tokens equal; with the switch off nothing goes through it at decode.
-DEC_ROWS = 2  # the decode bucket of `_steps`; its prefill step has 32 token rows
-
-
-def _record(monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple[int, int]], list[int]]:
-    """(rows, addends) of every `ops.residual_layer_norm` call traced, and the rows of each kernel
-    run: the decode-sized calls run the kernel, interpreted."""
-    calls: list[tuple[int, int]] = []
-    runs: list[int] = []
-    original = ops.residual_layer_norm
-
-    def interpreted(fn: Any, static: tuple[str, ...] = ()) -> Any:
-        def run(x: jax.Array, *args: Any, **kwargs: Any) -> Any:
-            runs.append(x.shape[0])
-            return fn(x, *args, interpret=True, **kwargs)
-        return run
-
-    def recorded(x: jax.Array, adds: tuple[jax.Array, ...], *args: Any, **kwargs: Any) -> Any:
-        calls.append((x.shape[0], len(adds)))
-        if x.shape[0] != DEC_ROWS:
-            return original(x, adds, *args, **kwargs)
-        with ops.use_backend("kernel"), monkeypatch.context() as m:
-            m.setattr(ops, "_jitted", interpreted)
-            return original(x, adds, *args, **kwargs)
-
-    monkeypatch.setattr(ops, "residual_layer_norm", recorded)
-    return calls, runs
-
-
-@pytest.mark.parametrize("family", ["md2", "md3"])
-def test_dense_decode_layer_norms_in_the_kernel(family: Literal["md2", "md3"], monkeypatch: pytest.MonkeyPatch):
-    calls, runs = _record(monkeypatch)
-    ref, _ = _steps(family, "on")
-    assert not [c for c in calls if c[0] == DEC_ROWS] and not runs, "off by default: decode keeps XLA's LayerNorm"
-    calls.clear()
-    monkeypatch.setenv("KESTREL_JAX_DENSE_DECODE_LN", "1")
-    got, _ = _steps(family, "on")
-    decode = [c for c in calls if c[0] == DEC_ROWS]
-    # per decode trace: tiny MD2's four dense blocks' LayerNorms; tiny MD3's two dense blocks' (the
-    # first MoE block's LayerNorm is the MoE LayerNorm kernel's, up to the QKV kernel's rows)
-    per_trace = 4 if family == "md2" else 2
-    assert decode and len(decode) % per_trace == 0 and set(decode) == {(DEC_ROWS, 0)}, decode
-    assert runs == [DEC_ROWS] * len(decode)  # each of them in the kernel
-    for x, y in zip(got[:4], ref[:4], strict=True):
-        np.testing.assert_array_equal(x[:, 0], y[:, 0])  # sampled tokens
-        np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
-    for x, y in zip(got[4:], ref[4:], strict=True):
-        np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
-
-
-def test_dense_decode_layer_norm_lowers_at_decode_shapes():
-    """The kernel (no addends) at MD2 / MD3 decode shapes, 1 and 64 rows, for the GPU."""
-    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
-
-    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-    sds = jax.ShapeDtypeStruct
-    for T in (1, 64):
-        def f(x, s, b):
-            return L.residual_layer_norm_blocks_kernel(x, (), s, b, eps=1e-5, block_rows=L.default_block_rows(2048))
-
-        with jax.sharding.use_abstract_mesh(mesh):
-            text = jax.jit(f).trace(sds((T, 2048), jnp.bfloat16), sds((2048,), jnp.bfloat16),
-                                    sds((2048,), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
-        assert "kestrel_residual_layer_norm_blocks" in text
