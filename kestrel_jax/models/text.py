@@ -35,6 +35,8 @@ from kestrel_jax.switches import flag, integer
 # 64) override them for A/B runs.
 QKV_KERNEL_ROWS = 64
 PROJ_KERNEL_ROWS = 8
+# A dense layer's joined decode products through the same kernel: opt-in, `ops.dense_decode_gemv`.
+DENSE_GEMV_ROWS = 64
 # The region heads' small products (encoders [256 | 512, 2048], decoders [2048, 1024 + 2048]), run
 # for every row of every step: at one row XLA rewrites each into a multiply + reduce (H100, session
 # 21: ~28 us of a batch-1 MD3 decode step for all four). KESTREL_JAX_GEMV_REGION_ROWS overrides.
@@ -360,7 +362,11 @@ class Block(nnx.Module):
         of) from one GEMM over `dense_w`; None without it."""
         if self.dense_w is None or self.dense_b is None:
             return None
-        y = jnp.dot(n, self.dense_w[...].astype(n.dtype)) + self.dense_b[...].astype(n.dtype)
+        splits, _, stages = ops.dense_decode_gemv()
+        y = ops.small_linear(n, self.dense_w[...], self.dense_b[...], max_rows=DENSE_GEMV_ROWS, splits=splits,
+                             stages=stages) if splits else None
+        if y is None:
+            y = jnp.dot(n, self.dense_w[...].astype(n.dtype)) + self.dense_b[...].astype(n.dtype)
         split = self.attn.qkv.kernel.shape[1]
         return y[:, :split], y[:, split:], y
 
@@ -372,6 +378,11 @@ class Block(nnx.Module):
         term)."""
         assert self.dense_out_w is not None and self.dense_out_b is not None
         g = jnp.concatenate([o, gelu_tanh(h)], axis=1)
+        _, splits, stages = ops.dense_decode_gemv()
+        y = ops.small_linear(g, self.dense_out_w[...], self.dense_out_b[...], max_rows=DENSE_GEMV_ROWS,
+                             splits=splits, stages=stages) if splits else None
+        if y is not None:
+            return y
         return jnp.dot(g, self.dense_out_w[...].astype(g.dtype)) + self.dense_out_b[...].astype(g.dtype)
 
 

@@ -467,8 +467,8 @@ def gemv_merged(o: jax.Array, lse: jax.Array, w: jax.Array, bias: jax.Array | No
 
 
 def gemv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, splits: int | None = None,
-         interpret: bool = False, rows: int | None = None, gate: Gate | None = None) -> jax.Array:
+         stages: int = 4, interpret: bool = False, rows: int | None = None, gate: Gate | None = None) -> jax.Array:
     """x [M, K] @ w [K, N] (+ bias) in x.dtype, f32 accumulation; the first `rows` rows (default M).
-    `gate`: `gemv_partials`' (closed: just the bias)."""
-    parts = gemv_partials(x, w, splits=splits, gate=gate, interpret=interpret)
+    `gate`: `gemv_partials`' (closed: just the bias). `stages`: the TMA ring's slots per CTA."""
+    parts = gemv_partials(x, w, splits=splits, stages=stages, gate=gate, interpret=interpret)
     return _finish(_summed(parts, rows or x.shape[0]), bias, x.dtype)

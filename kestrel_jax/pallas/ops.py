@@ -202,17 +202,33 @@ def gate(table: jax.Array, row: int, column: int) -> Gate:
 
 
 def small_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_rows: int,
-                 rows: int | None = None, gate: Gate | None = None) -> jax.Array | None:
+                 rows: int | None = None, gate: Gate | None = None, splits: int | None = None,
+                 stages: int = 4) -> jax.Array | None:
     """`x @ w + b` through the decode GEMM kernel (`gemv_mgpu`) when the kernel path is on, x has
     at most `max_rows` rows and the kernel supports the shapes; None otherwise (the caller runs
     its own jnp product). `rows`: the real rows when x arrives padded (the result has `rows`).
     `gate`: where its element is 0 the kernel streams nothing and the result is just b (a product
-    the step does not need; `region_gate`)."""
+    the step does not need; `region_gate`). `splits` (K ranges per column block; default: the
+    kernel's `default_splits`) and `stages` (TMA ring slots) tune the kernel."""
     if not _gemv_usable(x, max_rows, w, rows=rows):
         return None
     from kestrel_jax.pallas import gemv_mgpu as kern
 
-    return _jitted(kern.gemv, ("rows",))(x, w.astype(x.dtype), b, rows=rows, gate=gate)
+    return _jitted(kern.gemv, ("rows", "splits", "stages"))(x, w.astype(x.dtype), b, rows=rows, gate=gate,
+                                                            splits=splits, stages=stages)
+
+
+def dense_decode_gemv() -> tuple[int, int, int]:
+    """(splits of the joined QKV + fc1 product, splits of the joined output projection + fc2
+    product, ring stages) for a dense layer's decode products through the decode GEMM kernel
+    (`gemv_mgpu.gemv`, at most 64 rows) instead of XLA's GEMM: KESTREL_JAX_GEMV_DENSE_IN /
+    KESTREL_JAX_GEMV_DENSE_OUT (the K ranges per 64-column block; 0, the default: XLA's GEMM) and
+    KESTREL_JAX_GEMV_DENSE_STAGES (default 4), read at trace time. Opt-in until timed: MD2's
+    64-row decode step has XLA's split-K GEMMs at 79% (QKV + fc1, 58.7 MB) and 75% (output + fc2,
+    42 MB, with 16 f32 partials of 0.5 MB that the residual fusion reads back) of the copy bandwidth
+    (H200, forty-third session's probe)."""
+    return (integer("KESTREL_JAX_GEMV_DENSE_IN", 0, high=64), integer("KESTREL_JAX_GEMV_DENSE_OUT", 0, high=64),
+            integer("KESTREL_JAX_GEMV_DENSE_STAGES", 4, low=1, high=16))
 
 
 def region_gate_wanted() -> bool:

@@ -20,6 +20,7 @@ from kestrel_jax.models.config import tiny_config
 from kestrel_jax.models.layers import gelu_tanh
 from kestrel_jax.models.moondream import random_model
 from kestrel_jax.models.text import MLP
+from kestrel_jax.pallas import ops
 from kestrel_jax.serving import batch as bt
 from kestrel_jax.serving.runner import Runner, RunnerConfig
 
@@ -166,7 +167,6 @@ def test_decode_qkv_kernel_reads_the_joined_product(monkeypatch: pytest.MonkeyPa
     on jnp) reads the QKV columns of the joined product in place of their slice; the steps' outputs
     are those of the jnp path within bf16 rounding (the kernel rounds as the jnp path does, but
     its sin/cos and the KV write differ in the last bits), the sampled tokens equal."""
-    from kestrel_jax.pallas import ops
     from kestrel_jax.pallas import qkv_epilogue as qe
 
     ref, _ = _steps("md2", "on")
@@ -193,6 +193,53 @@ def test_decode_qkv_kernel_reads_the_joined_product(monkeypatch: pytest.MonkeyPa
         np.testing.assert_array_equal(x[:, 0], y[:, 0])  # sampled tokens
     for x, y in zip(got[4:], ref[4:], strict=True):
         np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
+
+
+@pytest.mark.parametrize("family", ["md2", "md3"])
+def test_joined_products_through_the_decode_gemm_kernel(family: Literal["md2", "md3"],
+                                                        monkeypatch: pytest.MonkeyPatch):
+    """KESTREL_JAX_GEMV_DENSE_IN / _OUT / _STAGES: the dense layers' two joined decode products
+    through `ops.small_linear`'s decode GEMM kernel (interpreted here, the other ops on jnp) with
+    the K splits and ring stages asked for: the same sampled tokens, the outputs and KV within bf16
+    rounding of XLA's products (the kernel's f32 sums run in another order). A split count that
+    does not divide the product's K steps is refused at trace time."""
+    from kestrel_jax.pallas import gemv_mgpu as g
+
+    ref, _ = _steps(family, "on")
+    calls: list[tuple[int, int, int | None, int]] = []  # (rows, K, splits, stages) per product traced
+    original, kernel = ops.small_linear, g.gemv
+
+    def interpreted(x: jax.Array, w: jax.Array, *args: Any, **kwargs: Any) -> Any:
+        calls.append((x.shape[0], w.shape[0], kwargs.get("splits"), kwargs.get("stages", 4)))
+        return kernel(x, w, *args, interpret=True, **kwargs)
+
+    def forced(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("splits") is None:  # the region heads' products: as on the CPU
+            return None
+        with ops.use_backend("kernel"), monkeypatch.context() as m:
+            m.setattr(g, "gemv", interpreted)
+            out = original(*args, **kwargs)
+        assert out is not None
+        return out
+
+    monkeypatch.setattr(ops, "small_linear", forced)
+    monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_IN", "2")  # K = 256: 4 steps of 64
+    monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_OUT", "3")  # K = 256 + 512: 12 steps
+    monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_STAGES", "2")
+    got, _ = _steps(family, "on")
+    # both joined products, in the 2-row steps only (the jitted kernel is traced once per shape)
+    assert set(calls) == {(2, 256, 2, 2), (2, 768, 3, 2)}
+    for x, y in zip(got[:4], ref[:4], strict=True):
+        np.testing.assert_array_equal(x[:, 0], y[:, 0])  # sampled tokens
+        np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
+    for x, y in zip(got[4:], ref[4:], strict=True):
+        np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
+    monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_OUT", "5")  # does not divide 12 steps
+    with pytest.raises(ValueError, match="splits must divide the 12 K steps"):
+        _steps(family, "on")
+    monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_STAGES", "0")
+    with pytest.raises(ValueError, match="KESTREL_JAX_GEMV_DENSE_STAGES must be an integer"):
+        ops.dense_decode_gemv()
 
 
 def test_runners_started_at_once_on_one_model_all_get_them():

@@ -259,6 +259,15 @@ def test_gemv_lowers_at_decoder_shapes():
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(g.gemv).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
+    # MD2's joined dense decode products at 64 rows (KESTREL_JAX_GEMV_DENSE_IN / _OUT), with the
+    # splits and ring depths the device runs try: [2048, 6144 + 8192] and [2048 + 8192, 2048]
+    for K, N, splits, stages in [(2048, 14336, 1, 4), (2048, 14336, 2, 8), (10240, 2048, 4, 8),
+                                 (10240, 2048, 8, 4), (10240, 2048, 16, 4)]:
+        specs = (_SDS((64, K), BF16), _SDS((K, N), BF16), _SDS((N,), BF16))
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = jax.jit(functools.partial(g.gemv, splits=splits, stages=stages)).trace(*specs).lower(
+                lowering_platforms=("cuda",)).as_text()
+        assert "kestrel_gemv" in text
     # an MoE layer's QKV and router in one launch
     pair = (_SDS((1, 2048), BF16), _SDS((2048, 6144), BF16), _SDS((6144,), BF16), _SDS((2048, 64), BF16),
             _SDS((64,), BF16))
