@@ -91,12 +91,13 @@ def _fill(fetch, n_stages: int) -> None:
         fetch(jnp.int32(i), jnp.int32(i))
 
 
-def _stream(acc_ref, w_buf, x_buf, bars, fetch, steps: int, n_stages: int, resident: bool = False) -> None:
+def _stream(acc_ref, w_buf, x_buf, bars, fetch, steps: int, n_stages: int, resident: bool = False,
+            row_major: bool = False) -> None:
     """The K loop both kernels run: fill the `n_stages`-slot TMA ring (`fetch(step, slot)`), then
-    per step wait for its slot, y^T block [64, Mp] += (w tile [BK, 64])^T @ (x tile [Mp, BK])^T,
-    and refill the slot of the previous step once its MMA is done. With `resident`, x_buf holds
-    every step's x tile (formed in the kernel) and the ring, filled by the caller, carries weights
-    only."""
+    per step wait for its slot, y^T block [64, Mp] += (w tile [BK, 64])^T @ (x tile [Mp, BK])^T
+    (`row_major`, at Mp = 64: y block [64, 64] += x tile @ w tile, no swap), and refill the slot of
+    the previous step once its MMA is done. With `resident`, x_buf holds every step's x tile
+    (formed in the kernel) and the ring, filled by the caller, carries weights only."""
     if not resident:
         _fill(fetch, n_stages)
 
@@ -104,7 +105,11 @@ def _stream(acc_ref, w_buf, x_buf, bars, fetch, steps: int, n_stages: int, resid
     def _step(i):
         slot = lax.rem(i, n_stages)
         plgpu.barrier_wait(bars.at[slot])
-        plgpu.wgmma(acc_ref, w_buf.at[slot].T, (x_buf.at[i] if resident else x_buf.at[slot]).T)
+        x_tile = x_buf.at[i] if resident else x_buf.at[slot]
+        if row_major:
+            plgpu.wgmma(acc_ref, x_tile, w_buf.at[slot])
+        else:
+            plgpu.wgmma(acc_ref, w_buf.at[slot].T, x_tile.T)
         plgpu.wgmma_wait(1)  # step i-1's MMA is done: its slot may be refilled
 
         @pl.when((i >= 1) & (i - 1 + n_stages < steps))
@@ -158,6 +163,7 @@ def gemv_partials(
     stages: int = 4,
     merge: tuple[jax.Array, jax.Array, int] | None = None,
     gate: Gate | None = None,
+    row_major: bool = False,
     interpret: bool = False,
     detect_races: bool = False,
 ) -> jax.Array:  # [splits, N (+ N2), Mp] f32 partials of y^T (columns >= M are zero)
@@ -165,7 +171,11 @@ def gemv_partials(
     each CTA merges the heads of its K range from the [8, H, S, 64] partials and their [8, H, S]
     log2-sum-exp2, rows >= M zero, into SMEM tiles that stay resident) instead of read from HBM:
     the merge and the pad to 8 rows need no launch of their own. `gate` (`Gate`): where its element
-    is 0 the CTAs stream nothing and the partials are zero."""
+    is 0 the CTAs stream nothing and the partials are zero. `row_major` (Mp = 64 only): the
+    partials of y itself, [splits, 64, N], from the unswapped product (x tile as wgmma's A): their
+    sum needs no transpose, which XLA would otherwise carry into the consumers' layout (the
+    forty-third session's MD2 decode step: its residual stream, then the LayerNorm reading it
+    strided)."""
     if merge is not None:
         o, lse, M = merge
         if x is not None or w2 is not None or gate is not None or not merge_supported(o, lse, w) or not 1 <= M <= 8:
@@ -183,6 +193,8 @@ def gemv_partials(
         if mp != M:
             x = jnp.pad(x, ((0, mp - M), (0, 0)))
         x_dtype = x.dtype
+    if row_major and (mp != 64 or merge is not None):
+        raise ValueError(f"row-major partials need 64 rows of x (not merged), got {mp}")
     N1 = w.shape[1]
     N = N1 + (0 if w2 is None else w2.shape[1])
     s_count = splits or default_splits(K, N)
@@ -226,21 +238,25 @@ def gemv_partials(
                 plgpu.commit_smem()
                 _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages, resident=True)
             elif gate_ref is None:
-                _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages)
+                _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages, row_major=row_major)
             else:  # gated off: the accumulator stays zero
                 assert gate is not None
                 pl.when(gate_ref[gate.row, gate.column] != 0)(
-                    lambda: _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages))
+                    lambda: _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages, row_major=row_major))
             o_smem[...] = acc_ref[...]
 
-        pl.run_scoped(scope, plgpu.ACC((BLOCK_N, mp), jnp.float32))
+        pl.run_scoped(scope, plgpu.ACC(acc_shape, jnp.float32))
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[s, pl.ds(n0, BLOCK_N)])
+        if row_major:
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[s, :, pl.ds(n0, BLOCK_N)])
+        else:
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[s, pl.ds(n0, BLOCK_N)])
         plgpu.wait_smem_to_gmem(0)
 
+    acc_shape = (mp, BLOCK_N) if row_major else (BLOCK_N, mp)
     kern = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((s_count, N, mp), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((s_count, mp, N) if row_major else (s_count, N, mp), jnp.float32),
         grid=(N // BLOCK_N, s_count),
         grid_names=("n", "s"),
         kernel_name="kestrel_gemv",
@@ -248,7 +264,7 @@ def gemv_partials(
             plgpu.SMEM((n_stages, BLOCK_K, BLOCK_N), w.dtype, transforms=_TRANSFORMS),
             # x tiles: the ring's, or with `merge` every step's (resident)
             plgpu.SMEM((steps if merge is not None else n_stages, mp, BLOCK_K), x_dtype, transforms=_TRANSFORMS),
-            plgpu.SMEM((BLOCK_N, mp), jnp.float32),
+            plgpu.SMEM(acc_shape, jnp.float32),
             plgpu.Barrier(num_arrivals=1 if merge is not None else 2, num_barriers=n_stages),
         ],
         interpret=_interpret_params(interpret, detect_races),
@@ -467,8 +483,13 @@ def gemv_merged(o: jax.Array, lse: jax.Array, w: jax.Array, bias: jax.Array | No
 
 
 def gemv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, splits: int | None = None,
-         stages: int = 4, interpret: bool = False, rows: int | None = None, gate: Gate | None = None) -> jax.Array:
+         stages: int = 4, row_major: bool = False, interpret: bool = False, rows: int | None = None,
+         gate: Gate | None = None) -> jax.Array:
     """x [M, K] @ w [K, N] (+ bias) in x.dtype, f32 accumulation; the first `rows` rows (default M).
-    `gate`: `gemv_partials`' (closed: just the bias). `stages`: the TMA ring's slots per CTA."""
-    parts = gemv_partials(x, w, splits=splits, stages=stages, gate=gate, interpret=interpret)
+    `gate`: `gemv_partials`' (closed: just the bias). `stages`: the TMA ring's slots per CTA.
+    `row_major` (M = 64): `gemv_partials`' row-major partials."""
+    parts = gemv_partials(x, w, splits=splits, stages=stages, gate=gate, row_major=row_major, interpret=interpret)
+    if row_major:
+        return _finish(functools.reduce(jnp.add, [parts[i] for i in range(parts.shape[0])])[:rows or x.shape[0]],
+                       bias, x.dtype)
     return _finish(_summed(parts, rows or x.shape[0]), bias, x.dtype)

@@ -203,19 +203,20 @@ def gate(table: jax.Array, row: int, column: int) -> Gate:
 
 def small_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_rows: int,
                  rows: int | None = None, gate: Gate | None = None, splits: int | None = None,
-                 stages: int = 4) -> jax.Array | None:
+                 stages: int = 4, row_major: bool = False) -> jax.Array | None:
     """`x @ w + b` through the decode GEMM kernel (`gemv_mgpu`) when the kernel path is on, x has
     at most `max_rows` rows and the kernel supports the shapes; None otherwise (the caller runs
     its own jnp product). `rows`: the real rows when x arrives padded (the result has `rows`).
     `gate`: where its element is 0 the kernel streams nothing and the result is just b (a product
     the step does not need; `region_gate`). `splits` (K ranges per column block; default: the
-    kernel's `default_splits`) and `stages` (TMA ring slots) tune the kernel."""
+    kernel's `default_splits`) and `stages` (TMA ring slots) tune the kernel; `row_major` (x of
+    64 rows) has it form y's partials instead of y^T's (`gemv_mgpu.gemv_partials`)."""
     if not _gemv_usable(x, max_rows, w, rows=rows):
         return None
     from kestrel_jax.pallas import gemv_mgpu as kern
 
-    return _jitted(kern.gemv, ("rows", "splits", "stages"))(x, w.astype(x.dtype), b, rows=rows, gate=gate,
-                                                            splits=splits, stages=stages)
+    return _jitted(kern.gemv, ("rows", "splits", "stages", "row_major"))(
+        x, w.astype(x.dtype), b, rows=rows, gate=gate, splits=splits, stages=stages, row_major=row_major)
 
 
 def dense_decode_gemv() -> tuple[int, int, int]:

@@ -27,17 +27,17 @@ from kestrel_jax.serving.runner import Runner, RunnerConfig
 PAGE = 16
 
 
-def _steps(family: Literal["md2", "md3"], fused: str) -> tuple[list[np.ndarray], Runner]:
+def _steps(family: Literal["md2", "md3"], fused: str, bucket: int = 2) -> tuple[list[np.ndarray], Runner]:
     model = random_model(tiny_config(family, vision_layers=2), dtype=jnp.bfloat16, seed=3)
     r = Runner(model, RunnerConfig(num_pages=16, kv_dtype="bf16", max_seq_len=128, page_size=PAGE,
-                                   vision_buckets=(2,), fused_dense_decode=fused), out_rows=8)
+                                   vision_buckets=(2,), fused_dense_decode=fused), out_rows=max(8, bucket))
     p = r.max_pages_per_seq
     a, b = [1, 700, 33, 4000, 12, 9, 81, 5], [1, 55, 66, 77, 88]
     pre = bt.text_prefill([(2, a), (6, b)], tokens=32, max_seqs=2, pages=p, page_size=PAGE)
     out = [np.asarray(r.prefill(*pre, jnp.zeros((1, 728, model.cfg.text.dim), model.dtype)))]
     rows = [[2, len(a), int(out[0][0, 0])], [6, len(b), int(out[0][1, 0])]]
     for _ in range(3):
-        dec = bt.text_decode([(s, n, tok, -1) for s, n, tok in rows], bucket=2, pages=p, page_size=PAGE)
+        dec = bt.text_decode([(s, n, tok, -1) for s, n, tok in rows], bucket=bucket, pages=p, page_size=PAGE)
         out.append(np.asarray(r.decode(*dec, None)[1]))
         for j, row in enumerate(rows):
             row[1], row[2] = row[1] + 1, int(out[-1][j, 0])
@@ -195,22 +195,24 @@ def test_decode_qkv_kernel_reads_the_joined_product(monkeypatch: pytest.MonkeyPa
         np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
 
 
-@pytest.mark.parametrize("family", ["md2", "md3"])
-def test_joined_products_through_the_decode_gemm_kernel(family: Literal["md2", "md3"],
+@pytest.mark.parametrize("family,bucket", [("md2", 2), ("md3", 2), ("md2", 64)])
+def test_joined_products_through_the_decode_gemm_kernel(family: Literal["md2", "md3"], bucket: int,
                                                         monkeypatch: pytest.MonkeyPatch):
     """KESTREL_JAX_GEMV_DENSE_IN / _OUT / _STAGES: the dense layers' two joined decode products
     through `ops.small_linear`'s decode GEMM kernel (interpreted here, the other ops on jnp) with
-    the K splits and ring stages asked for: the same sampled tokens, the outputs and KV within bf16
-    rounding of XLA's products (the kernel's f32 sums run in another order). A split count that
-    does not divide the product's K steps is refused at trace time."""
+    the K splits and ring stages asked for (row-major partials in a 64-row step): the same sampled
+    tokens, the outputs and KV within bf16 rounding of XLA's products (the kernel's f32 sums run in
+    another order). A split count that does not divide the product's K steps is refused at trace
+    time."""
     from kestrel_jax.pallas import gemv_mgpu as g
 
-    ref, _ = _steps(family, "on")
-    calls: list[tuple[int, int, int | None, int]] = []  # (rows, K, splits, stages) per product traced
+    ref, _ = _steps(family, "on", bucket)  # XLA's joined products
+    calls: list[tuple[int, int, int | None, int, bool]] = []  # (rows, K, splits, stages, row-major) traced
     original, kernel = ops.small_linear, g.gemv
 
     def interpreted(x: jax.Array, w: jax.Array, *args: Any, **kwargs: Any) -> Any:
-        calls.append((x.shape[0], w.shape[0], kwargs.get("splits"), kwargs.get("stages", 4)))
+        calls.append((x.shape[0], w.shape[0], kwargs.get("splits"), kwargs.get("stages", 4),
+                      kwargs.get("row_major", False)))
         return kernel(x, w, *args, interpret=True, **kwargs)
 
     def forced(*args: Any, **kwargs: Any) -> Any:
@@ -226,9 +228,10 @@ def test_joined_products_through_the_decode_gemm_kernel(family: Literal["md2", "
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_IN", "2")  # K = 256: 4 steps of 64
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_OUT", "3")  # K = 256 + 512: 12 steps
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_STAGES", "2")
-    got, _ = _steps(family, "on")
-    # both joined products, in the 2-row steps only (the jitted kernel is traced once per shape)
-    assert set(calls) == {(2, 256, 2, 2), (2, 768, 3, 2)}
+    got, _ = _steps(family, "on", bucket)
+    # both joined products, in the decode steps (the jitted kernel is traced once per shape)
+    wide = bucket == 64
+    assert set(calls) == {(bucket, 256, 2, 2, wide), (bucket, 768, 3, 2, wide)}
     for x, y in zip(got[:4], ref[:4], strict=True):
         np.testing.assert_array_equal(x[:, 0], y[:, 0])  # sampled tokens
         np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
@@ -236,7 +239,7 @@ def test_joined_products_through_the_decode_gemm_kernel(family: Literal["md2", "
         np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_OUT", "5")  # does not divide 12 steps
     with pytest.raises(ValueError, match="splits must divide the 12 K steps"):
-        _steps(family, "on")
+        _steps(family, "on", bucket)
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_STAGES", "0")
     with pytest.raises(ValueError, match="KESTREL_JAX_GEMV_DENSE_STAGES must be an integer"):
         ops.dense_decode_gemv()

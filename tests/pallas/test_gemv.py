@@ -41,6 +41,32 @@ def test_gemv_interpreted_matches_float64_and_the_jnp_path(M, K, N, splits):
     assert np.abs(y0 - (exact - np.asarray(b, np.float64))).max() <= 2.0**-8 * np.abs(exact).max() + 1e-6
 
 
+@pytest.mark.parametrize("rows,splits", [(64, 3), (61, 1)])
+def test_gemv_row_major_partials_are_the_same_product(rows: int, splits: int):
+    """At 64 rows of x (61 padded to 64 here) `row_major` forms y's partials ([splits, 64, N], x
+    as wgmma's A) instead of y^T's: the same product within f32 summation order, the padding rows
+    of the partials zero, and fewer than 64 rows refused."""
+    rng = fresh_rng()
+    K, N = 384, 192
+    x = jnp.asarray(rng.standard_normal((rows, K)), BF16)
+    w = jnp.asarray(rng.standard_normal((K, N)) * 0.05, BF16)
+    b = jnp.asarray(rng.standard_normal((N,)), BF16)
+    xp = jnp.pad(x, ((0, 64 - rows), (0, 0)))
+    parts = jax.jit(functools.partial(g.gemv_partials, splits=splits, row_major=True, interpret=True))(xp, w)
+    assert parts.shape == (splits, 64, N) and parts.dtype == jnp.float32
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    got = np.asarray(parts, np.float64).sum(0)
+    assert np.abs(got[:rows] - exact).max() <= 1e-5 * np.abs(exact).max()
+    assert not got[rows:].any()
+    y = jax.jit(functools.partial(g.gemv, splits=splits, row_major=True, rows=rows, interpret=True))(xp, w, b)
+    y_t = jax.jit(functools.partial(g.gemv, splits=splits, rows=rows, interpret=True))(xp, w, b)
+    assert y.shape == (rows, N) and y.dtype == BF16
+    diff = np.abs(np.asarray(y.astype(jnp.float32)) - np.asarray(y_t.astype(jnp.float32))).max()
+    assert diff <= 2.0**-7 * np.abs(exact).max()  # at most a bf16 step apart where the f32 sums round apart
+    with pytest.raises(ValueError, match="row-major partials need 64 rows"):
+        jax.eval_shape(functools.partial(g.gemv_partials, row_major=True), x[:8], w)
+
+
 def test_gemv_pair_equals_the_two_products():
     """Two products of the same rows in one launch (QKV and router): column blocks past the first
     matrix read the second."""
@@ -264,10 +290,11 @@ def test_gemv_lowers_at_decoder_shapes():
     for K, N, splits, stages in [(2048, 14336, 1, 4), (2048, 14336, 2, 8), (10240, 2048, 4, 8),
                                  (10240, 2048, 8, 4), (10240, 2048, 16, 4)]:
         specs = (_SDS((64, K), BF16), _SDS((K, N), BF16), _SDS((N,), BF16))
-        with jax.sharding.use_abstract_mesh(mesh):
-            text = jax.jit(functools.partial(g.gemv, splits=splits, stages=stages)).trace(*specs).lower(
-                lowering_platforms=("cuda",)).as_text()
-        assert "kestrel_gemv" in text
+        for row_major in (False, True):
+            with jax.sharding.use_abstract_mesh(mesh):
+                text = jax.jit(functools.partial(g.gemv, splits=splits, stages=stages, row_major=row_major)).trace(
+                    *specs).lower(lowering_platforms=("cuda",)).as_text()
+            assert "kestrel_gemv" in text
     # an MoE layer's QKV and router in one launch
     pair = (_SDS((1, 2048), BF16), _SDS((2048, 6144), BF16), _SDS((6144,), BF16), _SDS((2048, 64), BF16),
             _SDS((64,), BF16))
