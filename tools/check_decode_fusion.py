@@ -5,6 +5,8 @@ final hidden states relative to their largest magnitude, per batch size.
 
   PYTHONPATH=. python3 tools/check_decode_fusion.py --switch KESTREL_JAX_LN_KERNEL KESTREL_JAX_GEMV_ROWS
   PYTHONPATH=. python3 tools/check_decode_fusion.py --switch KESTREL_JAX_GEMV_QKV_ROWS=64,1 --batches 64
+  PYTHONPATH=. python3 tools/check_decode_fusion.py --model md2 --fused-dense-decode \
+      --switch KESTREL_JAX_GEMV_DENSE_OUT=4,0 --batches 64 8 2
 
 A switch is on = 1 against off = 0 unless given as NAME=ON,OFF.
 """
@@ -38,10 +40,15 @@ def main() -> int:
     ap.add_argument("--model", default="md3", choices=["md2", "md3"])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--context", type=int, default=740)
+    ap.add_argument("--fused-dense-decode", action="store_true",
+                    help="the dense layers' joined decode weights (`TextModel.fuse_dense_decode`, as the "
+                         "runner's default), so that switches of the joined products take effect")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     md3 = a.model == "md3"
     model = synthetic_model(a.model).text
+    if a.fused_dense_decode and not model.fuse_dense_decode():
+        raise SystemExit("--fused-dense-decode: the model joined no dense layer's weights")
     t = model.cfg
     page, maxp = 64, -(-(a.context + 1) // 64)
     pages = maxp * max(a.batches)

@@ -222,14 +222,18 @@ def small_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_rows: i
 def dense_decode_gemv() -> tuple[int, int, int]:
     """(splits of the joined QKV + fc1 product, splits of the joined output projection + fc2
     product, ring stages) for a dense layer's decode products through the decode GEMM kernel
-    (`gemv_mgpu.gemv`, at most 64 rows) instead of XLA's GEMM: KESTREL_JAX_GEMV_DENSE_IN /
-    KESTREL_JAX_GEMV_DENSE_OUT (the K ranges per 64-column block; 0, the default: XLA's GEMM) and
-    KESTREL_JAX_GEMV_DENSE_STAGES (default 4), read at trace time. Opt-in until timed: MD2's
-    64-row decode step has XLA's split-K GEMMs at 79% (QKV + fc1, 58.7 MB) and 75% (output + fc2,
-    42 MB, with 16 f32 partials of 0.5 MB that the residual fusion reads back) of the copy bandwidth
-    (H200, forty-third session's probe)."""
+    (`gemv_mgpu.gemv`, at most 64 rows; row-major partials at 64) instead of XLA's GEMM:
+    KESTREL_JAX_GEMV_DENSE_IN / KESTREL_JAX_GEMV_DENSE_OUT (the K ranges per 64-column block; 0,
+    the default: XLA's GEMM) and KESTREL_JAX_GEMV_DENSE_STAGES (default 8), read at trace time.
+    H200, forty-third session, MD2's 64-row decode step: XLA's output + fc2 product 14.0 us plus
+    4.1 us of residual add over its 16 f32 partials; the kernel at 4 splits and 8 stages 12.5 +
+    2.0 (step -124.5 us of CUPTI time), MD2 W2 C=64 +1.3% in three alternating pairs (10,125 against
+    9,991 output tok/s). Opt-in until its outputs are compared with XLA's on a GPU
+    (`tools/check_decode_fusion.py --fused-dense-decode`). The QKV + fc1 product through it was
+    slower (17.7 us at 2 splits against XLA's 18.2-19.3); below 64 rows its partials are y^T, and
+    XLA then carries the residual stream transposed into the next LayerNorm (1.5 -> 5.1 us)."""
     return (integer("KESTREL_JAX_GEMV_DENSE_IN", 0, high=64), integer("KESTREL_JAX_GEMV_DENSE_OUT", 0, high=64),
-            integer("KESTREL_JAX_GEMV_DENSE_STAGES", 4, low=1, high=16))
+            integer("KESTREL_JAX_GEMV_DENSE_STAGES", 8, low=1, high=16))
 
 
 def region_gate_wanted() -> bool:
