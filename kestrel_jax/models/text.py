@@ -364,7 +364,7 @@ class Block(nnx.Module):
             return None
         splits, _, stages = ops.dense_decode_gemv()
         y = ops.small_linear(n, self.dense_w[...], self.dense_b[...], max_rows=DENSE_GEMV_ROWS, splits=splits,
-                             stages=stages, row_major=n.shape[0] == 64) if splits else None
+                             stages=stages, row_major=n.shape[0] == DENSE_GEMV_ROWS) if splits else None
         if y is None:
             y = jnp.dot(n, self.dense_w[...].astype(n.dtype)) + self.dense_b[...].astype(n.dtype)
         split = self.attn.qkv.kernel.shape[1]
@@ -384,7 +384,7 @@ class Block(nnx.Module):
         # strided (H200, forty-third session: 1.5 -> 5.1 us per layer; an optimization barrier
         # on y did not stop it).
         y = ops.small_linear(g, self.dense_out_w[...], self.dense_out_b[...], max_rows=DENSE_GEMV_ROWS,
-                             splits=splits, stages=stages, row_major=g.shape[0] == 64) if splits else None
+                             splits=splits, stages=stages, row_major=g.shape[0] == DENSE_GEMV_ROWS) if splits else None
         if y is not None:
             return y
         return jnp.dot(g, self.dense_out_w[...].astype(g.dtype)) + self.dense_out_b[...].astype(g.dtype)

@@ -166,7 +166,7 @@ def gemv_partials(
     row_major: bool = False,
     interpret: bool = False,
     detect_races: bool = False,
-) -> jax.Array:  # [splits, N (+ N2), Mp] f32 partials of y^T (columns >= M are zero)
+) -> jax.Array:  # [splits, N (+ N2), Mp] f32 partials of y^T (columns >= M zero); row_major: [splits, 64, N]
     """`merge` = (o, lse, M): x is split-KV attention's output, formed here (`merge_supported`:
     each CTA merges the heads of its K range from the [8, H, S, 64] partials and their [8, H, S]
     log2-sum-exp2, rows >= M zero, into SMEM tiles that stay resident) instead of read from HBM:
@@ -451,10 +451,12 @@ def tau_dots_ref(u: jax.Array, wq: jax.Array, wv: jax.Array) -> jax.Array:
     return jnp.dot(w, g.T, precision=lax.Precision.HIGHEST)
 
 
-def _summed(parts: jax.Array, rows: int) -> jax.Array:
-    """[splits, N, Mp] partials -> [rows, N] f32: an unrolled elementwise sum (XLA fuses it, the
-    transpose, the bias add and the cast into whatever consumes the product)."""
-    return functools.reduce(jnp.add, [parts[i] for i in range(parts.shape[0])]).T[:rows]
+def _summed(parts: jax.Array, rows: int, row_major: bool = False) -> jax.Array:
+    """[splits, N, Mp] partials (`row_major`: [splits, Mp, N]) -> [rows, N] f32: an unrolled
+    elementwise sum (XLA fuses it, the transpose, the bias add and the cast into whatever consumes
+    the product)."""
+    y = functools.reduce(jnp.add, [parts[i] for i in range(parts.shape[0])])
+    return (y if row_major else y.T)[:rows]
 
 
 def _finish(y: jax.Array, bias: jax.Array | None, dtype: jnp.dtype) -> jax.Array:
@@ -489,7 +491,4 @@ def gemv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, splits: i
     `gate`: `gemv_partials`' (closed: just the bias). `stages`: the TMA ring's slots per CTA.
     `row_major` (M = 64): `gemv_partials`' row-major partials."""
     parts = gemv_partials(x, w, splits=splits, stages=stages, gate=gate, row_major=row_major, interpret=interpret)
-    if row_major:
-        return _finish(functools.reduce(jnp.add, [parts[i] for i in range(parts.shape[0])])[:rows or x.shape[0]],
-                       bias, x.dtype)
-    return _finish(_summed(parts, rows or x.shape[0]), bias, x.dtype)
+    return _finish(_summed(parts, rows or x.shape[0], row_major), bias, x.dtype)

@@ -9,6 +9,7 @@ separate ones, runners started at once on one model all get them, and a bad sett
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, Literal
 
 import jax
@@ -49,6 +50,33 @@ def _steps(family: Literal["md2", "md3"], fused: str, bucket: int = 2) -> tuple[
 def _separate(family: Literal["md2", "md3"]) -> tuple[list[np.ndarray], Runner]:
     """The steps over the separate weights (the reference of the tests below)."""
     return _steps(family, "off")
+
+
+def _route_through(monkeypatch: pytest.MonkeyPatch, op: str, module: Any, kernel: str,
+                   interpreted: Callable[..., Any], when: Callable[[dict[str, Any]], bool] = lambda kw: True) -> None:
+    """`ops.<op>` runs on the kernel backend with `module.<kernel>` replaced by `interpreted` (the
+    other ops stay on jnp); a call whose keyword arguments `when` refuses gets None (the caller's jnp
+    product, as on the CPU)."""
+    original = getattr(ops, op)
+
+    def forced(*args: Any, **kwargs: Any) -> Any:
+        if not when(kwargs):
+            return None
+        with ops.use_backend("kernel"), monkeypatch.context() as m:
+            m.setattr(module, kernel, interpreted)
+            out = original(*args, **kwargs)
+        assert out is not None
+        return out
+
+    monkeypatch.setattr(ops, op, forced)
+
+
+def _assert_same_tokens(got: list[np.ndarray], ref: list[np.ndarray]) -> None:
+    """The steps' sampled tokens equal; outputs and KV within bf16 rounding."""
+    for x, y in zip(got[:4], ref[:4], strict=True):
+        np.testing.assert_array_equal(x[:, 0], y[:, 0])  # sampled tokens
+    for x, y in zip(got, ref, strict=True):
+        np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
 
 
 def _dense_layers(family: str) -> int:
@@ -108,11 +136,7 @@ def test_decode_through_joined_output_weights(family: Literal["md2", "md3"], mon
     got, r_on = _steps(family, "on")
     dense = _dense_layers(family)
     assert seen and len(seen) % dense == 0 and set(seen) == {2}  # the 2-row steps' dense layers
-    for x, y in zip(got[:4], ref[:4], strict=True):
-        np.testing.assert_array_equal(x[:, 0], y[:, 0])  # sampled tokens
-        np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
-    for x, y in zip(got[4:], ref[4:], strict=True):
-        np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
+    _assert_same_tokens(got, ref)
     per_layer = 2 * 256 * (3 * 256 + 512) + 2 * (3 * 256 + 512) + 2 * (256 + 512) * 256 + 2 * 256
     assert r_on.joined_dense_bytes == dense * per_layer
     assert len(r_on.lm_params) == len(r_off.lm_params) + 4 * dense
@@ -171,28 +195,18 @@ def test_decode_qkv_kernel_reads_the_joined_product(monkeypatch: pytest.MonkeyPa
 
     ref, _ = _steps("md2", "on")
     widths: list[int] = []
-    original, kernel = ops.decode_qkv, qe.decode_qkv_kernel
+    kernel = qe.decode_qkv_kernel
 
     def interpreted(u: jax.Array, *args: Any, **kwargs: Any) -> Any:
         widths.append(u.shape[1])
         return kernel(u, *args, interpret=True, **kwargs)
 
-    def forced(*args: Any, **kwargs: Any) -> Any:
-        with ops.use_backend("kernel"), monkeypatch.context() as m:
-            m.setattr(qe, "decode_qkv_kernel", interpreted)
-            out = original(*args, **kwargs)
-        assert out is not None
-        return out
-
-    monkeypatch.setattr(ops, "decode_qkv", forced)
+    _route_through(monkeypatch, "decode_qkv", qe, "decode_qkv_kernel", interpreted)
     monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_WIDE", "1")
     got, _ = _steps("md2", "on")
     # the 2-row decode step's four dense layers (per trace): always the joined product's width
     assert widths and len(widths) % 4 == 0 and set(widths) == {3 * 256 + 512}
-    for x, y in zip(got[:4], ref[:4], strict=True):
-        np.testing.assert_array_equal(x[:, 0], y[:, 0])  # sampled tokens
-    for x, y in zip(got[4:], ref[4:], strict=True):
-        np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
+    _assert_same_tokens(got, ref)
 
 
 @pytest.mark.parametrize("family,bucket", [("md2", 2), ("md3", 2), ("md2", 64)])
@@ -208,23 +222,15 @@ def test_joined_products_through_the_decode_gemm_kernel(family: Literal["md2", "
 
     ref, _ = _steps(family, "on", bucket)  # XLA's joined products
     calls: list[tuple[int, int, int | None, int, bool]] = []  # (rows, K, splits, stages, row-major) traced
-    original, kernel = ops.small_linear, g.gemv
+    kernel = g.gemv
 
     def interpreted(x: jax.Array, w: jax.Array, *args: Any, **kwargs: Any) -> Any:
         calls.append((x.shape[0], w.shape[0], kwargs.get("splits"), kwargs.get("stages", 4),
                       kwargs.get("row_major", False)))
         return kernel(x, w, *args, interpret=True, **kwargs)
 
-    def forced(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("splits") is None:  # the region heads' products: as on the CPU
-            return None
-        with ops.use_backend("kernel"), monkeypatch.context() as m:
-            m.setattr(g, "gemv", interpreted)
-            out = original(*args, **kwargs)
-        assert out is not None
-        return out
-
-    monkeypatch.setattr(ops, "small_linear", forced)
+    # the region heads' products (no splits asked for) stay on jnp, as on the CPU
+    _route_through(monkeypatch, "small_linear", g, "gemv", interpreted, when=lambda kw: kw.get("splits") is not None)
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_IN", "2")  # K = 256: 4 steps of 64
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_OUT", "3")  # K = 256 + 512: 12 steps
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_STAGES", "2")
@@ -232,11 +238,7 @@ def test_joined_products_through_the_decode_gemm_kernel(family: Literal["md2", "
     # both joined products, in the decode steps (the jitted kernel is traced once per shape)
     wide = bucket == 64
     assert set(calls) == {(bucket, 256, 2, 2, wide), (bucket, 768, 3, 2, wide)}
-    for x, y in zip(got[:4], ref[:4], strict=True):
-        np.testing.assert_array_equal(x[:, 0], y[:, 0])  # sampled tokens
-        np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
-    for x, y in zip(got[4:], ref[4:], strict=True):
-        np.testing.assert_allclose(x, y, rtol=2.0**-6, atol=2.0**-6 * np.abs(y).max())
+    _assert_same_tokens(got, ref)
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_OUT", "5")  # does not divide 12 steps
     with pytest.raises(ValueError, match="splits must divide the 12 K steps"):
         _steps(family, "on", bucket)
