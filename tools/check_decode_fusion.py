@@ -32,7 +32,7 @@ from kestrel_jax.pallas.paged_attention import init_kv_pool  # noqa: E402
 from tools.probe_step_kernels import synthetic_model  # noqa: E402
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--switch", nargs="+", default=["KESTREL_JAX_TAU_DOTS"],
                     help="one or more switches (NAME, or NAME=ON,OFF for other values than 1 and 0), each "
@@ -43,10 +43,11 @@ def main() -> int:
     ap.add_argument("--fused-dense-decode", action="store_true",
                     help="the dense layers' joined decode weights (`TextModel.fuse_dense_decode`, as the "
                          "runner's default), so that switches of the joined products take effect")
+    ap.add_argument("--tiny", action="store_true", help="the tests' tiny model (a CPU smoke run)")
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     md3 = a.model == "md3"
-    model = synthetic_model(a.model).text
+    model = synthetic_model(a.model, tiny=a.tiny).text
     if a.fused_dense_decode and not model.fuse_dense_decode():
         raise SystemExit("--fused-dense-decode: the model joined no dense layer's weights")
     t = model.cfg
@@ -71,7 +72,7 @@ def main() -> int:
         res["switches"][spec] = rel_diff
         before = os.environ.get(switch)
         for b in a.batches:
-            x = jnp.asarray(rng.standard_normal((b, t.dim)), jnp.bfloat16)
+            x = jnp.asarray(rng.standard_normal((b, t.dim)), model.wte[...].dtype)
             positions = jnp.full((b,), a.context, jnp.int32)
             table = jnp.arange(b * maxp, dtype=jnp.int32).reshape(b, maxp)
             slots = table[:, a.context // page] * page + a.context % page

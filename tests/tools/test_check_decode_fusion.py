@@ -1,10 +1,15 @@
-"""check_decode_fusion's switch spec: NAME compares 1 against 0, NAME=ON,OFF other values."""
+"""check_decode_fusion's switch spec (NAME compares 1 against 0, NAME=ON,OFF other values) and a
+CPU smoke run on the tiny model."""
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 
-from tools.check_decode_fusion import switch_values
+from tools.check_decode_fusion import main, switch_values
 
 
 def test_switch_spec():
@@ -13,3 +18,16 @@ def test_switch_spec():
     for bad in ("TAU_DOTS", "KESTREL_JAX_X=1", "KESTREL_JAX_X=1,2,3", "KESTREL_JAX_X=1,1", "KESTREL_JAX_X=,0"):
         with pytest.raises(SystemExit, match="--switch"):
             switch_values(bad)
+
+
+def test_tiny_run_with_joined_dense_weights(tmp_path: Path):
+    """--tiny --fused-dense-decode: the joined weights are made and both settings of a switch of the
+    joined products run (on the CPU the decode GEMM kernel is off, so they agree exactly); the
+    switch is restored afterwards."""
+    out = tmp_path / "check.json"
+    spec = "KESTREL_JAX_GEMV_DENSE_OUT=4,0"
+    assert main(["--tiny", "--model", "md2", "--fused-dense-decode", "--switch", spec, "--batches", "2",
+                 "--context", "40", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["switches"][spec]["2"]
+    assert res["finite"] and res["max_rel"] == 0.0 and res["max_abs_off"] > 0
+    assert "KESTREL_JAX_GEMV_DENSE_OUT" not in os.environ
