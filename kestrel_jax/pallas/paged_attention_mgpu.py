@@ -23,8 +23,8 @@ which keeps the inner loop free of cross-warp traffic; the 64 row states are mer
 the end (the only cross-warp reduction). Only a sequence's last tile is masked. With
 splits > 1 the CTAs write (o, log2-sum-exp) partials and a small XLA fusion merges them.
 Defaults: splits only when B * Hkv < 132 (at most one CTA per SM), depth 8 when the grid is
-under two CTAs per SM, else 4 (both capped by the tiles a split can have); 16-row tiles (half a
-key row per thread, 55 registers instead of 127) in an eight-slot ring for unsplit grids over
+under two CTAs per SM, else 4 (both capped by the tiles a split can have); 16-row tiles (8 of a
+key row's 64 channels per thread, 55 registers instead of 127) in an eight-slot ring for unsplit grids over
 short page tables (`decode_tile_plan`: B=32 at 128 tokens 12.1 -> 9.9 us on an H200).
 
 Predicted H100 SXM times (HBM ~3.35 TB/s peak, ~3.0 TB/s copy; per-CTA fixed cost ~2-3 us:
@@ -269,8 +269,8 @@ def decode_attention_kernel(
     it changes the result. With `partial_rows` >= B and more than one split (`planned_splits`), the
     split partials are returned unmerged, (o [partial_rows, H, splits, D] f32, lse [partial_rows, H,
     splits] f32; rows >= B unwritten), for a consumer that merges them itself
-    (`gemv_mgpu.gemv_merged`). `tile_rows` (64 or 16): keys per load-ring tile; 16 holds half a key
-    row (8 channels) per thread in its own layout (`_ROWS16`) instead of two rows: 55 registers
+    (`gemv_mgpu.gemv_merged`). `tile_rows` (64 or 16): keys per load-ring tile; 16 holds 8 channels
+    of one key row per thread in its own layout (`_ROWS16`) instead of 16 channels of two rows: 55 registers
     against 119-127, eight CTAs per SM, at four times the loop trips; None picks by shape
     (`decode_tile_plan`). (32-row tiles, one key row per thread at 79 registers, were slower than
     one of the two at every case timed on an H200, forty-first and forty-second sessions: built,
@@ -289,7 +289,8 @@ def decode_attention_kernel(
     P, Hkv, S, _ = k_pages.shape
     g = H // Hkv
     if tile_rows is not None and tile_rows not in _TILE_ROWS:
-        raise ValueError(f"tile_rows must be 64 or 16 (two key rows per thread, or half a row), got {tile_rows}")
+        raise ValueError(f"tile_rows must be 64 or 16 (16 channels of two key rows per thread, or 8 of one), "
+                         f"got {tile_rows}")
     tile, depth = decode_tile_plan(B, Hkv, page_table.shape[1], S, num_splits, tile_rows, depth)
     page_table = _pad_page_table(page_table)
     maxp = page_table.shape[1]

@@ -172,7 +172,7 @@ def test_write_kernel_interpreted(dtype):
     [(FP8, 16, 1, 1, 1, 64), (FP8, 64, 3, 1, 1, 64), (BF16, 32, 2, 2, 1, 64),
      # two KV heads (each case names its tile size: over these short tables the plan would pick 16)
      (FP8, 16, 1, 1, 2, 64),
-     # 16-row tiles: half a key row per thread in their own layout; a page of 8 is half a tile
+     # 16-row tiles: 8 channels of one key row per thread in their own layout; a page of 8 is half a tile
      (FP8, 64, 3, 1, 1, 16), (FP8, 8, 1, 1, 2, 16), (BF16, 16, 2, 2, 1, 16)],
     ids=["fp8-p16-nosplit", "fp8-p64-split3", "bf16-p32-split2-gqa2",
          "fp8-p16-2kv-nosplit",
