@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """GPU check of a decode-path switch: one decode forward of a full-size random model (all layers,
 a filled KV context) with the switch on and off, compared. Prints the largest difference of the
-final hidden states relative to their largest magnitude, per batch size.
+final hidden states relative to their largest magnitude, and the RMS of the difference relative to
+the RMS of the states, per batch size. A random model's depth can amplify last-bit differences
+(MD2's 24 layers do); `--layers 1` measures one layer's difference alone.
 
   PYTHONPATH=. python3 tools/check_decode_fusion.py --switch KESTREL_JAX_LN_KERNEL KESTREL_JAX_GEMV_ROWS
   PYTHONPATH=. python3 tools/check_decode_fusion.py --switch KESTREL_JAX_GEMV_QKV_ROWS=64,1 --batches 64
   PYTHONPATH=. python3 tools/check_decode_fusion.py --model md2 --fused-dense-decode \
-      --switch KESTREL_JAX_GEMV_DENSE_OUT=4,0 --batches 64 8 2
+      --switch KESTREL_JAX_GEMV_DENSE_OUT=4,0 --batches 64 8 2 --layers 1
 
 A switch is on = 1 against off = 0 unless given as NAME=ON,OFF.
 """
@@ -44,10 +46,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="the dense layers' joined decode weights (`TextModel.fuse_dense_decode`, as the "
                          "runner's default), so that switches of the joined products take effect")
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny model (a CPU smoke run)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="only the decoder's first N layers (default all): a difference before depth amplifies it")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     md3 = a.model == "md3"
-    model = synthetic_model(a.model, tiny=a.tiny).text
+    model = synthetic_model(a.model, tiny=a.tiny, layers=a.layers).text
     if a.fused_dense_decode and not model.fuse_dense_decode():
         raise SystemExit("--fused-dense-decode: the model joined no dense layer's weights")
     t = model.cfg
@@ -88,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                 outs[val] = np.asarray(f(state, x, cache, positions, slots, positions + 1, table).astype(jnp.float32))
             on, off = outs[on_val], outs[off_val]
             rel = float(np.abs(on - off).max() / max(np.abs(off).max(), 1e-30))
-            rel_diff[b] = {"max_rel": rel, "finite": bool(np.isfinite(on).all()),
+            rms = float(np.sqrt(np.mean((on - off) ** 2) / max(np.mean(off ** 2), 1e-30)))
+            rel_diff[b] = {"max_rel": rel, "rms_rel": rms, "finite": bool(np.isfinite(on).all()),
                            "max_abs_off": float(np.abs(off).max())}
             print(json.dumps({"switch": spec, "batch": b, **rel_diff[b]}), flush=True)
         if before is None:

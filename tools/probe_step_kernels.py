@@ -23,6 +23,7 @@ sees. It includes the probe's undonated KV-pool copy and the dispatch, alike for
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import os
@@ -48,13 +49,20 @@ from kestrel_jax.serving.runner import Runner, RunnerConfig, put_host_arrays  # 
 from tools.diff_step_kernels import diff as diff_steps  # noqa: E402
 
 
-def synthetic_model(name: Literal["md2", "md3"], *, tiny: bool = False, seed: int = 3) -> MoondreamModel:
+def synthetic_model(name: Literal["md2", "md3"], *, tiny: bool = False, seed: int = 3,
+                    layers: int | None = None) -> MoondreamModel:
     """The probes' random-weight models: the tests' tiny config in float32 (a CPU smoke run), or the
-    full-size model as the benchmarks serve it (MD3: FP8 experts and FP8 KV scales)."""
+    full-size model as the benchmarks serve it (MD3: FP8 experts and FP8 KV scales). `layers`: only
+    the text decoder's first that many layers (MD3's first four are its dense ones)."""
+    cfg = tiny_config(name) if tiny else md3_config() if name == "md3" else md2_config()
+    if layers is not None:
+        t = cfg.text
+        moe = None if t.moe is None else dataclasses.replace(t.moe, start_layer=min(t.moe.start_layer, layers))
+        cfg = dataclasses.replace(cfg, text=dataclasses.replace(t, n_layers=layers, moe=moe)).validate()
     if tiny:
-        return random_model(tiny_config(name), dtype=jnp.float32, seed=seed)
+        return random_model(cfg, dtype=jnp.float32, seed=seed)
     md3 = name == "md3"
-    return random_model(md3_config() if md3 else md2_config(), fp8_experts=md3, kv_scale=0.05 if md3 else None)
+    return random_model(cfg, fp8_experts=md3, kv_scale=0.05 if md3 else None)
 
 
 def family(kernel: str) -> str:

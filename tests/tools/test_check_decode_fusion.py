@@ -22,12 +22,24 @@ def test_switch_spec():
 
 def test_tiny_run_with_joined_dense_weights(tmp_path: Path):
     """--tiny --fused-dense-decode: the joined weights are made and both settings of a switch of the
-    joined products run (on the CPU the decode GEMM kernel is off, so they agree exactly); the
-    switch is restored afterwards."""
+    joined products run (on the CPU the decode GEMM kernel is off, so they agree exactly) on the
+    first 2 of the 4 layers; the switch is restored afterwards."""
     out = tmp_path / "check.json"
     spec = "KESTREL_JAX_GEMV_DENSE_OUT=4,0"
     assert main(["--tiny", "--model", "md2", "--fused-dense-decode", "--switch", spec, "--batches", "2",
-                 "--context", "40", "--out", str(out)]) == 0
+                 "--context", "40", "--layers", "2", "--out", str(out)]) == 0
     res = json.loads(out.read_text())["switches"][spec]["2"]
-    assert res["finite"] and res["max_rel"] == 0.0 and res["max_abs_off"] > 0
+    assert res["finite"] and res["max_rel"] == 0.0 and res["rms_rel"] == 0.0 and res["max_abs_off"] > 0
     assert "KESTREL_JAX_GEMV_DENSE_OUT" not in os.environ
+
+
+def test_layers_keeps_the_first_layers():
+    """synthetic_model(layers=N): N decoder layers; MD3's MoE layers start where they did, or at N
+    (the tiny MD3's at 2)."""
+    from tools.probe_step_kernels import synthetic_model
+
+    md3 = synthetic_model("md3", tiny=True, layers=1).text
+    assert len(md3.blocks) == 1 and md3.cfg.n_layers == 1 and md3.cfg.moe is not None
+    assert not md3.cfg.is_moe_layer(0)
+    md3 = synthetic_model("md3", tiny=True, layers=3).text
+    assert len(md3.blocks) == 3 and [md3.cfg.is_moe_layer(i) for i in range(3)] == [False, False, True]
