@@ -340,6 +340,8 @@ def main() -> int:
     dec = bt.text_decode(rows, bucket=a.batch, pages=p, page_size=page)
     images = jnp.zeros((1, model.cfg.text.prefix_attn - 1, model.cfg.text.dim), model.dtype)
     out_dir = Path(a.out_dir) if a.out_dir else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"device": jax.devices()[0].device_kind, "model": a.model, "tiny": a.tiny,
                            "settings": {k: v for k, v in vars(a).items() if k not in ("out_dir", "json")},
                            "switches": {k: v for k, v in sorted(os.environ.items()) if k.startswith("KESTREL_JAX_")},
