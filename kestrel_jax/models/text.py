@@ -35,7 +35,8 @@ from kestrel_jax.switches import flag, integer
 # 64) override them for A/B runs.
 QKV_KERNEL_ROWS = 64
 PROJ_KERNEL_ROWS = 8
-# A dense layer's joined decode products through the same kernel: opt-in, `ops.dense_decode_gemv`.
+# A dense layer's joined decode products through the same kernel (`ops.dense_decode_gemv`): the
+# output + fc2 product by default in steps of this many rows only, the QKV + fc1 one opt-in.
 DENSE_GEMV_ROWS = 64
 # The region heads' small products (encoders [256 | 512, 2048], decoders [2048, 1024 + 2048]), run
 # for every row of every step: at one row XLA rewrites each into a multiply + reduce (H100, session
@@ -378,13 +379,17 @@ class Block(nnx.Module):
         term)."""
         assert self.dense_out_w is not None and self.dense_out_b is not None
         g = jnp.concatenate([o, gelu_tanh(h)], axis=1)
-        _, splits, stages = ops.dense_decode_gemv()
-        # At 64 rows the kernel forms y's partials, not y^T's: with the transposed ones XLA carried
-        # the residual stream transposed into the next LayerNorm, whose row statistics then read it
-        # strided (H200, forty-third session: 1.5 -> 5.1 us per layer; an optimization barrier
-        # on y did not stop it).
+        stages = ops.dense_decode_gemv()[2]
+        # The kernel at 64 rows, where it forms y's partials, not y^T's: with the transposed ones XLA
+        # carried the residual stream transposed into the next LayerNorm, whose row statistics then
+        # read it strided (H200, forty-third session: 1.5 -> 5.1 us per layer; an optimization
+        # barrier on y did not stop it). At one row y and y^T are the same vector (opt-in).
+        if g.shape[0] == DENSE_GEMV_ROWS:
+            splits, row_major = ops.dense_out_splits(g.shape[1]), True
+        else:
+            splits, row_major = (ops.dense_out_one_row()[1] if g.shape[0] == 1 else 0), False
         y = ops.small_linear(g, self.dense_out_w[...], self.dense_out_b[...], max_rows=DENSE_GEMV_ROWS,
-                             splits=splits, stages=stages, row_major=g.shape[0] == DENSE_GEMV_ROWS) if splits else None
+                             splits=splits, stages=stages, row_major=row_major) if splits else None
         if y is not None:
             return y
         return jnp.dot(g, self.dense_out_w[...].astype(g.dtype)) + self.dense_out_b[...].astype(g.dtype)
@@ -505,12 +510,18 @@ class TextModel(nnx.Module):
             joined = batch.cu_q_lens is None and aux is None and t > 1
             dense_in = block.dense_decode_in(n[:t]) if joined else None
             out_joined = dense_in is not None and block.dense_out_w is not None
+            # one row (opt-in): the output projection and fc2 still as one product over the joined
+            # weights, fc1 formed on its own (XLA merges it with the QKV product)
+            h_one: jax.Array | None = None
+            if (batch.cu_q_lens is None and aux is None and t == 1 and block.dense_out_w is not None
+                    and isinstance(block.mlp, MLP) and ops.dense_out_one_row()[0]):
+                h_one = block.mlp.fc1(n[:t])
             a, ks[i], vs[i], routed = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux,
                                                  router=router, route_top_k=top_k,
                                                  experts=block.mlp.experts() if isinstance(block.mlp, MoE) else None,
                                                  u=None if dense_in is None else dense_in[0],
                                                  u_wide=None if dense_in is None else dense_in[2],
-                                                 project=not out_joined)
+                                                 project=not (out_joined or h_one is not None))
             logits, route = (None, routed) if isinstance(routed, DenseRoute) else (routed, None)
             rows = None
             if isinstance(block.mlp, MoE) and rows_path:
@@ -528,6 +539,9 @@ class TextModel(nnx.Module):
                 m = combine_rows(rows, t, x.dtype)
             elif out_joined and dense_in is not None:  # `a`: attention's output before its projection
                 x = x + block.dense_decode_out(a, dense_in[1])
+                continue
+            elif h_one is not None:
+                x = x + block.dense_decode_out(a, h_one)
                 continue
             elif dense_in is not None and isinstance(block.mlp, MLP):  # MLP.__call__ from its fc1 product
                 m = block.mlp.fc2(gelu_tanh(dense_in[1]))

@@ -222,18 +222,45 @@ def small_linear(x: jax.Array, w: jax.Array, b: jax.Array | None, *, max_rows: i
 def dense_decode_gemv() -> tuple[int, int, int]:
     """(splits of the joined QKV + fc1 product, splits of the joined output projection + fc2
     product, ring stages) for a dense layer's decode products through the decode GEMM kernel
-    (`gemv_mgpu.gemv`, at most 64 rows; row-major partials at 64) instead of XLA's GEMM:
-    KESTREL_JAX_GEMV_DENSE_IN / KESTREL_JAX_GEMV_DENSE_OUT (the K ranges per 64-column block; 0,
-    the default: XLA's GEMM) and KESTREL_JAX_GEMV_DENSE_STAGES (default 8), read at trace time.
+    (`gemv_mgpu.gemv`) instead of XLA's GEMM: KESTREL_JAX_GEMV_DENSE_IN (the K ranges per 64-column
+    block; default 0: XLA's GEMM) at up to 64 rows, KESTREL_JAX_GEMV_DENSE_OUT (default 4; 0: XLA's
+    GEMM) in 64-row steps only (`Block.dense_decode_out`), and KESTREL_JAX_GEMV_DENSE_STAGES
+    (default 8), read at trace time, on the kernel path.
     H200, forty-third session, MD2's 64-row decode step: XLA's output + fc2 product 14.0 us plus
-    4.1 us of residual add over its 16 f32 partials; the kernel at 4 splits and 8 stages 12.5 +
-    2.0 (step -124.5 us of CUPTI time), MD2 W2 C=64 +1.3% in three alternating pairs (10,125 against
-    9,991 output tok/s). Opt-in until its outputs are compared with XLA's on a GPU
-    (`tools/check_decode_fusion.py --fused-dense-decode`). The QKV + fc1 product through it was
-    slower (17.7 us at 2 splits against XLA's 18.2-19.3); below 64 rows its partials are y^T, and
-    XLA then carries the residual stream transposed into the next LayerNorm (1.5 -> 5.1 us)."""
-    return (integer("KESTREL_JAX_GEMV_DENSE_IN", 0, high=64), integer("KESTREL_JAX_GEMV_DENSE_OUT", 0, high=64),
+    4.1 us of residual add over its 16 f32 partials; the kernel at 4 splits and 8 stages (row-major
+    partials) 12.5 + 2.0: step -124.5 us of CUPTI time, MD2 W2 C=64 +1.3% in three alternating
+    pairs (10,125 against 9,991 output tok/s). Forty-fourth session: one MD2 layer's output within
+    bf16 rounding of XLA's (max 0.25% of the largest state, RMS 1.2e-4, as the kernel at 4 against 8
+    splits), MD3 W2 C=64 +1.1% (one pair), so on by default. The QKV + fc1 product through it was
+    slower (17.7 us at 2 splits against XLA's 18.2-19.3 us of GEMM but more around it); below 64
+    rows the kernel's partials are y^T, and XLA then carried the residual stream transposed into
+    the next LayerNorm (1.5 -> 5.1 us), so the output product stays on XLA there."""
+    return (integer("KESTREL_JAX_GEMV_DENSE_IN", 0, high=64), integer("KESTREL_JAX_GEMV_DENSE_OUT", 4, high=64),
             integer("KESTREL_JAX_GEMV_DENSE_STAGES", 8, low=1, high=16))
+
+
+def dense_out_splits(k: int) -> int:
+    """`dense_decode_gemv`'s output-product splits for a joined product of K = `k`: the default
+    gives way to XLA's GEMM (0) where it does not divide the product's K steps of 64 (a checkpoint
+    of other sizes than Moondream's); a value set in the environment stays as asked (the kernel
+    refuses one that does not divide)."""
+    splits = dense_decode_gemv()[1]
+    if "KESTREL_JAX_GEMV_DENSE_OUT" in os.environ or not splits:
+        return splits
+    from kestrel_jax.pallas import gemv_mgpu as kern
+
+    return splits if k % kern.BLOCK_K == 0 and (k // kern.BLOCK_K) % splits == 0 else 0
+
+
+def dense_out_one_row() -> tuple[bool, int]:
+    """(whether a one-row decode step forms a dense layer's output projection and fc2 as the one
+    joined product over `Block.dense_out_w`, splits of the decode GEMM kernel for it or 0 for XLA's
+    GEMM): KESTREL_JAX_DENSE_OUT_ONE_ROW (default 0) and KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW (default
+    0), read at trace time. Without them a one-row step runs the projection on the decode GEMM
+    kernel (8.4 MB, 3.5-3.7 us on an H200, 56% of copy) and fc2 on XLA's (33.5 MB, 10.1-12.4 us)
+    with a residual add over both products' partials. Opt-in until measured."""
+    return (flag("KESTREL_JAX_DENSE_OUT_ONE_ROW", False),
+            integer("KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW", 0, high=64))
 
 
 def region_gate_wanted() -> bool:

@@ -36,7 +36,7 @@ def _steps(family: Literal["md2", "md3"], fused: str, bucket: int = 2) -> tuple[
     a, b = [1, 700, 33, 4000, 12, 9, 81, 5], [1, 55, 66, 77, 88]
     pre = bt.text_prefill([(2, a), (6, b)], tokens=32, max_seqs=2, pages=p, page_size=PAGE)
     out = [np.asarray(r.prefill(*pre, jnp.zeros((1, 728, model.cfg.text.dim), model.dtype)))]
-    rows = [[2, len(a), int(out[0][0, 0])], [6, len(b), int(out[0][1, 0])]]
+    rows = [[2, len(a), int(out[0][0, 0])], [6, len(b), int(out[0][1, 0])]][:bucket]  # bucket 1: one decodes
     for _ in range(3):
         dec = bt.text_decode([(s, n, tok, -1) for s, n, tok in rows], bucket=bucket, pages=p, page_size=PAGE)
         out.append(np.asarray(r.decode(*dec, None)[1]))
@@ -212,12 +212,13 @@ def test_decode_qkv_kernel_reads_the_joined_product(monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize("family,bucket", [("md2", 2), ("md3", 2), ("md2", 64)])
 def test_joined_products_through_the_decode_gemm_kernel(family: Literal["md2", "md3"], bucket: int,
                                                         monkeypatch: pytest.MonkeyPatch):
-    """KESTREL_JAX_GEMV_DENSE_IN / _OUT / _STAGES: the dense layers' two joined decode products
-    through `ops.small_linear`'s decode GEMM kernel (interpreted here, the other ops on jnp) with
-    the K splits and ring stages asked for (row-major partials in a 64-row step): the same sampled
-    tokens, the outputs and KV within bf16 rounding of XLA's products (the kernel's f32 sums run in
-    another order). A split count that does not divide the product's K steps is refused at trace
-    time."""
+    """KESTREL_JAX_GEMV_DENSE_IN / _OUT / _STAGES: the dense layers' joined decode products through
+    `ops.small_linear`'s decode GEMM kernel (interpreted here, the other ops on jnp) with the K
+    splits and ring stages asked for (row-major partials in a 64-row step): the QKV + fc1 product
+    at any step size, the output + fc2 product in 64-row steps only (XLA's below). The same
+    sampled tokens, the outputs and KV within bf16 rounding of XLA's products (the kernel's f32
+    sums run in another order). A split count that does not divide the product's K steps is
+    refused at trace time."""
     from kestrel_jax.pallas import gemv_mgpu as g
 
     ref, _ = _steps(family, "on", bucket)  # XLA's joined products
@@ -237,14 +238,91 @@ def test_joined_products_through_the_decode_gemm_kernel(family: Literal["md2", "
     got, _ = _steps(family, "on", bucket)
     # both joined products, in the decode steps (the jitted kernel is traced once per shape)
     wide = bucket == 64
-    assert set(calls) == {(bucket, 256, 2, 2, wide), (bucket, 768, 3, 2, wide)}
+    assert set(calls) == {(bucket, 256, 2, 2, wide)} | ({(bucket, 768, 3, 2, True)} if wide else set())
     _assert_same_tokens(got, ref)
-    monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_OUT", "5")  # does not divide 12 steps
-    with pytest.raises(ValueError, match="splits must divide the 12 K steps"):
+    monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_IN", "3")  # does not divide 4 steps
+    with pytest.raises(ValueError, match="splits must divide the 4 K steps"):
         _steps(family, "on", bucket)
+    if wide:
+        monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_IN", "2")
+        monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_OUT", "5")  # does not divide 12 steps
+        with pytest.raises(ValueError, match="splits must divide the 12 K steps"):
+            _steps(family, "on", bucket)
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_STAGES", "0")
     with pytest.raises(ValueError, match="KESTREL_JAX_GEMV_DENSE_STAGES must be an integer"):
         ops.dense_decode_gemv()
+
+
+def test_output_product_through_the_kernel_by_default(monkeypatch: pytest.MonkeyPatch):
+    """Unset switches: a 64-row decode step forms each dense layer's joined output + fc2 product
+    with the decode GEMM kernel (4 splits, 8 ring stages, row-major partials) and the QKV + fc1
+    product with XLA's GEMM; the tokens match XLA's. The default gives way to XLA's GEMM where 4 does
+    not divide the product's K steps; a value set in the environment stays as asked."""
+    from kestrel_jax.pallas import gemv_mgpu as g
+
+    for name in ("KESTREL_JAX_GEMV_DENSE_IN", "KESTREL_JAX_GEMV_DENSE_OUT", "KESTREL_JAX_GEMV_DENSE_STAGES"):
+        monkeypatch.delenv(name, raising=False)
+    ref, _ = _steps("md2", "on", 64)
+    calls: list[tuple[int, int, int | None, int, bool]] = []
+    kernel = g.gemv
+
+    def interpreted(x: jax.Array, w: jax.Array, *args: Any, **kwargs: Any) -> Any:
+        calls.append((x.shape[0], w.shape[0], kwargs.get("splits"), kwargs.get("stages", 4),
+                      kwargs.get("row_major", False)))
+        return kernel(x, w, *args, interpret=True, **kwargs)
+
+    _route_through(monkeypatch, "small_linear", g, "gemv", interpreted, when=lambda kw: kw.get("splits") is not None)
+    got, _ = _steps("md2", "on", 64)
+    assert set(calls) == {(64, 768, 4, 8, True)}
+    _assert_same_tokens(got, ref)
+    assert ops.dense_out_splits(768) == 4 and ops.dense_out_splits(64 * 6) == 0 and ops.dense_out_splits(100) == 0
+    monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_OUT", "4")
+    assert ops.dense_out_splits(64 * 6) == 4  # asked for: the kernel refuses it when traced
+    monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_OUT", "0")
+    assert ops.dense_out_splits(768) == 0
+
+
+@pytest.mark.parametrize("family", ["md2", "md3"])
+def test_one_row_output_product_over_the_joined_weights(family: Literal["md2", "md3"],
+                                                        monkeypatch: pytest.MonkeyPatch):
+    """KESTREL_JAX_DENSE_OUT_ONE_ROW=1: a one-row decode step forms each dense layer's output
+    projection + fc2 as the one product over the joined weights (fc1 on its own): the same tokens,
+    outputs and KV within bf16 rounding of the separate products; with
+    KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW=3 through the decode GEMM kernel (interpreted here) in 3 K
+    ranges. Off by default: no joined product at one row."""
+    from kestrel_jax.models.text import Block
+    from kestrel_jax.pallas import gemv_mgpu as g
+
+    ref, _ = _steps(family, "on", 1)
+    seen: list[int] = []
+    original = Block.dense_decode_out
+
+    def counted(self: Block, o: jax.Array, h: jax.Array) -> jax.Array:
+        seen.append(o.shape[0])
+        return original(self, o, h)
+
+    monkeypatch.setattr(Block, "dense_decode_out", counted)
+    again, _ = _steps(family, "on", 1)
+    assert seen == []  # the default: separate products at one row
+    for x, y in zip(again, ref, strict=True):
+        np.testing.assert_array_equal(x, y)
+    monkeypatch.setenv("KESTREL_JAX_DENSE_OUT_ONE_ROW", "1")
+    got, _ = _steps(family, "on", 1)
+    assert seen and set(seen) == {1} and len(seen) % _dense_layers(family) == 0
+    _assert_same_tokens(got, ref)
+
+    calls: list[tuple[int, int, int | None]] = []
+    kernel = g.gemv
+
+    def interpreted(x: jax.Array, w: jax.Array, *args: Any, **kwargs: Any) -> Any:
+        calls.append((x.shape[0], w.shape[0], kwargs.get("splits")))
+        return kernel(x, w, *args, interpret=True, **kwargs)
+
+    _route_through(monkeypatch, "small_linear", g, "gemv", interpreted, when=lambda kw: kw.get("splits") is not None)
+    monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW", "3")  # K = 256 + 512: 12 steps
+    got, _ = _steps(family, "on", 1)
+    assert set(calls) == {(1, 768, 3)}
+    _assert_same_tokens(got, ref)
 
 
 def test_runners_started_at_once_on_one_model_all_get_them():
