@@ -36,7 +36,7 @@ from kestrel_jax.switches import flag, integer
 QKV_KERNEL_ROWS = 64
 PROJ_KERNEL_ROWS = 8
 # A dense layer's joined decode products through the same kernel (`ops.dense_decode_gemv`): the
-# output + fc2 product by default in steps of this many rows only, the QKV + fc1 one opt-in.
+# output + fc2 product by default in steps of this many rows and of one row, the QKV + fc1 one opt-in.
 DENSE_GEMV_ROWS = 64
 # The region heads' small products (encoders [256 | 512, 2048], decoders [2048, 1024 + 2048]), run
 # for every row of every step: at one row XLA rewrites each into a multiply + reduce (H100, session
@@ -383,11 +383,10 @@ class Block(nnx.Module):
         # The kernel at 64 rows, where it forms y's partials, not y^T's: with the transposed ones XLA
         # carried the residual stream transposed into the next LayerNorm, whose row statistics then
         # read it strided (H200, forty-third session: 1.5 -> 5.1 us per layer; an optimization
-        # barrier on y did not stop it). At one row y and y^T are the same vector (opt-in).
-        if g.shape[0] == DENSE_GEMV_ROWS:
-            splits, row_major = ops.dense_out_splits(g.shape[1]), True
-        else:
-            splits, row_major = (ops.dense_out_one_row()[1] if g.shape[0] == 1 else 0), False
+        # barrier on y did not stop it). At one row y and y^T are the same vector.
+        rows = g.shape[0]
+        splits = ops.dense_out_splits(g.shape[1], one_row=rows == 1) if rows in (1, DENSE_GEMV_ROWS) else 0
+        row_major = rows == DENSE_GEMV_ROWS
         y = ops.small_linear(g, self.dense_out_w[...], self.dense_out_b[...], max_rows=DENSE_GEMV_ROWS,
                              splits=splits, stages=stages, row_major=row_major) if splits else None
         if y is not None:
@@ -510,11 +509,11 @@ class TextModel(nnx.Module):
             joined = batch.cu_q_lens is None and aux is None and t > 1
             dense_in = block.dense_decode_in(n[:t]) if joined else None
             out_joined = dense_in is not None and block.dense_out_w is not None
-            # one row (opt-in): the output projection and fc2 still as one product over the joined
-            # weights, fc1 formed on its own (XLA merges it with the QKV product)
+            # one row: the output projection and fc2 still as one product over the joined weights,
+            # fc1 formed on its own (XLA merges it with the QKV product; `ops.dense_out_one_row`)
             h_one: jax.Array | None = None
             if (batch.cu_q_lens is None and aux is None and t == 1 and block.dense_out_w is not None
-                    and isinstance(block.mlp, MLP) and ops.dense_out_one_row()[0]):
+                    and isinstance(block.mlp, MLP) and ops.dense_out_one_row()):
                 h_one = block.mlp.fc1(n[:t])
             a, ks[i], vs[i], routed = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux,
                                                  router=router, route_top_k=top_k,

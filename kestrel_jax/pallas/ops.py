@@ -224,7 +224,7 @@ def dense_decode_gemv() -> tuple[int, int, int]:
     product, ring stages) for a dense layer's decode products through the decode GEMM kernel
     (`gemv_mgpu.gemv`) instead of XLA's GEMM: KESTREL_JAX_GEMV_DENSE_IN (the K ranges per 64-column
     block; default 0: XLA's GEMM) at up to 64 rows, KESTREL_JAX_GEMV_DENSE_OUT (default 4; 0: XLA's
-    GEMM) in 64-row steps only (`Block.dense_decode_out`), and KESTREL_JAX_GEMV_DENSE_STAGES
+    GEMM) in 64-row steps (one-row steps: `dense_out_splits`), and KESTREL_JAX_GEMV_DENSE_STAGES
     (default 8), read at trace time, on the kernel path.
     H200, forty-third session, MD2's 64-row decode step: XLA's output + fc2 product 14.0 us plus
     4.1 us of residual add over its 16 f32 partials; the kernel at 4 splits and 8 stages (row-major
@@ -234,33 +234,40 @@ def dense_decode_gemv() -> tuple[int, int, int]:
     splits), MD3 W2 C=64 +1.1% (one pair), so on by default. The QKV + fc1 product through it was
     slower (17.7 us at 2 splits against XLA's 18.2-19.3 us of GEMM but more around it); below 64
     rows the kernel's partials are y^T, and XLA then carried the residual stream transposed into
-    the next LayerNorm (1.5 -> 5.1 us), so the output product stays on XLA there."""
+    the next LayerNorm (1.5 -> 5.1 us), so from 2 to 63 rows the output product stays on XLA (at
+    one row y^T is y)."""
     return (integer("KESTREL_JAX_GEMV_DENSE_IN", 0, high=64), integer("KESTREL_JAX_GEMV_DENSE_OUT", 4, high=64),
             integer("KESTREL_JAX_GEMV_DENSE_STAGES", 8, low=1, high=16))
 
 
-def dense_out_splits(k: int) -> int:
-    """`dense_decode_gemv`'s output-product splits for a joined product of K = `k`: the default
-    gives way to XLA's GEMM (0) where it does not divide the product's K steps of 64 (a checkpoint
-    of other sizes than Moondream's); a value set in the environment stays as asked (the kernel
-    refuses one that does not divide)."""
-    splits = dense_decode_gemv()[1]
-    if "KESTREL_JAX_GEMV_DENSE_OUT" in os.environ or not splits:
+def dense_out_splits(k: int, one_row: bool = False) -> int:
+    """Splits of the decode GEMM kernel for a dense layer's joined output + fc2 product of K = `k`
+    (0: XLA's GEMM): in 64-row decode steps KESTREL_JAX_GEMV_DENSE_OUT (`dense_decode_gemv`),
+    with `one_row` KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW (default 4; 0: XLA's GEMM), read at trace
+    time. A default gives way to XLA's GEMM where it does not divide the product's K steps of 64 (a
+    checkpoint of other sizes than Moondream's); a value set in the environment stays as asked (the
+    kernel refuses one that does not divide)."""
+    name = "KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW" if one_row else "KESTREL_JAX_GEMV_DENSE_OUT"
+    splits = integer(name, 4, high=64) if one_row else dense_decode_gemv()[1]
+    if name in os.environ or not splits:
         return splits
     from kestrel_jax.pallas import gemv_mgpu as kern
 
     return splits if k % kern.BLOCK_K == 0 and (k // kern.BLOCK_K) % splits == 0 else 0
 
 
-def dense_out_one_row() -> tuple[bool, int]:
-    """(whether a one-row decode step forms a dense layer's output projection and fc2 as the one
-    joined product over `Block.dense_out_w`, splits of the decode GEMM kernel for it or 0 for XLA's
-    GEMM): KESTREL_JAX_DENSE_OUT_ONE_ROW (default 0) and KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW (default
-    0), read at trace time. Without them a one-row step runs the projection on the decode GEMM
-    kernel (8.4 MB, 3.5-3.7 us on an H200, 56% of copy) and fc2 on XLA's (33.5 MB, 10.1-12.4 us)
-    with a residual add over both products' partials. Opt-in until measured."""
-    return (flag("KESTREL_JAX_DENSE_OUT_ONE_ROW", False),
-            integer("KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW", 0, high=64))
+def dense_out_one_row() -> bool:
+    """Whether a one-row decode step forms a dense layer's output projection and fc2 as the one
+    joined product over `Block.dense_out_w` (fc1 on its own, which XLA merges with the QKV product)
+    where the runner joined the weights: KESTREL_JAX_DENSE_OUT_ONE_ROW, default 1 (0: the projection
+    on the decode GEMM kernel, 8.4 MB in 3.5-3.7 us, 56% of copy, fc2 on XLA's, and a residual add
+    over both products' partials), read at trace time. The joined product runs on the decode GEMM
+    kernel in `dense_out_splits(k, one_row=True)` K ranges. H200, forty-fourth session: MD2
+    batch-1 decode step -141.7 us of CUPTI time (48 fewer launches; XLA's GEMM for the joined product
+    -135.5, at 8 splits -136.1), MD3 -8.5 us (four dense layers), MD2 W1 846.9 -> 903.6 tok/s (one
+    pair); outputs within bf16 rounding of the separate products (one rounding of their sum
+    instead of two)."""
+    return flag("KESTREL_JAX_DENSE_OUT_ONE_ROW", True)
 
 
 def region_gate_wanted() -> bool:

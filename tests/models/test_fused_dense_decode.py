@@ -285,14 +285,17 @@ def test_output_product_through_the_kernel_by_default(monkeypatch: pytest.Monkey
 @pytest.mark.parametrize("family", ["md2", "md3"])
 def test_one_row_output_product_over_the_joined_weights(family: Literal["md2", "md3"],
                                                         monkeypatch: pytest.MonkeyPatch):
-    """KESTREL_JAX_DENSE_OUT_ONE_ROW=1: a one-row decode step forms each dense layer's output
-    projection + fc2 as the one product over the joined weights (fc1 on its own): the same tokens,
-    outputs and KV within bf16 rounding of the separate products; with
-    KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW=3 through the decode GEMM kernel (interpreted here) in 3 K
-    ranges. Off by default: no joined product at one row."""
+    """A one-row decode step forms each dense layer's output projection + fc2 as the one product
+    over the joined weights (fc1 on its own), by default through the decode GEMM kernel (interpreted
+    here) in 4 K ranges, with KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW=0 through XLA's GEMM: the same
+    tokens, outputs and KV within bf16 rounding of the separate products
+    (KESTREL_JAX_DENSE_OUT_ONE_ROW=0)."""
     from kestrel_jax.models.text import Block
     from kestrel_jax.pallas import gemv_mgpu as g
 
+    for name in ("KESTREL_JAX_DENSE_OUT_ONE_ROW", "KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KESTREL_JAX_DENSE_OUT_ONE_ROW", "0")
     ref, _ = _steps(family, "on", 1)
     seen: list[int] = []
     original = Block.dense_decode_out
@@ -303,26 +306,28 @@ def test_one_row_output_product_over_the_joined_weights(family: Literal["md2", "
 
     monkeypatch.setattr(Block, "dense_decode_out", counted)
     again, _ = _steps(family, "on", 1)
-    assert seen == []  # the default: separate products at one row
+    assert seen == []  # switched off: the separate products
     for x, y in zip(again, ref, strict=True):
         np.testing.assert_array_equal(x, y)
-    monkeypatch.setenv("KESTREL_JAX_DENSE_OUT_ONE_ROW", "1")
+    monkeypatch.delenv("KESTREL_JAX_DENSE_OUT_ONE_ROW")
+    monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW", "0")
     got, _ = _steps(family, "on", 1)
     assert seen and set(seen) == {1} and len(seen) % _dense_layers(family) == 0
     _assert_same_tokens(got, ref)
 
-    calls: list[tuple[int, int, int | None]] = []
+    calls: list[tuple[int, int, int | None, bool]] = []
     kernel = g.gemv
 
     def interpreted(x: jax.Array, w: jax.Array, *args: Any, **kwargs: Any) -> Any:
-        calls.append((x.shape[0], w.shape[0], kwargs.get("splits")))
+        calls.append((x.shape[0], w.shape[0], kwargs.get("splits"), kwargs.get("row_major", False)))
         return kernel(x, w, *args, interpret=True, **kwargs)
 
     _route_through(monkeypatch, "small_linear", g, "gemv", interpreted, when=lambda kw: kw.get("splits") is not None)
-    monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW", "3")  # K = 256 + 512: 12 steps
+    monkeypatch.delenv("KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW")  # the default: 4 K ranges of the 12 steps
     got, _ = _steps(family, "on", 1)
-    assert set(calls) == {(1, 768, 3)}
+    assert set(calls) == {(1, 768, 4, False)}
     _assert_same_tokens(got, ref)
+    assert ops.dense_out_splits(64 * 6, one_row=True) == 0  # 4 does not divide 6 steps: XLA's GEMM
 
 
 def test_runners_started_at_once_on_one_model_all_get_them():
