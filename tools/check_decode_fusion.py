@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the decoder's first N layers (default all): a difference before depth amplifies it")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if a.layers is not None and a.layers < 1:
+        ap.error(f"--layers must be at least 1, got {a.layers}")
     md3 = a.model == "md3"
     model = synthetic_model(a.model, tiny=a.tiny, layers=a.layers).text
     if a.fused_dense_decode and not model.fuse_dense_decode():

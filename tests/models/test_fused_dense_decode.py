@@ -2,9 +2,10 @@
 joined at load time (`TextModel.fuse_dense_decode`, `RunnerConfig.fused_dense_decode`): the
 runner's decode steps give the same outputs as with the separate weights (the input product's
 columns are the two GEMMs' columns: bit-identical; the output product rounds the sum of its two
-terms once: within bf16 rounding, the same tokens; a one-row step keeps the separate products), the
-joined weights are the separate ones side by side / stacked, MoE layers get none, prefill keeps the
-separate ones, runners started at once on one model all get them, and a bad setting is refused."""
+terms once: within bf16 rounding, the same tokens; a one-row step forms fc1 on its own and the
+output product over the joined weights), the joined weights are the separate ones side by side /
+stacked, MoE layers get none, prefill keeps the separate ones, runners started at once on one
+model all get them, and a bad setting is refused."""
 
 from __future__ import annotations
 
@@ -69,6 +70,24 @@ def _route_through(monkeypatch: pytest.MonkeyPatch, op: str, module: Any, kernel
         return out
 
     monkeypatch.setattr(ops, op, forced)
+
+
+def _gemv_through_kernel(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, int | None, int, bool]]:
+    """`ops.small_linear` calls that ask for K splits (the dense layers' joined products) run the
+    decode GEMM kernel, interpreted; the others (the region heads') get None, jnp as on the CPU.
+    Returns the list recording each traced call's (rows, K, splits, ring stages, row-major)."""
+    from kestrel_jax.pallas import gemv_mgpu as g
+
+    calls: list[tuple[int, int, int | None, int, bool]] = []
+    kernel = g.gemv
+
+    def interpreted(x: jax.Array, w: jax.Array, *args: Any, **kwargs: Any) -> Any:
+        calls.append((x.shape[0], w.shape[0], kwargs.get("splits"), kwargs.get("stages", 4),
+                      kwargs.get("row_major", False)))
+        return kernel(x, w, *args, interpret=True, **kwargs)
+
+    _route_through(monkeypatch, "small_linear", g, "gemv", interpreted, when=lambda kw: kw.get("splits") is not None)
+    return calls
 
 
 def _assert_same_tokens(got: list[np.ndarray], ref: list[np.ndarray]) -> None:
@@ -219,19 +238,8 @@ def test_joined_products_through_the_decode_gemm_kernel(family: Literal["md2", "
     sampled tokens, the outputs and KV within bf16 rounding of XLA's products (the kernel's f32
     sums run in another order). A split count that does not divide the product's K steps is
     refused at trace time."""
-    from kestrel_jax.pallas import gemv_mgpu as g
-
     ref, _ = _steps(family, "on", bucket)  # XLA's joined products
-    calls: list[tuple[int, int, int | None, int, bool]] = []  # (rows, K, splits, stages, row-major) traced
-    kernel = g.gemv
-
-    def interpreted(x: jax.Array, w: jax.Array, *args: Any, **kwargs: Any) -> Any:
-        calls.append((x.shape[0], w.shape[0], kwargs.get("splits"), kwargs.get("stages", 4),
-                      kwargs.get("row_major", False)))
-        return kernel(x, w, *args, interpret=True, **kwargs)
-
-    # the region heads' products (no splits asked for) stay on jnp, as on the CPU
-    _route_through(monkeypatch, "small_linear", g, "gemv", interpreted, when=lambda kw: kw.get("splits") is not None)
+    calls = _gemv_through_kernel(monkeypatch)
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_IN", "2")  # K = 256: 4 steps of 64
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_OUT", "3")  # K = 256 + 512: 12 steps
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_STAGES", "2")
@@ -258,20 +266,10 @@ def test_output_product_through_the_kernel_by_default(monkeypatch: pytest.Monkey
     with the decode GEMM kernel (4 splits, 8 ring stages, row-major partials) and the QKV + fc1
     product with XLA's GEMM; the tokens match XLA's. The default gives way to XLA's GEMM where 4 does
     not divide the product's K steps; a value set in the environment stays as asked."""
-    from kestrel_jax.pallas import gemv_mgpu as g
-
     for name in ("KESTREL_JAX_GEMV_DENSE_IN", "KESTREL_JAX_GEMV_DENSE_OUT", "KESTREL_JAX_GEMV_DENSE_STAGES"):
         monkeypatch.delenv(name, raising=False)
     ref, _ = _steps("md2", "on", 64)
-    calls: list[tuple[int, int, int | None, int, bool]] = []
-    kernel = g.gemv
-
-    def interpreted(x: jax.Array, w: jax.Array, *args: Any, **kwargs: Any) -> Any:
-        calls.append((x.shape[0], w.shape[0], kwargs.get("splits"), kwargs.get("stages", 4),
-                      kwargs.get("row_major", False)))
-        return kernel(x, w, *args, interpret=True, **kwargs)
-
-    _route_through(monkeypatch, "small_linear", g, "gemv", interpreted, when=lambda kw: kw.get("splits") is not None)
+    calls = _gemv_through_kernel(monkeypatch)
     got, _ = _steps("md2", "on", 64)
     assert set(calls) == {(64, 768, 4, 8, True)}
     _assert_same_tokens(got, ref)
@@ -291,7 +289,6 @@ def test_one_row_output_product_over_the_joined_weights(family: Literal["md2", "
     tokens, outputs and KV within bf16 rounding of the separate products
     (KESTREL_JAX_DENSE_OUT_ONE_ROW=0)."""
     from kestrel_jax.models.text import Block
-    from kestrel_jax.pallas import gemv_mgpu as g
 
     for name in ("KESTREL_JAX_DENSE_OUT_ONE_ROW", "KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW"):
         monkeypatch.delenv(name, raising=False)
@@ -315,17 +312,10 @@ def test_one_row_output_product_over_the_joined_weights(family: Literal["md2", "
     assert seen and set(seen) == {1} and len(seen) % _dense_layers(family) == 0
     _assert_same_tokens(got, ref)
 
-    calls: list[tuple[int, int, int | None, bool]] = []
-    kernel = g.gemv
-
-    def interpreted(x: jax.Array, w: jax.Array, *args: Any, **kwargs: Any) -> Any:
-        calls.append((x.shape[0], w.shape[0], kwargs.get("splits"), kwargs.get("row_major", False)))
-        return kernel(x, w, *args, interpret=True, **kwargs)
-
-    _route_through(monkeypatch, "small_linear", g, "gemv", interpreted, when=lambda kw: kw.get("splits") is not None)
+    calls = _gemv_through_kernel(monkeypatch)
     monkeypatch.delenv("KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW")  # the default: 4 K ranges of the 12 steps
     got, _ = _steps(family, "on", 1)
-    assert set(calls) == {(1, 768, 4, False)}
+    assert set(calls) == {(1, 768, 4, 8, False)}
     _assert_same_tokens(got, ref)
     assert ops.dense_out_splits(64 * 6, one_row=True) == 0  # 4 does not divide 6 steps: XLA's GEMM
 

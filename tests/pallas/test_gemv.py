@@ -67,6 +67,26 @@ def test_gemv_row_major_partials_are_the_same_product(rows: int, splits: int):
         jax.eval_shape(functools.partial(g.gemv_partials, row_major=True), x[:8], w)
 
 
+def test_gemv_row_major_partials_with_a_second_product_and_a_gate():
+    """Row-major partials beside the launch's other options: a second weight (its columns after the
+    first's, [splits, 64, N1 + N2]) and a gate (open: the product; closed: zero partials)."""
+    rng = fresh_rng()
+    K, n1, n2 = 256, 128, 64
+    x = jnp.asarray(rng.standard_normal((64, K)), BF16)
+    w1, w2 = (jnp.asarray(rng.standard_normal((K, n)) * 0.05, BF16) for n in (n1, n2))
+    exact = np.asarray(x, np.float64) @ np.concatenate([np.asarray(w, np.float64) for w in (w1, w2)], axis=1)
+    table = jnp.asarray([[0, 1]], jnp.int32)
+    for column, open_ in ((1, True), (0, False)):
+        parts = jax.jit(functools.partial(g.gemv_partials, splits=2, row_major=True, interpret=True,
+                                          gate=g.Gate(table, 0, column)))(x, w1, w2)
+        assert parts.shape == (2, 64, n1 + n2)
+        got = np.asarray(parts, np.float64).sum(0)
+        if open_:
+            assert np.abs(got - exact).max() <= 1e-5 * np.abs(exact).max()
+        else:
+            assert not got.any()
+
+
 def test_gemv_pair_equals_the_two_products():
     """Two products of the same rows in one launch (QKV and router): column blocks past the first
     matrix read the second."""

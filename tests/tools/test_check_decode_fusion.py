@@ -43,3 +43,5 @@ def test_layers_keeps_the_first_layers():
     assert not md3.cfg.is_moe_layer(0)
     md3 = synthetic_model("md3", tiny=True, layers=3).text
     assert len(md3.blocks) == 3 and [md3.cfg.is_moe_layer(i) for i in range(3)] == [False, False, True]
+    with pytest.raises(SystemExit):
+        main(["--tiny", "--layers", "0"])
