@@ -493,6 +493,10 @@ class TextModel(nnx.Module):
                     # recomputing earlier layers' residual adds inside this layer's (H100: with the
                     # kernel and no barrier, each residual fusion took ~1.5 us longer).
                     x = jax.lax.optimization_barrier(x)
+            elif n_next is None and ln_kernel and t == 1 and not moe:  # opt-in: a dense layer's, in one launch
+                n_next = ops.decode_dense_layer_norm(x, block.ln.scale[...], block.ln.bias[...], eps=block.ln.eps)
+                if n_next is not None:
+                    x = jax.lax.optimization_barrier(x)  # as above
             if n_next is None and block_ln:  # the first block of a prefill or mixed step
                 _, n_next = ops.residual_layer_norm(x, (), block.ln.scale[...], block.ln.bias[...], eps=block.ln.eps)
             n = block.ln(x) if n_next is None else n_next  # [T or pad_rows, D]

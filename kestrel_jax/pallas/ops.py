@@ -404,6 +404,23 @@ def decode_moe_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, exper
     return kern.layer_norm_rows_kernel(x, scale, bias, eps=eps, pad_rows=pad_rows, f16_copy=f16)
 
 
+def decode_dense_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, *, eps: float) -> jax.Array | None:
+    """A dense layer's LayerNorm in a one-row decode step as one launch (`layer_norm_triton`, as
+    MoE layers' `decode_moe_layer_norm`, unpadded) instead of XLA's two (H200, forty-fourth session,
+    MD2's batch-1 step: statistics 1.29 us, normalisation 1.47-1.51 us per layer; the kernel took
+    1.61 us at one row in MD3's MoE layers). KESTREL_JAX_DENSE_LN_ONE_ROW=1, read at trace time:
+    opt-in until timed (the forty-third session's dense LayerNorm in 64-row steps, through another
+    kernel, cut the step by 3.6 us but lowered MD2 W2 by 0.75%). None off the kernel path, with the
+    switch off, or for shapes the kernel does not take."""
+    if not _want_kernel() or not flag("KESTREL_JAX_DENSE_LN_ONE_ROW", False):
+        return None
+    from kestrel_jax.pallas import layer_norm_triton as kern
+
+    if x.shape[0] != 1 or kern.layer_norm_rows_problem(x, scale, bias, 1) is not None:
+        return None
+    return kern.layer_norm_rows_kernel(x, scale, bias, eps=eps, pad_rows=1)[0]
+
+
 def residual_layer_norm(x: jax.Array, adds: tuple[jax.Array, ...], scale: jax.Array, bias: jax.Array, *,
                         eps: float) -> tuple[jax.Array, jax.Array]:
     """A block's residual adds and the next LayerNorm over prefill-sized rows: x [..., D] and 0-2

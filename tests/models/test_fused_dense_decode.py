@@ -320,6 +320,36 @@ def test_one_row_output_product_over_the_joined_weights(family: Literal["md2", "
     assert ops.dense_out_splits(64 * 6, one_row=True) == 0  # 4 does not divide 6 steps: XLA's GEMM
 
 
+@pytest.mark.parametrize("family", ["md2", "md3"])
+def test_one_row_dense_layer_norm_in_one_launch(family: Literal["md2", "md3"], monkeypatch: pytest.MonkeyPatch):
+    """KESTREL_JAX_DENSE_LN_ONE_ROW=1: a one-row decode step forms each dense layer's LayerNorm with
+    the rows kernel (interpreted here), unpadded: the same tokens, outputs and KV within rounding of
+    XLA's statistics and normalisation (the kernel sums in another order). Off by default; steps of
+    more rows keep XLA's."""
+    from kestrel_jax.pallas import layer_norm_triton as L
+
+    monkeypatch.delenv("KESTREL_JAX_DENSE_LN_ONE_ROW", raising=False)
+    ref, _ = _steps(family, "on", 1)
+    shapes: list[tuple[int, ...]] = []
+    kernel = L.layer_norm_rows_kernel
+
+    def interpreted(x: jax.Array, *args: Any, **kwargs: Any) -> Any:
+        shapes.append(x.shape)
+        return kernel(x, *args, interpret=True, **kwargs)
+
+    row, scale = jnp.ones((1, 256), jnp.bfloat16), jnp.ones((256,), jnp.bfloat16)
+    with ops.use_backend("kernel"):  # off: XLA's LayerNorm even on the kernel path
+        assert ops.decode_dense_layer_norm(row, scale, scale, eps=1e-5) is None
+    monkeypatch.setenv("KESTREL_JAX_DENSE_LN_ONE_ROW", "1")
+    _route_through(monkeypatch, "decode_dense_layer_norm", L, "layer_norm_rows_kernel", interpreted)
+    got, _ = _steps(family, "on", 1)
+    assert shapes and set(shapes) == {(1, 256)} and len(shapes) % _dense_layers(family) == 0
+    _assert_same_tokens(got, ref)
+    shapes.clear()
+    _steps(family, "on", 2)
+    assert shapes == []
+
+
 def test_runners_started_at_once_on_one_model_all_get_them():
     """An engine starts one runner per device at once, all on one model: each joins, splits and
     unjoins it in turn (a lock), so every runner's params hold the joined weights."""

@@ -28,7 +28,7 @@ _SDS = jax.ShapeDtypeStruct
 
 
 @pytest.mark.parametrize("T,D,dtype,pad", [(1, 2048, BF16, 8), (3, 256, BF16, 8), (5, 128, jnp.float32, 16),
-                                           (8, 256, BF16, 8)])
+                                           (8, 256, BF16, 8), (1, 2048, BF16, 1)])
 def test_kernel_matches_the_jnp_path(T, D, dtype, pad):
     rng = fresh_rng()
     # an offset mean and a large spread (the one-pass variance's cancellation), and an outlier
@@ -102,9 +102,10 @@ def test_dispatch_forms_the_f16_copy_only_for_w8a16_experts(monkeypatch: pytest.
 def test_lowers_at_decoder_shapes():
     device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-    for T, f16 in [(1, True), (8, False)]:
-        def f(x, s, b, f16=f16):
-            return L.layer_norm_rows_kernel(x, s, b, eps=1e-5, pad_rows=8, f16_copy=f16)
+    # (1, 1): a dense layer's one-row LayerNorm, unpadded (`ops.decode_dense_layer_norm`)
+    for T, f16, pad in [(1, True, 8), (8, False, 8), (1, False, 1)]:
+        def f(x, s, b, f16=f16, pad=pad):
+            return L.layer_norm_rows_kernel(x, s, b, eps=1e-5, pad_rows=pad, f16_copy=f16)
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(f).trace(_SDS((T, 2048), BF16), _SDS((2048,), BF16), _SDS((2048,), BF16)).lower(
                 lowering_platforms=("cuda",)).as_text()
