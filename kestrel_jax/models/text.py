@@ -260,10 +260,12 @@ class Attention(nnx.Module):
         return prefetch, targets
 
     @staticmethod
-    def _linear(layer: Linear, x: jax.Array, kernel_rows: int, rows: int | None = None) -> jax.Array | None:
+    def _linear(layer: Linear, x: jax.Array, kernel_rows: int, rows: int | None = None,
+                splits: int | None = None, stages: int = 4) -> jax.Array | None:
         """`layer(x)` through the decode GEMM kernel (at most `kernel_rows` rows, on a GPU), else None."""
         bias = layer.bias[...] if layer.bias is not None else None
-        return ops.small_linear(x, layer.kernel[...], bias, max_rows=kernel_rows, rows=rows)
+        return ops.small_linear(x, layer.kernel[...], bias, max_rows=kernel_rows, rows=rows, splits=splits,
+                                stages=stages)
 
     def _qkv(self, x: jax.Array, t: int, decode: bool,
              router: Linear | None) -> tuple[jax.Array, jax.Array | None, TauDots | None]:
@@ -284,9 +286,11 @@ class Attention(nnx.Module):
         multiply + reduce, which materialises a [D, D] product (3x the weight bytes per decode
         step). Two rows keep it a GEMM; the barrier stops the slice from being pushed back into the
         dot."""
-        y = self._linear(self.proj, o, proj_kernel_rows()) if decode else None
-        if y is not None:
-            return y
+        if decode:
+            splits, stages = ops.proj_gemv_tuning()
+            y = self._linear(self.proj, o, proj_kernel_rows(), splits=splits, stages=stages)
+            if y is not None:
+                return y
         if o.shape[0] != 1:
             return self.proj(o)
         y = jax.lax.optimization_barrier(self.proj(jnp.pad(o, ((0, 1), (0, 0)))))

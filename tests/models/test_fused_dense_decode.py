@@ -350,6 +350,26 @@ def test_one_row_dense_layer_norm_in_one_launch(family: Literal["md2", "md3"], m
     assert shapes == []
 
 
+def test_projection_gemm_tuning_switches_reach_the_kernel(monkeypatch: pytest.MonkeyPatch):
+    """KESTREL_JAX_GEMV_PROJ_SPLITS / _STAGES: an MoE layer's decode output projection runs the
+    decode GEMM kernel (interpreted here) with the K splits and ring stages asked for; the tokens and
+    outputs are those of the jnp path within rounding. Unset: the kernel's own choice (no splits
+    passed, 4 stages)."""
+    for name in ("KESTREL_JAX_GEMV_PROJ_SPLITS", "KESTREL_JAX_GEMV_PROJ_STAGES"):
+        monkeypatch.delenv(name, raising=False)
+    assert ops.proj_gemv_tuning() == (None, 4)
+    ref, _ = _steps("md3", "on", 1)
+    calls = _gemv_through_kernel(monkeypatch)
+    monkeypatch.setenv("KESTREL_JAX_GEMV_PROJ_SPLITS", "2")  # K = 256: 4 steps of 64
+    monkeypatch.setenv("KESTREL_JAX_GEMV_PROJ_STAGES", "3")
+    got, _ = _steps("md3", "on", 1)
+    assert (1, 256, 2, 3, False) in calls  # the two MoE layers' projections (dense ones: the joined product)
+    _assert_same_tokens(got, ref)
+    monkeypatch.setenv("KESTREL_JAX_GEMV_PROJ_STAGES", "0")
+    with pytest.raises(ValueError, match="KESTREL_JAX_GEMV_PROJ_STAGES must be an integer"):
+        ops.proj_gemv_tuning()
+
+
 def test_runners_started_at_once_on_one_model_all_get_them():
     """An engine starts one runner per device at once, all on one model: each joins, splits and
     unjoins it in turn (a lock), so every runner's params hold the joined weights."""
