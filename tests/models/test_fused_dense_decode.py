@@ -90,6 +90,21 @@ def _gemv_through_kernel(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int
     return calls
 
 
+def _count_joined_output_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The list recording the rows of each joined output product traced (`Block.dense_decode_out`)."""
+    from kestrel_jax.models.text import Block
+
+    seen: list[int] = []
+    original = Block.dense_decode_out
+
+    def counted(self: Block, o: jax.Array, h: jax.Array) -> jax.Array:
+        seen.append(o.shape[0])
+        return original(self, o, h)
+
+    monkeypatch.setattr(Block, "dense_decode_out", counted)
+    return seen
+
+
 def _assert_same_tokens(got: list[np.ndarray], ref: list[np.ndarray]) -> None:
     """The steps' sampled tokens equal; outputs and KV within bf16 rounding."""
     for x, y in zip(got[:4], ref[:4], strict=True):
@@ -141,17 +156,8 @@ def test_decode_through_joined_weights_equals_separate(family: Literal["md2", "m
 def test_decode_through_joined_output_weights(family: Literal["md2", "md3"], monkeypatch: pytest.MonkeyPatch):
     """With the output projection + fc2 product as well (the default): the same sampled tokens,
     logprobs, region outputs and KV within bf16 rounding of the separate products' sum."""
-    from kestrel_jax.models.text import Block
-
     ref, r_off = _separate(family)
-    seen: list[int] = []
-    original = Block.dense_decode_out
-
-    def counted(self: Block, o: jax.Array, h: jax.Array) -> jax.Array:
-        seen.append(o.shape[0])
-        return original(self, o, h)
-
-    monkeypatch.setattr(Block, "dense_decode_out", counted)
+    seen = _count_joined_output_products(monkeypatch)
     got, r_on = _steps(family, "on")
     dense = _dense_layers(family)
     assert seen and len(seen) % dense == 0 and set(seen) == {2}  # the 2-row steps' dense layers
@@ -288,20 +294,11 @@ def test_one_row_output_product_over_the_joined_weights(family: Literal["md2", "
     here) in 4 K ranges, with KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW=0 through XLA's GEMM: the same
     tokens, outputs and KV within bf16 rounding of the separate products
     (KESTREL_JAX_DENSE_OUT_ONE_ROW=0)."""
-    from kestrel_jax.models.text import Block
-
     for name in ("KESTREL_JAX_DENSE_OUT_ONE_ROW", "KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KESTREL_JAX_DENSE_OUT_ONE_ROW", "0")
     ref, _ = _steps(family, "on", 1)
-    seen: list[int] = []
-    original = Block.dense_decode_out
-
-    def counted(self: Block, o: jax.Array, h: jax.Array) -> jax.Array:
-        seen.append(o.shape[0])
-        return original(self, o, h)
-
-    monkeypatch.setattr(Block, "dense_decode_out", counted)
+    seen = _count_joined_output_products(monkeypatch)
     again, _ = _steps(family, "on", 1)
     assert seen == []  # switched off: the separate products
     for x, y in zip(again, ref, strict=True):
