@@ -33,7 +33,7 @@ def _gated(x, w, b, gate):
 
 
 def test_gated_region_heads_keep_every_output(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def small_linear(x, w, b, *, max_rows, rows=None, gate=None):
+    def small_linear(x, w, b, *, max_rows, rows=None, gate=None, splits=None, stages=4, row_major=False):
         if gate is None or (rows or x.shape[0]) > max_rows:
             return None  # as on the CPU without the gate: the caller's jnp product
         return _gated(x[:rows] if rows else x, w, b, gate)
