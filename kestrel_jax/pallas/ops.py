@@ -242,11 +242,12 @@ def dense_decode_gemv() -> tuple[int, int, int]:
 
 def proj_gemv_tuning() -> tuple[int | None, int]:
     """(K splits or None for the kernel's `default_splits`, ring stages) of the decode output
-    projection's GEMM on the decode GEMM kernel (MoE layers' projections, up to
-    `proj_kernel_rows()` rows): KESTREL_JAX_GEMV_PROJ_SPLITS (default 0: the kernel's choice, 8 for
-    MD3's [2048, 2048] at 132 SMs) and KESTREL_JAX_GEMV_PROJ_STAGES (default 4), read at trace
-    time, for A/B runs: the projection streams 8.4 MB in 3.5 us at one row on an H200 (56% of copy,
-    forty-fourth session), latency-bound."""
+    projection's GEMM on the decode GEMM kernel (up to `proj_kernel_rows()` rows: MoE layers', and
+    dense layers' where they project on their own, `dense_proj_kernel`):
+    KESTREL_JAX_GEMV_PROJ_SPLITS (default 0: the kernel's choice, 8 for MD3's [2048, 2048] at 132
+    SMs) and KESTREL_JAX_GEMV_PROJ_STAGES (default 4), read at trace time, for A/B runs: the
+    projection streams 8.4 MB in 3.5 us at one row on an H200 (56% of copy, forty-fourth session),
+    latency-bound."""
     splits = integer("KESTREL_JAX_GEMV_PROJ_SPLITS", 0, high=64)
     return (splits or None), integer("KESTREL_JAX_GEMV_PROJ_STAGES", 4, low=1, high=16)
 
