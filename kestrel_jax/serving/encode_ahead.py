@@ -22,18 +22,21 @@ With `encode_many`, the worker encodes up to `max_batch` queued images in one ca
 encodes one-crop images together: more of the GPU busy per launch, BENCHMARKS.md, thirteenth
 session). It starts a call when `max_batch` images are queued, when the engine thread asks for a
 queued image (its prefill is being launched), or when the oldest queued image has waited
-`max_wait_s` (0: at once, with whatever is queued). If a call fails, each of its images is encoded
-on its own, so that a bad image fails its own requests only.
+`max_wait_s` (0: at once, with whatever is queued). Urgent admissions made together
+(`admitting`, one inbox drain) are asked for when the last of them is queued, so that they go in
+one call. If a call fails, each of its images is encoded on its own, so that a bad image fails
+its own requests only.
 
 All methods are called from the engine thread; only `encode` and `encode_many` run on the worker.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -69,6 +72,22 @@ class EncodeAhead:
         self._entries: dict[bytes, tuple[Future[Any], set[int]]] = {}
         self._waiting: OrderedDict[int, Any] = OrderedDict()  # request id -> submission, arrival order
         self.started = 0  # encodings launched on the worker (statistics, tests)
+        self._held_demands: list[Future[Any]] | None = None  # within `admitting`
+
+    @contextlib.contextmanager
+    def admitting(self) -> Iterator[None]:
+        """Admissions made together (the engine thread's inbox drain): the urgent images among
+        them are asked for on leaving, once all are queued, so that they go in one call (asked
+        for one by one, the worker could start on the first before the next was queued)."""
+        if self._held_demands is not None:  # nested: the outer one asks
+            yield
+            return
+        self._held_demands = []
+        try:
+            yield
+        finally:
+            held, self._held_demands = self._held_demands, None
+            self._demand(*held)
 
     @property
     def pending(self) -> int:
@@ -99,7 +118,10 @@ class EncodeAhead:
         else:
             self._waiting[rid] = sub
         if urgent and entry is not None:
-            self._demand(entry[0])
+            if self._held_demands is not None:
+                self._held_demands.append(entry[0])
+            else:
+                self._demand(entry[0])
 
     def take(self, sub: Any, last: bool) -> Any | None:
         """The request's encoding for a prefill chunk of its image (started now if the request
@@ -142,13 +164,17 @@ class EncodeAhead:
         self._demand(entry[0])
         return entry
 
-    def _demand(self, fut: Future[Any]) -> None:
-        """If `fut`'s image is still queued, its call starts at once (the asked-for images first)."""
-        if fut.done():
+    def _demand(self, *futs: Future[Any]) -> None:
+        """Those of these images still queued get their call started at once (the asked-for images
+        first; all marked before the worker looks)."""
+        futs = tuple(f for f in futs if not f.done())
+        if not futs:
             return
         with self._cv:
-            if any(f is fut for _, f, _ in self._queue):
-                self._demanded.add(id(fut))
+            queued = {id(f) for _, f, _ in self._queue}
+            asked = {id(f) for f in futs} & queued
+            if asked:
+                self._demanded |= asked
                 self._cv.notify()
 
     def drop(self, sub: Any) -> None:

@@ -388,11 +388,16 @@ class EngineWorker:
     def _drain_inbox(self, block: bool) -> int:
         """Admit the submissions and apply the cancellations waiting in the inbox; returns the
         number of submissions taken."""
-        taken = 0
         try:
             item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
         except queue.Empty:
-            return taken
+            return 0
+        # urgent images admitted in this drain are asked for together, after the last is queued
+        with self._ahead.admitting() if self._ahead is not None else contextlib.nullcontext():
+            return self._admit_drained(item)
+
+    def _admit_drained(self, item: Submission | tuple[str, int] | None) -> int:
+        taken = 0
         while True:
             if isinstance(item, tuple):
                 if self.scheduler.is_live(item[1]):

@@ -313,3 +313,28 @@ def test_an_urgent_image_starts_its_call_without_waiting_for_a_fuller_batch() ->
     assert ea.take(a, last=True) == "many-u0"  # a leaves the window: d starts (not urgent)
     assert ea.waiting == 1 and ea.holds(d)
     ea.shutdown()
+
+
+def test_urgent_images_admitted_together_go_in_one_call() -> None:
+    """Within `admitting` (one inbox drain), urgent images are asked for on leaving, once all are
+    queued: the worker does not start on the first while the others are still being admitted."""
+    import time
+
+    rec = BatchRecorder()
+    ea = rec.ahead(8, max_batch=4, max_wait_s=30.0)
+    subs = [Sub(i, f"t{i}".encode()) for i in range(3)]
+    with ea.admitting():
+        ea.add(subs[0], urgent=True)
+        time.sleep(0.2)  # time enough for the worker to start a call if it were asked for already
+        assert rec.many == [] and rec.calls == []
+        with ea.admitting():  # nested: the outer one asks
+            ea.add(subs[1], urgent=True)
+        time.sleep(0.1)
+        assert rec.many == [] and rec.calls == []
+        ea.add(subs[2], urgent=True)
+    t0 = time.monotonic()
+    while not rec.many and time.monotonic() - t0 < 10:
+        time.sleep(0.01)
+    assert [sorted(m) for m in rec.many] == [[0, 1, 2]] and rec.calls == []
+    assert [ea.take(s, last=True) for s in subs] == ["many-t0", "many-t1", "many-t2"]
+    ea.shutdown()

@@ -55,7 +55,10 @@ def test_queued_images_are_encoded_in_one_step_and_outputs_equal_the_reference(
     # other two are queued: a long batch wait makes it wait for a full batch or for the engine
     # thread to ask for one, which comes after the three admissions. (The hold used to wait for
     # all four to be *started*, which cannot happen while the engine thread waits: it ended at its
-    # 20 s timeout, and under load the three reached the vision thread apart: {1: 2, 2: 1}.)
+    # 20 s timeout, and under load the three reached the vision thread apart: {1: 2, 2: 1}. So did
+    # the urgent admissions (EngineConfig.admit_before_wait) while each was asked for as it was
+    # admitted: the thread could start on the first before the next was queued; a drain now asks
+    # for them together, EncodeAhead.admitting.)
     def held(*args: object, **kw: object) -> object:
         entered.set()
         t0 = time.monotonic()
