@@ -287,6 +287,42 @@ class ReferenceGenerator:
             banned = (tk.eos_id, tk.size_id)
         return ids, points, logits_seen
 
+    def segment_loop(self, seq: Sequence_, first: StepOut, s: SamplingSettings, sampler: Sampler,
+                     ) -> tuple[list[int], list[float], list[tuple[float, float]], str]:
+        """Segment (MOONDREAM.md §7.6): sample until EOS or max_tokens samples; a coordinate token
+        feeds E_coord and a size token E_size of the value decoded (greedy bins) from the hidden
+        state that sampled it, any other token itself. Returns (text ids, coordinates, sizes,
+        finish reason)."""
+        tk = self.cfg.tokenizer
+        region = self.model.region
+        ids: list[int] = []
+        coords: list[float] = []
+        sizes: list[tuple[float, float]] = []
+        h, logits = first.hidden, first.logits
+        n = 0
+        while True:
+            tok = sampler(logits)
+            if tok == tk.eos_id:
+                return ids, coords, sizes, "stop"
+            n += 1
+            if tok == tk.coord_id:
+                cl = np.asarray(region.decode_coordinate(jnp.asarray(h[None], self.dtype))[0])
+                coords.append(float(coord_bin_to_value(jnp.argmax(cl))))
+                x = self.coord_embedding(coords[-1])
+            elif tok == tk.size_id:
+                sl = np.asarray(region.decode_size(jnp.asarray(h[None], self.dtype))[0])
+                sizes.append((float(size_bin_to_value(jnp.argmax(sl[0]))), float(size_bin_to_value(jnp.argmax(sl[1])))))
+                x = self.size_embedding(*sizes[-1])
+            else:
+                ids.append(tok)
+                x = self.embed_ids([tok])
+            if n >= s.max_tokens:
+                return ids, coords, sizes, "length"
+            if seq.length >= self.max_len:
+                return ids, coords, sizes, "context"
+            st = self.feed(seq, x, decode=True)
+            h, logits = st.hidden, st.logits
+
 
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
 def _encode_image(graphdef: Any, state: Any, crops: jax.Array, tiling: tuple[int, int],

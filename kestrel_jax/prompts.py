@@ -4,7 +4,7 @@ Every prompt is the token list prefilled right after the 730-token image prefix 
 image embeddings); templates and special ids come from `cfg.tokenizer`, text goes through the
 caller's `encode` (the reference's `tokenizer.encode(s).ids`, nothing added).
 
-Spatial references (query only) put placeholder ids in the prompt whose embeddings the model
+Spatial references (query and segment) put placeholder ids in the prompt whose embeddings the model
 replaces: a point adds `[coord, coord]` (x, y); a box adds `[coord, coord, size]` (centre x,
 centre y, (width, height)). `Prompt.coord_slots` / `size_slots` name those positions (indices
 into `Prompt.ids`) and the values to encode there.
@@ -83,19 +83,7 @@ def query_prompt(
     tm = tk.templates
     _check_text(question, "question")
     ids = list(tm.query_prefix)
-    coord_slots: list[tuple[int, float]] = []
-    size_slots: list[tuple[int, tuple[float, float]]] = []
-    for n, ref in enumerate(spatial_refs):
-        values = _ref_values(ref, n)
-        if len(values) == 2:
-            x, y = values
-            coord_slots += [(len(ids), x), (len(ids) + 1, y)]
-            ids += [tk.coord_id, tk.coord_id]
-        else:
-            x0, y0, x1, y1 = values
-            coord_slots += [(len(ids), (x0 + x1) / 2), (len(ids) + 1, (y0 + y1) / 2)]
-            size_slots.append((len(ids) + 2, (x1 - x0, y1 - y0)))
-            ids += [tk.coord_id, tk.coord_id, tk.size_id]
+    coord_slots, size_slots = _add_refs(cfg, ids, spatial_refs)
     ids += _encoded(cfg, encode, question, "question")
     if cfg.is_md3:
         ids += [tk.thinking_id] if reasoning else list(tm.query_suffix)
@@ -118,7 +106,41 @@ def point_prompt(cfg: MoondreamConfig, encode: Encode, obj: str, *,
     return _object_prompt(cfg, encode, obj, tm.point_prefix, tm.point_suffix, max_prompt_tokens)
 
 
+def segment_prompt(cfg: MoondreamConfig, encode: Encode, obj: str, *, spatial_refs: Sequence[SpatialRef] = (),
+                   max_prompt_tokens: int | None = None) -> Prompt:
+    """prefix + refs + enc(object) + suffix (no leading space; MOONDREAM.md §6.2). MD3-family
+    models only: a model without the segment template raises PromptError."""
+    tm = cfg.tokenizer.templates
+    if tm.segment_prefix is None or tm.segment_suffix is None:
+        raise PromptError(f"{cfg.name} has no segment skill (the Moondream 3 family has; Moondream 2 has not)")
+    _check_text(obj, "object")
+    ids = list(tm.segment_prefix)
+    coord_slots, size_slots = _add_refs(cfg, ids, spatial_refs)
+    ids += _encoded(cfg, encode, obj, "object") + list(tm.segment_suffix)
+    return _finish(cfg, ids, coord_slots, size_slots, max_prompt_tokens)
+
+
 # --------------------------------------------------------------------------------------------
+
+
+def _add_refs(cfg: MoondreamConfig, ids: list[int], spatial_refs: Sequence[SpatialRef],
+              ) -> tuple[list[tuple[int, float]], list[tuple[int, tuple[float, float]]]]:
+    """Appends the spatial references' placeholder ids to `ids`; returns their slots."""
+    tk = cfg.tokenizer
+    coord_slots: list[tuple[int, float]] = []
+    size_slots: list[tuple[int, tuple[float, float]]] = []
+    for n, ref in enumerate(spatial_refs):
+        values = _ref_values(ref, n)
+        if len(values) == 2:
+            x, y = values
+            coord_slots += [(len(ids), x), (len(ids) + 1, y)]
+            ids += [tk.coord_id, tk.coord_id]
+        else:
+            x0, y0, x1, y1 = values
+            coord_slots += [(len(ids), (x0 + x1) / 2), (len(ids) + 1, (y0 + y1) / 2)]
+            size_slots.append((len(ids) + 2, (x1 - x0, y1 - y0)))
+            ids += [tk.coord_id, tk.coord_id, tk.size_id]
+    return coord_slots, size_slots
 
 
 def _object_prompt(cfg: MoondreamConfig, encode: Encode, obj: str, prefix: Sequence[int],

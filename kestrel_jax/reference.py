@@ -1,4 +1,4 @@
-"""Skills (query, caption, detect, point) on the single-request reference path.
+"""Skills (query, caption, detect, point, segment) on the single-request reference path.
 
 This is the synchronous, one-request-at-a-time API that the CLI uses until the serving engine
 exists, and the oracle the engine's outputs are compared with. Prompts follow MOONDREAM.md §6,
@@ -27,7 +27,9 @@ from kestrel_jax.prompts import (
     detect_prompt,
     point_prompt,
     query_prompt,
+    segment_prompt,
 )
+from kestrel_jax.segment import segment_output
 from kestrel_jax.tokenizer import Tokenizer
 
 
@@ -113,6 +115,17 @@ class ReferenceMoondream:
 
     def point(self, image: ImageInput | EncodedImage, obj: str, *, max_objects: int | None = None) -> SkillResult:
         return self._region(image, point_prompt(self.cfg, self.tokenizer.encode, obj), False, max_objects)
+
+    def segment(self, image: ImageInput | EncodedImage, obj: str, *, settings: SamplingSettings | None = None,
+                spatial_refs: tuple[Any, ...] = ()) -> SkillResult:
+        """The object's outline (MD3 family): output as the engine's, `{"segments": [...]}`."""
+        s = (settings or SamplingSettings()).validate()
+        prompt = segment_prompt(self.cfg, self.tokenizer.encode, obj, spatial_refs=spatial_refs)
+        seq, first, metrics = self._start(image, prompt)
+        t0 = time.perf_counter()
+        ids, coords, sizes, reason = self.gen.segment_loop(seq, first, s, Sampler(s))
+        metrics["decode_s"] = time.perf_counter() - t0
+        return SkillResult(segment_output(obj, ids, coords, sizes, self.tokenizer.decode), reason, ids, metrics)
 
     # ------------------------------------------------------------------------------------------
     def _text(self, seq: Any, first: Any, s: SamplingSettings, metrics: dict[str, float],

@@ -27,6 +27,7 @@ from kestrel_jax.prompts import (
     detect_prompt,
     point_prompt,
     query_prompt,
+    segment_prompt,
 )
 from kestrel_jax.tokenizer import Tokenizer, build_synthetic_tokenizer
 
@@ -240,3 +241,43 @@ def test_box_from_center_clamps_to_the_image_unless_asked_not_to():
     past = box_from_center(0.9, 0.1, 0.5, 0.5, clamp=False)
     assert past == {"x_min": 0.65, "y_min": -0.15, "x_max": 1.15, "y_max": 0.35}
     assert box_from_center(0.9, 0.1, 0.5, 0.5) == {"x_min": 0.65, "y_min": 0.0, "x_max": 1.0, "y_max": 0.35}
+
+
+# --------------------------------------------------------------------------------------------
+# Segment (MD3 family only)
+
+
+def test_segment_prompt_md3_only_with_refs_and_no_leading_space():
+    cfg = md3_config()
+    tk = cfg.tokenizer
+    enc = {"car": [5120, 881]}.__getitem__  # no leading space: " car" would raise KeyError
+    p = segment_prompt(cfg, enc, "car", spatial_refs=[(0.2, 0.4, 0.6, 0.5)])
+    assert p.ids == (1, 17374, 2, tk.coord_id, tk.coord_id, tk.size_id, 5120, 881, 3)
+    assert [i for i, _ in p.coord_slots] == [3, 4] and p.coord_slots[0][1] == pytest.approx(0.4)
+    assert p.size_slots[0][0] == 5 and p.size_slots[0][1] == pytest.approx((0.4, 0.1))
+    assert segment_prompt(cfg, enc, "car").ids == (1, 17374, 2, 5120, 881, 3)
+    for c in (md2_config(), tiny_config("md2")):
+        with pytest.raises(PromptError, match="no segment skill"):
+            segment_prompt(c, enc, "car")
+    with pytest.raises(PromptError, match="object"):
+        segment_prompt(cfg, enc, " ")
+
+
+def test_segment_template_in_checkpoint_configs():
+    """config.json round trip; MD2 never has one; a config naming none keeps the family's when the
+    vocabulary holds it, else none (a small synthetic checkpoint written before the skill)."""
+    from kestrel_jax.models.config import config_to_dict
+
+    for cfg in (md3_config(), tiny_config("md3"), md2_config(), tiny_config("md2")):
+        back = config_from_dict({"config": config_to_dict(cfg)}, family=cfg.family)
+        assert back.tokenizer.templates == cfg.tokenizer.templates
+    assert md3_config().tokenizer.templates.has_segment and not md2_config().tokenizer.templates.has_segment
+    old = config_to_dict(tiny_config("md3"))
+    del old["tokenizer"]["templates"]["segment"]
+    assert not config_from_dict({"config": old}, family="md3").tokenizer.templates.has_segment
+    full = config_to_dict(md3_config())
+    del full["tokenizer"]["templates"]["segment"]
+    assert config_from_dict({"config": full}, family="md3").tokenizer.templates.segment_prefix == (1, 17374, 2)
+    named = config_to_dict(tiny_config("md2"))
+    named["tokenizer"]["templates"]["segment"] = {"prefix": [1, 9, 2], "suffix": [3]}
+    assert not config_from_dict({"config": named}, family="md2").tokenizer.templates.has_segment

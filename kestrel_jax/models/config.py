@@ -143,6 +143,13 @@ class Templates:
     detect_suffix: tuple[int, ...] = (3,)
     point_prefix: tuple[int, ...] = (1, 2581, 2)
     point_suffix: tuple[int, ...] = (3,)
+    # The segment skill (MOONDREAM.md §7.6): MD3-family checkpoints only; None: the model has none.
+    segment_prefix: tuple[int, ...] | None = None
+    segment_suffix: tuple[int, ...] | None = None
+
+    @property
+    def has_segment(self) -> bool:
+        return self.segment_prefix is not None and self.segment_suffix is not None
 
 
 @dataclass(frozen=True)
@@ -198,7 +205,7 @@ class MoondreamConfig:
         tm = self.tokenizer.templates
         all_ids = [i for ids in tm.caption.values() for i in ids]
         for seq in (tm.query_prefix, tm.query_suffix, tm.detect_prefix, tm.detect_suffix, tm.point_prefix,
-                    tm.point_suffix):
+                    tm.point_suffix, tm.segment_prefix or (), tm.segment_suffix or ()):
             all_ids.extend(seq)
         tk = self.tokenizer
         all_ids.extend([tk.bos_id, tk.eos_id, tk.answer_id, tk.thinking_id, tk.coord_id, tk.size_id])
@@ -224,12 +231,18 @@ def md2_config() -> MoondreamConfig:
     return MoondreamConfig(family="md2", name="moondream2").validate()
 
 
+# The MD3 family's segment template (Kestrel's; MOONDREAM.md §6.1).
+MD3_SEGMENT_PREFIX, MD3_SEGMENT_SUFFIX = (1, 17374, 2), (3,)
+
+
 def md3_config(*, region_ln: bool = False, name: str = "moondream3-preview") -> MoondreamConfig:
     return MoondreamConfig(
         family="md3",
         name=name,
         text=TextConfig(max_context=4096, rope_theta=1.5e6, tau=True, moe=MoEConfig()),
         region=RegionConfig(inner_dim=None, has_ln=region_ln),
+        tokenizer=TokenizerConfig(templates=Templates(segment_prefix=MD3_SEGMENT_PREFIX,
+                                                      segment_suffix=MD3_SEGMENT_SUFFIX)),
     ).validate()
 
 
@@ -262,6 +275,8 @@ def tiny_config(family: Family = "md2", *, region_ln: bool = False, vision_layer
         caption=FrozenMap({"short": (1, 3270, 2, 1249, 3), "normal": (1, 3270, 2, 6382, 3),
                            "long": (1, 3270, 2, 4059, 3)}),
         query_prefix=(1, 1538, 2),
+        segment_prefix=(1, 1737, 2) if family == "md3" else None,
+        segment_suffix=(3,) if family == "md3" else None,
     )
     return MoondreamConfig(family=family, name=f"tiny-{family}", vision=vision, text=text, region=region,
                            tokenizer=TokenizerConfig(templates=templates)).validate()
@@ -308,6 +323,10 @@ def _templates(raw: Mapping[str, Any] | None, base: Templates) -> Templates:
         if t:
             kw[f"{skill}_prefix"] = ids(t["prefix"])
             kw[f"{skill}_suffix"] = ids(t["suffix"])
+    if "segment" in raw:  # null: the model has no segment skill
+        t = raw["segment"]
+        kw["segment_prefix"] = ids(t["prefix"]) if t else None
+        kw["segment_suffix"] = ids(t["suffix"]) if t else None
     return dataclasses.replace(base, **kw)
 
 
@@ -338,9 +357,13 @@ def config_from_dict(raw: Mapping[str, Any], family: Family | None = None) -> Mo
     region = _merge(RegionConfig, base.region, region_raw, "region")
     tok_raw = dict(inner.get("tokenizer", {}) or {})
     tokenizer = _merge(TokenizerConfig, base.tokenizer, tok_raw, "tokenizer")
-    tokenizer = dataclasses.replace(
-        tokenizer, templates=_templates(tok_raw.get("templates"), base.tokenizer.templates)
-    )
+    templates = _templates(tok_raw.get("templates"), base.tokenizer.templates)
+    seg = (*(templates.segment_prefix or ()), *(templates.segment_suffix or ()))
+    if family == "md2" or any(not 0 <= i < text.vocab_size for i in seg):
+        # MD2 has no segment skill; nor has a checkpoint whose vocabulary cannot hold the family's
+        # template and whose config names none (a small synthetic model written before the skill)
+        templates = dataclasses.replace(templates, segment_prefix=None, segment_suffix=None)
+    tokenizer = dataclasses.replace(tokenizer, templates=templates)
     name = str(raw.get("moondream_family", base.name))
     cfg = MoondreamConfig(family=family, name=name, vision=vision, text=text, region=region,
                           tokenizer=tokenizer)
@@ -373,6 +396,8 @@ def config_to_dict(cfg: MoondreamConfig) -> dict[str, Any]:
             "query": {"prefix": list(tm.query_prefix), "suffix": list(tm.query_suffix)},
             "detect": {"prefix": list(tm.detect_prefix), "suffix": list(tm.detect_suffix)},
             "point": {"prefix": list(tm.point_prefix), "suffix": list(tm.point_suffix)},
+            "segment": ({"prefix": list(tm.segment_prefix), "suffix": list(tm.segment_suffix)}
+                        if tm.segment_prefix is not None and tm.segment_suffix is not None else None),
         },
     }
     return {"text": text, "vision": v, "region": region, "tokenizer": tok}
