@@ -1,4 +1,4 @@
-"""`kestrel-jax` command line: demo, query, caption, detect, point, batch, serve, convert, calibrate-kv.
+"""`kestrel-jax` command line: demo, query, caption, detect, point, segment, batch, serve, convert, calibrate-kv.
 
 With no `--model`, commands use a small synthetic Moondream 3 (random weights, generated
 deterministically on first use into a cache folder) and, where no image is given, the bundled
@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 DEMO_SEED = 20251122
-DEMO_VERSION = 2  # 2: a 2-layer vision encoder (the demo compiles in seconds, its answers are noise either way)
+# 2: a 2-layer vision encoder (the demo compiles in seconds, its answers are noise either way); 3: MD3's
+# config names its segment template
+DEMO_VERSION = 3
 
 
 def _cache_dir() -> Path:
@@ -160,6 +162,26 @@ def cmd_point(args: argparse.Namespace) -> int:
     return _region_cmd(args, "point")
 
 
+def cmd_segment(args: argparse.Namespace) -> int:
+    settings = {"temperature": 0.0 if args.temperature is None else args.temperature, "top_p": args.top_p,
+                "max_tokens": args.max_tokens, "seed": args.seed}
+
+    async def body(engine: Any) -> None:
+        res = await engine.segment(_image(args), args.object, settings=settings)
+        if args.mask:
+            from PIL import Image
+
+            from kestrel_jax.models.image_crops import load_image
+            from kestrel_jax.segment import segment_mask
+
+            h, w = load_image(_image(args)).shape[:2]
+            mask = segment_mask(res.output["segments"][0], w, h)
+            Image.fromarray(mask.astype("uint8") * 255).save(args.mask)
+        _emit(args, _payload(res))
+
+    return _run(args, body)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Every skill on one image, submitted together: the engine batches them, and all but the
     first hit the prefix cache for the image (no second vision pass or 730-token prefill)."""
@@ -177,16 +199,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
             engine.query(image, "What is in this image?", reasoning=False, settings=s),
             engine.query(image, "How many shapes are there?", reasoning=True, settings=s),
             engine.detect(image, "car", settings=objs),
-            engine.point(image, "sun", settings=objs))
+            engine.point(image, "sun", settings=objs),
+            *([engine.segment(image, "sun", settings=s)] if engine.cfg.tokenizer.templates.has_segment else []))
         t2 = time.perf_counter()
-        names = ["caption (short)", "query", "query (reasoning)", "detect 'car'", "point 'sun'"]
-        for name, res in zip(names, [first, *rest], strict=True):
+        names = ["caption (short)", "query", "query (reasoning)", "detect 'car'", "point 'sun'", "segment 'sun'"]
+        for name, res in zip(names, [first, *rest], strict=False):
             out = {k: v for k, v in res.output.items()}
             text = next((v for v in out.values() if isinstance(v, str)), None)
+            if "segments" in out:
+                seg = out["segments"][0]
+                text = seg["svg_path"] or f"(no path: {seg.get('parse_error', 'none produced')})"
             shown = repr(text[:100]) if text is not None else out
             print(f"[demo] {name:18s} finish={res.finish_reason:6s} ttft={res.metrics.ttft_ms:7.1f}ms "
                   f"cached={res.metrics.cached_tokens:4d} -> {shown}")
-        print(f"[demo] first request {t1 - t0:.2f}s; the other four together {t2 - t1:.2f}s")
+        print(f"[demo] first request {t1 - t0:.2f}s; the other {len(rest)} together {t2 - t1:.2f}s")
         if not args.model:
             print("[demo] (random weights: the text above is noise, by design)")
 
@@ -390,12 +416,13 @@ def _check_batch_args(args: argparse.Namespace) -> None:
             raise BatchInputError("--requests takes its skills and images from the file: no --skill, inputs or --list")
         return
     if not args.skill:
-        raise BatchInputError("name a --skill (query, caption, detect, point), or pass --requests FILE.jsonl")
+        raise BatchInputError("name a --skill (query, caption, detect, point, segment), or pass --requests "
+                              "FILE.jsonl")
     if not args.inputs and args.list is None:
         raise BatchInputError("no images: name image files or folders, or pass --list FILE")
     if args.skill == "query" and not args.question:
         raise BatchInputError("--skill query needs --question")
-    if args.skill in ("detect", "point") and not args.object:
+    if args.skill in ("detect", "point", "segment") and not args.object:
         raise BatchInputError(f"--skill {args.skill} needs --object")
 
 
@@ -540,15 +567,20 @@ def build_parser() -> argparse.ArgumentParser:
         common(p)
         p.add_argument("object")
         p.set_defaults(fn=fn)
+    p = sub.add_parser("segment", help="the object's outline as an SVG path and its box (Moondream 3 family)")
+    common(p)
+    p.add_argument("object")
+    p.add_argument("--mask", help="also write the outline as a PNG mask of the image's size to this path")
+    p.set_defaults(fn=cmd_segment, max_tokens=768, top_p=1.0)
     p = sub.add_parser("batch", help="one skill over many images (files, folders, a list) or a JSONL of requests; "
                                      "a JSON line per request, resumable")
     common(p, image=False)
     p.add_argument("inputs", nargs="*", help="image files, or folders searched recursively for images")
-    p.add_argument("--skill", choices=["query", "caption", "detect", "point"])
+    p.add_argument("--skill", choices=["query", "caption", "detect", "point", "segment"])
     p.add_argument("--question", help="--skill query: the question")
     p.add_argument("--reasoning", choices=["on", "off"], default=None, help="--skill query")
     p.add_argument("--length", choices=["short", "normal", "long"], default="normal", help="--skill caption")
-    p.add_argument("--object", help="--skill detect / point: what to find")
+    p.add_argument("--object", help="--skill detect / point / segment: what to find")
     p.add_argument("--list", help="a file of image paths, one a line ('-': standard input)")
     p.add_argument("--requests", help="JSONL, one request a line: {\"skill\": ..., \"image\": path, ...} "
                                       "with the skill's arguments and optional \"settings\"")

@@ -25,10 +25,10 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_demo_runs_every_skill_and_says_weights_are_random(cache: Path) -> None:
     p = _run(["demo", "--max-tokens", "3", "--max-objects", "1"], cache)
     assert p.returncode == 0, p.stderr[-3000:]
-    for skill in ("caption", "query", "query (reasoning)", "detect", "point"):
+    for skill in ("caption", "query", "query (reasoning)", "detect", "point", "segment"):
         assert f"[demo] {skill}" in p.stdout, p.stdout
     assert "RANDOM weights" in p.stderr and "noise" in p.stdout
-    assert (cache / "demo-tiny-md3-v2" / ".complete").exists()
+    assert (cache / "demo-tiny-md3-v3" / ".complete").exists()
     # the compiled steps are kept for the next command (the tests below load them)
     compiled = [f for f in (cache / "compile").rglob("*") if f.is_file()]
     assert compiled and any(f.suffix == ".jaxexport" for f in compiled)
@@ -41,6 +41,22 @@ def test_detect_json_output(cache: Path) -> None:
     assert isinstance(out["objects"], list) and len(out["objects"]) <= 2
     for box in out["objects"]:
         assert set(box) == {"x_min", "y_min", "x_max", "y_max"}
+
+
+def test_segment_json_output_and_mask(cache: Path, tmp_path: Path) -> None:
+    from PIL import Image
+
+    from kestrel_jax.models.image_crops import DEMO_IMAGE_PATH
+
+    mask = tmp_path / "mask.png"
+    p = _run(["segment", "sun", "--json", "--quiet", "--max-tokens", "6", "--mask", str(mask)], cache)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (seg,) = json.loads(p.stdout.strip().splitlines()[-1])["segments"]
+    assert seg["object"] == "sun" and isinstance(seg["svg_path"], str) and len(seg["token_ids"]) <= 6
+    with Image.open(mask) as m, Image.open(DEMO_IMAGE_PATH) as img:
+        assert m.size == img.size and m.mode == "L"
+    p = _run(["segment", "sun", "--family", "md2", "--quiet"], cache)
+    assert p.returncode == 2 and "no segment skill" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_bad_input_gives_a_clear_error_not_a_traceback(cache: Path, tmp_path: Path) -> None:

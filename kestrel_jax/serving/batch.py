@@ -7,7 +7,8 @@ transfers is what keeps the host side of a batch-1 decode step short.
 
 Row inputs: a decode row either gets its input explicitly (kind, token, value) or, with
 `src >= 0`, from row `src` of the previous step's packed outputs, still on the device: the
-sampled token for text and reasoning rows, the decoded coordinate or size for region rows. That
+sampled token for text, reasoning and segment rows (or, when that token is the coordinate / size
+token of a reasoning or segment row, its decoded value), the decoded coordinate or size for region rows. That
 lets the host dispatch step N+1 before it has read step N. Pure numpy (no JAX).
 """
 
@@ -36,13 +37,13 @@ S_SUP = 8  # 8, 9, 10
 SI = 11
 N_SUP = 3
 
-FLAG_REGION, FLAG_REASONING = 1, 2
+FLAG_REGION, FLAG_REASONING, FLAG_SEGMENT = 1, 2, 4
 # Row / token input kinds (T_KIND, D_KIND): a token id, E_coord(value), E_size(value), an image row.
 IN_TOKEN, IN_COORD, IN_SIZE, IN_IMAGE = 0, 1, 2, 3
 
 
 def needs_region(flags: np.ndarray, kinds: np.ndarray) -> int:
-    """1 if any row samples for a region or reasoning job (its outputs carry decoded coordinates
+    """1 if any row samples for a region, reasoning or segment job (its outputs carry decoded coordinates
     and sizes) or takes a coordinate or size as input, else 0: the value of D_REGION / T_REGION,
     which lets a step skip the region heads' weight streams on the device (`ops.region_gate_wanted`)."""
     return int(bool(np.any(flags != 0) or np.any((kinds == IN_COORD) | (kinds == IN_SIZE))))
@@ -65,10 +66,12 @@ class RowSpec:
     suppressed: tuple[int, ...] = ()
     region: bool = False
     reasoning: bool = False
+    segment: bool = False  # a sampled coordinate / size token feeds its decoded value
 
     @property
     def flags(self) -> int:
-        return (FLAG_REGION if self.region else 0) | (FLAG_REASONING if self.reasoning else 0)
+        return ((FLAG_REGION if self.region else 0) | (FLAG_REASONING if self.reasoning else 0)
+                | (FLAG_SEGMENT if self.segment else 0))
 
 
 def _fill_sampling(ints: np.ndarray, floats: np.ndarray, i: int, spec: RowSpec, top_k_col: int, seed_col: int,

@@ -7,7 +7,7 @@
     res = await stream.result()
     await engine.shutdown()
 
-The API follows Kestrel's (`query`, `caption`, `detect`, `point`, settings dict with
+The API follows Kestrel's (`query`, `caption`, `detect`, `point`, `segment`, settings dict with
 temperature / top_p / max_tokens / max_objects, results with `output`, `finish_reason` and
 `metrics`). Device work runs on one worker thread: schedule (host) -> run (device) -> commit
 (host); see `loop.py`. Input validation happens in the caller's coroutine, so a bad request
@@ -46,6 +46,7 @@ from kestrel_jax.prompts import (
     detect_prompt,
     point_prompt,
     query_prompt,
+    segment_prompt,
 )
 from kestrel_jax.serving.runner import RunnerConfig
 from kestrel_jax.serving.skills import Job, Settings, SettingsError, Skill
@@ -379,6 +380,20 @@ class InferenceEngine:
         assert isinstance(r, Result)
         return r
 
+    async def segment(self, image: ImageInput, object: str, *, spatial_refs: Sequence[Any] = (),
+                      settings: dict[str, Any] | None = None, deadline_s: float | None = None,
+                      priority: int = 0) -> Result:
+        """The object's outline as an SVG path and its bounding box (Moondream 3 family models;
+        MOONDREAM.md §7.6): `output = {"segments": [{"svg_path", "bbox", ...}]}`, the path in [0, 1]
+        of the box (`kestrel_jax.segment.segment_mask` maps it onto the image). Greedy by default;
+        `max_tokens` bounds the path's length."""
+        s = Settings.from_dict(settings, skill="segment")
+        prompt = segment_prompt(self.cfg, self.tokenizer.encode, object, spatial_refs=tuple(spatial_refs),
+                                max_prompt_tokens=self._max_prompt(image))
+        r = await self._submit("segment", image, prompt, s, False, False, deadline_s, priority, subject=object)
+        assert isinstance(r, Result)
+        return r
+
     async def generate(self, requests: Sequence[dict[str, Any]], *, progress: bool = True,
                        return_exceptions: bool = True, max_in_flight: int | None = 512) -> list[Result | BaseException]:
         """Offline batch: each dict has `skill` plus that skill's arguments; results come back in
@@ -451,7 +466,7 @@ class InferenceEngine:
     async def _one(self, request: dict[str, Any]) -> Result:
         """One `generate` request: its `skill` and that skill's arguments (no stream)."""
         fns: dict[str, Any] = {"query": self.query, "caption": self.caption, "detect": self.detect,
-                               "point": self.point}
+                               "point": self.point, "segment": self.segment}
         if not isinstance(request, dict):
             raise TypeError(f"a request is a dict with 'skill' and its arguments, got {type(request).__name__}")
         args = dict(request)
@@ -474,9 +489,11 @@ class InferenceEngine:
         return self._preparing + self._worker.held()
 
     async def _submit(self, skill: Skill, image: ImageInput | None, prompt: Prompt, settings: Settings,
-                      reasoning: bool, stream: bool, deadline_s: float | None, priority: int = 0) -> Result | Stream:
+                      reasoning: bool, stream: bool, deadline_s: float | None, priority: int = 0,
+                      subject: str = "") -> Result | Stream:
         """`priority`: lower is admitted first, FIFO within one (the scheduler's queue order); a
-        request that runs is never preempted."""
+        request that runs is never preempted. `subject`: the object a segment request asks for
+        (reported with its result)."""
         if isinstance(priority, bool) or not isinstance(priority, int) or not -(2**31) <= priority < 2**31:
             raise SettingsError(f"priority must be an integer (lower runs first), got {priority!r}")
         with self._preparing_lock:
@@ -485,7 +502,7 @@ class InferenceEngine:
                                  f"{self._worker.config.max_queued} queued beyond those running); retry later")
             self._preparing += 1  # until the worker holds it
         try:
-            sub, st = await self._prepare(skill, image, prompt, settings, reasoning, stream, deadline_s)
+            sub, st = await self._prepare(skill, image, prompt, settings, reasoning, stream, deadline_s, subject)
             sub.priority = priority
             if st is None:
                 # A caller that stops waiting (its task cancelled: a timeout, a client gone) ends the
@@ -501,7 +518,8 @@ class InferenceEngine:
         return st if st is not None else await sub.future
 
     async def _prepare(self, skill: Skill, image: ImageInput | None, prompt: Prompt, settings: Settings,
-                       reasoning: bool, stream: bool, deadline_s: float | None) -> tuple[Submission, Stream | None]:
+                       reasoning: bool, stream: bool, deadline_s: float | None,
+                       subject: str = "") -> tuple[Submission, Stream | None]:
         """The request's submission (its image decoded and cropped off the event loop)."""
         loop = asyncio.get_running_loop()
         arrival = time.monotonic()
@@ -509,13 +527,14 @@ class InferenceEngine:
         if image is not None:
             crops, tiling, digest = await loop.run_in_executor(None, self._prepare_image, image)
         room = self.max_seq_len - len(prompt.ids) - (self.cfg.text.prefix_attn if image is not None else 1)
-        if skill in ("query", "caption") and settings.max_tokens > room:
+        if skill in ("query", "caption", "segment") and settings.max_tokens > room:
             raise SettingsError(f"max_tokens={settings.max_tokens} does not fit the context: {room} positions "
                                 f"are left after the prompt (context {self.max_seq_len})")
         rid = next(_ids)
         if settings.seed is None:
             settings = dataclasses.replace(settings, seed=rid & 0xFFFFFFFF)
-        job = Job(rid, skill, self.cfg, prompt, settings, reasoning=reasoning, has_image=image is not None)
+        job = Job(rid, skill, self.cfg, prompt, settings, reasoning=reasoning, has_image=image is not None,
+                  subject=subject)
         tokens = prompt.ids if image is not None else (self.cfg.tokenizer.bos_id, *prompt.ids)
         future: asyncio.Future[Result] = loop.create_future()
         st = Stream(future, rid, self.cancel) if stream else None

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-SKILLS = ("query", "caption", "detect", "point")
+SKILLS = ("query", "caption", "detect", "point", "segment")
 # Seconds: a cached short answer takes tens of ms on a GPU, a long caption under load tens of s.
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 CONTENT_TYPE = CONTENT_TYPE_LATEST

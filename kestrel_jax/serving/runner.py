@@ -308,13 +308,16 @@ def _decode_inputs(model: LM, ints: jax.Array, floats: jax.Array, prev: jax.Arra
     p = prev[jnp.clip(src, 0, prev.shape[0] - 1)]
     p_tok = p[:, 0].astype(jnp.int32)
     reasoning = (ints[:, bt.D_FLAGS] & bt.FLAG_REASONING) != 0
+    segment = (ints[:, bt.D_FLAGS] & bt.FLAG_SEGMENT) != 0
     kind = ints[:, bt.D_KIND]
     token = jnp.where(use_prev, p_tok, ints[:, bt.D_TOKEN])
     value = floats[:, bt.F_VAL0: bt.F_VAL1 + 1]
     p_coord = jnp.stack([p[:, 2], jnp.zeros_like(p[:, 2])], axis=1)
-    # a reasoning row that sampled the coordinate token feeds E_coord(its decoded value)
-    r_coord = use_prev & reasoning & (p_tok == tk.coord_id)
-    kind = jnp.where(r_coord, IN_COORD, kind)
+    # a reasoning or segment row that sampled the coordinate token feeds E_coord(its decoded
+    # value); a segment row that sampled the size token, E_size(its decoded size)
+    r_coord = use_prev & (reasoning | segment) & (p_tok == tk.coord_id)
+    r_size = use_prev & segment & (p_tok == tk.size_id)
+    kind = jnp.where(r_coord, IN_COORD, jnp.where(r_size, IN_SIZE, kind))
     value = jnp.where((use_prev & (kind == IN_COORD))[:, None], p_coord, value)
     value = jnp.where((use_prev & (kind == IN_SIZE))[:, None], p[:, 3:5], value)
     # a reasoning row that sampled the answer token feeds it and starts its answer: the next

@@ -4,6 +4,7 @@
     POST /v1/caption  {image_url | image, length?, stream?, settings?, priority?}
     POST /v1/detect   {image_url | image, object, settings?, priority?}
     POST /v1/point    {image_url | image, object, settings?, priority?}
+    POST /v1/segment  {image_url | image, object, spatial_refs?, settings?, priority?}  (MD3 family)
     GET  /health, GET /v1/models, GET /metrics (Prometheus)
 
 The request shapes follow Moondream's cloud API. Images arrive inline only (a `data:` URL or
@@ -60,6 +61,7 @@ _FIELDS: dict[str, frozenset[str]] = {
     "caption": _COMMON | {"length", "stream"},
     "detect": _COMMON | {"object"},
     "point": _COMMON | {"object"},
+    "segment": _COMMON | {"object", "spatial_refs"},
 }
 
 
@@ -145,6 +147,8 @@ def parse_body(raw: bytes, skill: str) -> SkillCall:
         kwargs["length"] = field("length", (str,), default="normal")
     else:
         kwargs["object"] = field("object", (str,), required=True)
+        if skill == "segment":
+            kwargs["spatial_refs"] = tuple(field("spatial_refs", (list,), default=[]))
     return SkillCall(skill, image, kwargs, bool(field("stream", (bool,), default=False)))
 
 
@@ -352,7 +356,8 @@ class Server:
             if e.status == 405:
                 message = f"{request.method} is not allowed on {request.path}"
             elif e.status == 404:
-                message = f"no endpoint {request.path}; see /v1/query, /v1/caption, /v1/detect, /v1/point"
+                message = (f"no endpoint {request.path}; see /v1/query, /v1/caption, /v1/detect, /v1/point, "
+                           "/v1/segment")
             return error_response(e.status, kind, message)
         except Exception as e:
             status, kind, message = classify(e)
@@ -455,8 +460,10 @@ class Server:
 
     def _model_info(self) -> dict[str, Any]:
         cfg = self.engine.cfg
+        skills = [k for k in _FIELDS if k != "segment" or cfg.tokenizer.templates.has_segment]
         return {"id": self.config.model_name or cfg.name, "object": "model", "family": cfg.family,
-                "synthetic": self.config.synthetic, "context_length": getattr(self.engine, "max_seq_len", None)}
+                "synthetic": self.config.synthetic, "context_length": getattr(self.engine, "max_seq_len", None),
+                "skills": skills}
 
     def _try_cancel(self, stream: Stream) -> bool:
         rid = getattr(stream, "request_id", 0)

@@ -10,6 +10,9 @@ continuation) into its next input and its results, exactly as the reference loop
     a sampled coordinate token feeds E_coord(value decoded from the same hidden state).
   - region (detect/point): decide -> x -> y (-> size) -> decide ...; coordinates and sizes are
     greedy bins fed back as E_coord / E_size.
+  - segment (MD3 family): sample freely (greedy by default) until EOS or max_tokens; a sampled
+    coordinate token feeds E_coord and a sampled size token E_size, each decoded from the hidden
+    state that sampled it; every other token is path text (MOONDREAM.md §7.6, `kestrel_jax.segment`).
 Pure Python; no JAX.
 """
 
@@ -22,9 +25,10 @@ from typing import Any, Literal
 
 from kestrel_jax.models.config import MoondreamConfig
 from kestrel_jax.prompts import Prompt, box_from_center
+from kestrel_jax.segment import segment_output
 from kestrel_jax.serving.batch import RowSpec
 
-Skill = Literal["caption", "query", "detect", "point"]
+Skill = Literal["caption", "query", "detect", "point", "segment"]
 IN_TOKEN, IN_COORD, IN_SIZE = 0, 1, 2
 
 
@@ -50,7 +54,7 @@ class Settings:
         unknown = set(d) - {f for f in cls.__dataclass_fields__}
         if unknown:
             raise SettingsError(f"unknown settings {sorted(unknown)}")
-        if skill in ("detect", "point"):
+        if skill in ("detect", "point", "segment"):  # Kestrel's defaults: greedy
             d.setdefault("temperature", 0.0)
             d.setdefault("top_p", 1.0)
         try:
@@ -113,6 +117,9 @@ class Job:
     grounding: list[dict[str, float]] = field(default_factory=list)
     objects: list[dict[str, float]] = field(default_factory=list)
     pending_xy: list[float] = field(default_factory=list)
+    coords: list[float] = field(default_factory=list)  # segment: decoded coordinates, in order
+    sizes: list[tuple[float, float]] = field(default_factory=list)  # segment: decoded sizes
+    subject: str = ""  # segment: the object asked for (reported with the result)
     finish_reason: str | None = None
 
     def __post_init__(self) -> None:
@@ -120,6 +127,8 @@ class Job:
             self.phase = "decide"
         elif self.skill == "query" and self.reasoning:
             self.phase = "reasoning"
+        elif self.skill == "segment":
+            self.phase = "segment"
 
     # ----------------------------------------------------------------------------- budget
     @property
@@ -143,9 +152,10 @@ class Job:
 
     def can_run_ahead(self, pending: int) -> bool:
         """Whether this job's next outputs need no host decision between them: plain answer /
-        caption tokens, each fed back as the next input (multi-step decode). Reasoning and
+        caption tokens, each fed back as the next input (multi-step decode), and segment outputs
+        (the device feeds a sampled coordinate / size token's decoded value itself). Reasoning and
         region phases, and the first sample of a phase, go one step at a time."""
-        return self.phase == "text" and (pending > 0 or not self.first_of_phase)
+        return self.phase in ("text", "segment") and (pending > 0 or not self.first_of_phase)
 
     def _forced_answer(self, pending: int) -> bool:
         """Reasoning hit max_tokens: the pending sample is discarded and the answer token fed."""
@@ -157,8 +167,8 @@ class Job:
             return self.next_kind, self.next_token, self.next_value, False
         if self._forced_answer(pending):
             return IN_TOKEN, self.cfg.tokenizer.answer_id, (0.0, 0.0), False
-        if self.phase in ("text", "reasoning"):
-            return IN_TOKEN, 0, (0.0, 0.0), True  # the sampled token (device: coord/answer rules)
+        if self.phase in ("text", "reasoning", "segment"):
+            return IN_TOKEN, 0, (0.0, 0.0), True  # the sampled token (device: coord/size/answer rules)
         if self.phase in ("decide", "y"):
             return IN_COORD, 0, (0.0, 0.0), True  # x (from the deciding hidden state) or y
         return IN_SIZE, 0, (0.0, 0.0), True
@@ -175,6 +185,8 @@ class Job:
         if self._forced_answer(pending):  # the next output is the answer's first
             return RowSpec(s.temperature, s.top_p, s.top_k, seed, step, eos)
         first = self.first_of_phase and not pending
+        if self.phase == "segment":
+            return RowSpec(s.temperature, s.top_p, s.top_k, seed, step, eos, segment=True)
         if self.phase == "reasoning":
             return RowSpec(s.temperature, s.top_p, s.top_k, seed, step, () if first else (tk.eos_id, tk.size_id),
                            reasoning=True)
@@ -192,6 +204,8 @@ class Job:
             return self._text(out)
         if self.phase == "reasoning":
             return self._reasoning(out)
+        if self.phase == "segment":
+            return self._segment(out)
         return self._region(out)
 
     def _finish(self, reason: str) -> bool:
@@ -227,6 +241,24 @@ class Job:
             self.next_kind, self.next_value = IN_COORD, (out.coord, 0.0)
         else:
             self._feed_token(out.token)
+        return False
+
+    def _segment(self, out: StepOut) -> bool:
+        tk = self.cfg.tokenizer
+        self.first_of_phase = False
+        if out.token == tk.eos_id and not self.settings.ignore_eos:
+            return self._finish("stop")
+        if out.token == tk.coord_id:
+            self.coords.append(out.coord)
+            self.next_kind, self.next_value = IN_COORD, (out.coord, 0.0)
+        elif out.token == tk.size_id:
+            self.sizes.append(out.size)
+            self.next_kind, self.next_value = IN_SIZE, out.size
+        else:
+            self.tokens.append(out.token)
+            self._feed_token(out.token)
+        if self.samples >= self.settings.max_tokens:
+            return self._finish("length")
         return False
 
     def _region(self, out: StepOut) -> bool:
@@ -269,6 +301,8 @@ class Job:
             return out
         if self.skill == "detect":
             return {"objects": list(self.objects)}
+        if self.skill == "segment":
+            return segment_output(self.subject, self.tokens, self.coords, self.sizes, decode)
         return {"points": list(self.objects)}
 
     @property

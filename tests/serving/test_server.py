@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 
 from kestrel_jax.cli import api_key, build_parser, compile_cache_dir
+from kestrel_jax.models.config import tiny_config
 from kestrel_jax.models.image_crops import DEMO_IMAGE_PATH
 from kestrel_jax.serving.engine import EngineBusy, EngineError, InferenceEngine, Stream
 from kestrel_jax.serving.server import (
@@ -96,6 +97,9 @@ def test_every_endpoint_shape(engine: InferenceEngine) -> None:
                                                          "settings": {"max_objects": 2}})
             out["point"] = await post(s, "/v1/point", {"image_url": DEMO_URL, "object": "sun",
                                                        "settings": {"max_objects": 2}})
+            out["segment"] = await post(s, "/v1/segment", {"image_url": DEMO_URL, "object": "sun",
+                                                           "spatial_refs": [[0.1, 0.2, 0.5, 0.6]],
+                                                           "settings": {"max_tokens": 4}})
             return out
 
     out = asyncio.run(main())
@@ -103,8 +107,10 @@ def test_every_endpoint_shape(engine: InferenceEngine) -> None:
     assert status == 200 and health["status"] == "ok" and health["in_flight"] == 0
     assert health["engine"]["num_pages"] == 96 and "scheduler" in health["engine"]
     assert out["models"] == (200, {"object": "list", "data": [{"id": "tiny", "object": "model", "family": "md3",
-                                                              "synthetic": False, "context_length": 1024}]})
-    for name in ("query", "reasoning", "text_only", "caption", "detect", "point"):
+                                                              "synthetic": False, "context_length": 1024,
+                                                              "skills": ["query", "caption", "detect", "point",
+                                                                         "segment"]}]})
+    for name in ("query", "reasoning", "text_only", "caption", "detect", "point", "segment"):
         assert out[name][0] == 200, (name, out[name])
         _check_common(out[name][1])
     q = out["query"][1]
@@ -119,6 +125,9 @@ def test_every_endpoint_shape(engine: InferenceEngine) -> None:
         assert all(0.0 <= v <= 1.0 for v in box.values()), box  # clamped to the image, as Kestrel's
     for pt in out["point"][1]["points"]:
         assert set(pt) == {"x", "y"}
+    (seg,) = out["segment"][1]["segments"]
+    assert seg["object"] == "sun" and isinstance(seg["svg_path"], str) and len(seg["token_ids"]) <= 4
+    assert out["segment"][1]["metrics"]["output_tokens"] == 4 or out["segment"][1]["finish_reason"] == "stop"
     _leak_free(engine)
 
 
@@ -263,6 +272,10 @@ BAD: list[tuple[str, Any, int, str, str]] = [
     ("/v1/caption", {"length": "short"}, 400, "invalid_request", "missing the image"),
     ("/v1/detect", {"image_url": DEMO_URL}, 400, "invalid_request", "'object'"),
     ("/v1/point", {"image_url": DEMO_URL, "object": "x", "stream": True}, 400, "invalid_request", "stream"),
+    ("/v1/segment", {"image_url": DEMO_URL, "object": "x", "spatial_refs": [[2, 0]]}, 400, "invalid_prompt",
+     "[0, 1]"),
+    ("/v1/segment", {"image_url": DEMO_URL, "object": "x", "settings": {"max_tokens": 900}}, 400,
+     "invalid_settings", "max_tokens"),
     ("/v1/query", b"{not json", 400, "invalid_json", "JSON"),
     ("/v1/query", b"", 400, "invalid_json", "empty"),
     ("/v1/query", b"[1, 2]", 400, "invalid_json", "object"),
@@ -322,7 +335,7 @@ def test_bad_requests_among_good_ones_fail_alone(engine: InferenceEngine) -> Non
 class _FailingEngine:
     """Stands in for the engine where the real one cannot be made to fail on demand."""
 
-    cfg = SimpleNamespace(name="fake", family="md3")
+    cfg = SimpleNamespace(name="fake", family="md3", tokenizer=tiny_config("md3").tokenizer)
     stats: dict[str, Any] = {}
 
     def __init__(self, exc: BaseException):
