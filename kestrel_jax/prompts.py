@@ -4,7 +4,7 @@ Every prompt is the token list prefilled right after the 730-token image prefix 
 image embeddings); templates and special ids come from `cfg.tokenizer`, text goes through the
 caller's `encode` (the reference's `tokenizer.encode(s).ids`, nothing added).
 
-Spatial references (query and segment) put placeholder ids in the prompt whose embeddings the model
+Spatial references (query, point and segment) put placeholder ids in the prompt whose embeddings the model
 replaces: a point adds `[coord, coord]` (x, y); a box adds `[coord, coord, size]` (centre x,
 centre y, (width, height)). `Prompt.coord_slots` / `size_slots` name those positions (indices
 into `Prompt.ids`) and the values to encode there.
@@ -99,11 +99,12 @@ def detect_prompt(cfg: MoondreamConfig, encode: Encode, obj: str, *,
     return _object_prompt(cfg, encode, obj, tm.detect_prefix, tm.detect_suffix, max_prompt_tokens)
 
 
-def point_prompt(cfg: MoondreamConfig, encode: Encode, obj: str, *,
+def point_prompt(cfg: MoondreamConfig, encode: Encode, obj: str, *, spatial_refs: Sequence[SpatialRef] = (),
                  max_prompt_tokens: int | None = None) -> Prompt:
-    """prefix + enc(" " + object) + suffix, like detect with the point template."""
+    """prefix + refs + enc(" " + object) + suffix, like detect with the point template (spatial
+    references as Kestrel's point takes them)."""
     tm = cfg.tokenizer.templates
-    return _object_prompt(cfg, encode, obj, tm.point_prefix, tm.point_suffix, max_prompt_tokens)
+    return _object_prompt(cfg, encode, obj, tm.point_prefix, tm.point_suffix, max_prompt_tokens, spatial_refs)
 
 
 def segment_prompt(cfg: MoondreamConfig, encode: Encode, obj: str, *, spatial_refs: Sequence[SpatialRef] = (),
@@ -144,10 +145,13 @@ def _add_refs(cfg: MoondreamConfig, ids: list[int], spatial_refs: Sequence[Spati
 
 
 def _object_prompt(cfg: MoondreamConfig, encode: Encode, obj: str, prefix: Sequence[int],
-                   suffix: Sequence[int], max_prompt_tokens: int | None) -> Prompt:
+                   suffix: Sequence[int], max_prompt_tokens: int | None,
+                   spatial_refs: Sequence[SpatialRef] = ()) -> Prompt:
     _check_text(obj, "object")
-    ids = list(prefix) + _encoded(cfg, encode, " " + obj, "object") + list(suffix)
-    return _finish(cfg, ids, [], [], max_prompt_tokens)
+    ids = list(prefix)
+    coord_slots, size_slots = _add_refs(cfg, ids, spatial_refs)
+    ids += _encoded(cfg, encode, " " + obj, "object") + list(suffix)
+    return _finish(cfg, ids, coord_slots, size_slots, max_prompt_tokens)
 
 
 def _check_text(text: Any, what: str) -> None:

@@ -113,8 +113,10 @@ class ReferenceMoondream:
     def detect(self, image: ImageInput | EncodedImage, obj: str, *, max_objects: int | None = None) -> SkillResult:
         return self._region(image, detect_prompt(self.cfg, self.tokenizer.encode, obj), True, max_objects)
 
-    def point(self, image: ImageInput | EncodedImage, obj: str, *, max_objects: int | None = None) -> SkillResult:
-        return self._region(image, point_prompt(self.cfg, self.tokenizer.encode, obj), False, max_objects)
+    def point(self, image: ImageInput | EncodedImage, obj: str, *, max_objects: int | None = None,
+              spatial_refs: tuple[Any, ...] = ()) -> SkillResult:
+        prompt = point_prompt(self.cfg, self.tokenizer.encode, obj, spatial_refs=spatial_refs)
+        return self._region(image, prompt, False, max_objects)
 
     def segment(self, image: ImageInput | EncodedImage, obj: str, *, settings: SamplingSettings | None = None,
                 spatial_refs: tuple[Any, ...] = ()) -> SkillResult:

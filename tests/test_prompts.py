@@ -256,6 +256,9 @@ def test_segment_prompt_md3_only_with_refs_and_no_leading_space():
     assert [i for i, _ in p.coord_slots] == [3, 4] and p.coord_slots[0][1] == pytest.approx(0.4)
     assert p.size_slots[0][0] == 5 and p.size_slots[0][1] == pytest.approx((0.4, 0.1))
     assert segment_prompt(cfg, enc, "car").ids == (1, 17374, 2, 5120, 881, 3)
+    # point takes spatial refs too (Kestrel's), before the object with its leading space
+    pp = point_prompt(cfg, fake_encode, OBJECT, spatial_refs=[(0.25, 0.75)])
+    assert pp.ids == (1, 2581, 2, tk.coord_id, tk.coord_id, *OBJECT_IDS, 3) and pp.coord_slots == ((3, 0.25), (4, 0.75))
     for c in (md2_config(), tiny_config("md2")):
         with pytest.raises(PromptError, match="no segment skill"):
             segment_prompt(c, enc, "car")

@@ -372,10 +372,12 @@ class InferenceEngine:
         assert isinstance(r, Result)
         return r
 
-    async def point(self, image: ImageInput, object: str, *, settings: dict[str, Any] | None = None,
-                    deadline_s: float | None = None, priority: int = 0) -> Result:
+    async def point(self, image: ImageInput, object: str, *, spatial_refs: Sequence[Any] = (),
+                    settings: dict[str, Any] | None = None, deadline_s: float | None = None,
+                    priority: int = 0) -> Result:
         s = Settings.from_dict(settings, skill="point")
-        prompt = point_prompt(self.cfg, self.tokenizer.encode, object, max_prompt_tokens=self._max_prompt(image))
+        prompt = point_prompt(self.cfg, self.tokenizer.encode, object, spatial_refs=tuple(spatial_refs),
+                              max_prompt_tokens=self._max_prompt(image))
         r = await self._submit("point", image, prompt, s, False, False, deadline_s, priority)
         assert isinstance(r, Result)
         return r

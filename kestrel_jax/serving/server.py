@@ -3,7 +3,7 @@
     POST /v1/query    {image_url | image, question, reasoning?, spatial_refs?, stream?, settings?, priority?}
     POST /v1/caption  {image_url | image, length?, stream?, settings?, priority?}
     POST /v1/detect   {image_url | image, object, settings?, priority?}
-    POST /v1/point    {image_url | image, object, settings?, priority?}
+    POST /v1/point    {image_url | image, object, spatial_refs?, settings?, priority?}
     POST /v1/segment  {image_url | image, object, spatial_refs?, settings?, priority?}  (MD3 family)
     GET  /health, GET /v1/models, GET /metrics (Prometheus)
 
@@ -60,7 +60,7 @@ _FIELDS: dict[str, frozenset[str]] = {
     "query": _COMMON | {"question", "reasoning", "spatial_refs", "stream"},
     "caption": _COMMON | {"length", "stream"},
     "detect": _COMMON | {"object"},
-    "point": _COMMON | {"object"},
+    "point": _COMMON | {"object", "spatial_refs"},
     "segment": _COMMON | {"object", "spatial_refs"},
 }
 
@@ -147,7 +147,7 @@ def parse_body(raw: bytes, skill: str) -> SkillCall:
         kwargs["length"] = field("length", (str,), default="normal")
     else:
         kwargs["object"] = field("object", (str,), required=True)
-        if skill == "segment":
+        if skill in ("point", "segment"):
             kwargs["spatial_refs"] = tuple(field("spatial_refs", (list,), default=[]))
     return SkillCall(skill, image, kwargs, bool(field("stream", (bool,), default=False)))
 

@@ -123,3 +123,20 @@ def test_bad_segment_requests_fail_alone(
         assert isinstance(r, Result) and r.metrics.output_tokens == 3
 
     asyncio.run(run())
+
+
+def test_point_with_spatial_refs_equals_the_reference(
+        setup: tuple[InferenceEngine, ReferenceMoondream, list[tuple[int, int]]]) -> None:
+    """Point takes spatial references as Kestrel's does: prefix + refs + object + suffix."""
+    eng, ref, _ = setup
+    img = np.random.default_rng(1).integers(0, 255, (378, 378, 3), dtype=np.uint8)
+    refs = ((0.25, 0.5), (0.1, 0.1, 0.4, 0.3))
+
+    async def run() -> Any:
+        return await asyncio.gather(eng.point(img, "sun", spatial_refs=refs, settings={"max_objects": 3}),
+                                    eng.point(img, "sun", settings={"max_objects": 3}))
+
+    got, plain = asyncio.run(run())
+    want = ref.point(img, "sun", max_objects=3, spatial_refs=refs)
+    assert got.output["points"] == want.output and len(want.output) == 3
+    assert got.metrics.input_tokens == plain.metrics.input_tokens + 5  # a point's 2 slots and a box's 3
