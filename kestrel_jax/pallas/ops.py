@@ -336,12 +336,24 @@ def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax
         if tau is not None and tau_dots_wanted() and kern.tau_dots_problem(tau.wq, tau.wv, w1c.shape[1]) is None:
             from kestrel_jax.pallas.qkv_epilogue import TauDots
 
-            y1, y2, dots = _jitted(kern.gemv_rows)(x, w1c, b1, w2c, b2, tau_w=(tau.wq, tau.wv))
+            y1, y2, dots = _jitted(kern.gemv_rows, ("stages",))(x, w1c, b1, w2c, b2, tau_w=(tau.wq, tau.wv),
+                                                               stages=rows_gemv_stages())
             return y1, y2, TauDots(dots, tau.alpha)
-        y1, y2 = _jitted(kern.gemv_rows)(x, w1c, b1, w2c, b2)
+        y1, y2 = _jitted(kern.gemv_rows, ("stages",))(x, w1c, b1, w2c, b2, stages=rows_gemv_stages())
         return y1, y2, None
     y1, y2 = _jitted(kern.gemv_pair, ("rows",))(x, w1c, b1, w2c, b2, rows=rows, gate=gate)
     return y1, y2, None
+
+
+def rows_gemv_stages() -> int:
+    """Ring stages of `gemv_mgpu.gemv_rows` (an MoE layer's decode QKV + router product):
+    KESTREL_JAX_GEMV_ROWS_STAGES, default the kernel's ROWS_STAGES (8), read at trace time, for A/B
+    runs. At one row it streams ~25 MB in 9.2 us on an H200 (68% of copy, forty-fourth session),
+    one CTA per 64 of its 6,208 columns (97 CTAs on 132 SMs); on the H100 8 stages beat 16 and 24
+    (seventeenth session), fewer were not measured."""
+    from kestrel_jax.pallas import gemv_mgpu as kern
+
+    return integer("KESTREL_JAX_GEMV_ROWS_STAGES", kern.ROWS_STAGES, low=1, high=32)
 
 
 def tau_dots_wanted() -> bool:

@@ -181,6 +181,39 @@ def test_small_linear_pair_hands_padded_rows_only_to_callers_that_take_them(monk
     assert shapes(True) == [(1, 192), (1, 64), None]
 
 
+def test_rows_kernel_stages_switch_reaches_the_kernel(monkeypatch: pytest.MonkeyPatch):
+    """KESTREL_JAX_GEMV_ROWS_STAGES: the QKV + router rows kernel's ring depth (default the
+    kernel's ROWS_STAGES); the products are the same at any depth (interpreted)."""
+    rng = fresh_rng()
+    x = jnp.asarray(rng.standard_normal((1, 256)), BF16)
+    w1, w2 = (jnp.asarray(rng.standard_normal((256, n)), BF16) for n in (128, 64))
+    b1, b2 = (jnp.asarray(rng.standard_normal((n,)), BF16) for n in (128, 64))
+    seen: list[int] = []
+    kernel = g.gemv_rows
+
+    def interpreted(*args, stages, **kw):
+        seen.append(stages)
+        return kernel(*args, stages=stages, interpret=True, **kw)
+
+    def run():
+        with ops.use_backend("kernel"), monkeypatch.context() as m:
+            m.setattr(g, "gemv_rows", interpreted)
+            return ops.small_linear_pair(x, w1, b1, w2, b2, max_rows=1, rows=1, padded_ok=True)
+
+    monkeypatch.delenv("KESTREL_JAX_GEMV_ROWS", raising=False)
+    monkeypatch.delenv("KESTREL_JAX_GEMV_ROWS_STAGES", raising=False)
+    assert ops.rows_gemv_stages() == g.ROWS_STAGES
+    ref = run()
+    monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS_STAGES", "2")
+    got = run()
+    assert seen == [g.ROWS_STAGES, 2]
+    for a, b in zip(ref[:2], got[:2], strict=True):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS_STAGES", "0")
+    with pytest.raises(ValueError, match="KESTREL_JAX_GEMV_ROWS_STAGES must be an integer"):
+        ops.rows_gemv_stages()
+
+
 def test_gemv_partials_sum_to_the_product_and_pad_rows_are_zero():
     rng = fresh_rng()
     x = jnp.asarray(rng.standard_normal((5, 256)), BF16)
