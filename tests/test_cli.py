@@ -128,7 +128,9 @@ def test_batch_requests_file_mixes_skills(cache: Path, tmp_path: Path) -> None:
              "settings": {"max_tokens": 2, "temperature": 0}},
             {"skill": "point", "image": img, "object": "sun", "settings": {"max_objects": 1}},
             {"skill": "query", "image": None, "question": "Hello", "settings": {"max_tokens": 2}},
-            {"skill": "sing", "image": img}]
+            {"skill": "sing", "image": img},
+            {"skill": "segment", "image": img, "object": "sun", "spatial_refs": [[0.5, 0.5]],
+             "settings": {"max_tokens": 2}}]
     jobs = tmp_path / "jobs.jsonl"
     jobs.write_text("\n".join(json.dumps(r) for r in reqs) + "\n\n")
     out = tmp_path / "out.jsonl"
@@ -140,6 +142,8 @@ def test_batch_requests_file_mixes_skills(cache: Path, tmp_path: Path) -> None:
     assert got[json.dumps(reqs[3], sort_keys=True)]["error"]["type"] == "invalid_request"
     assert isinstance(got[json.dumps(reqs[0], sort_keys=True)]["output"]["answer"], str)
     assert isinstance(got[json.dumps(reqs[1], sort_keys=True)]["output"]["points"], list)
+    (seg,) = got[json.dumps(reqs[4], sort_keys=True)]["output"]["segments"]
+    assert seg["object"] == "sun" and len(seg["token_ids"]) <= 2
     jobs.write_text(json.dumps(reqs[2]) + "\n{not json\n")
     p = _run(["batch", "--requests", str(jobs), "--out", str(tmp_path / "o2.jsonl"), "--max-batch-size", "4",
               "--quiet"], cache)
