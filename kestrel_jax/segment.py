@@ -160,12 +160,12 @@ def path_polylines(svg_path: str, curve_steps: int = 8) -> list[np.ndarray]:
     start = np.zeros(2)
     ctrl: np.ndarray | None = None  # the last curve's second control point (S, T reflect it)
     prev = ""
+    closed = False  # the last command was Z
     for cmd, nums in _path_numbers(svg_path):
         rel = cmd.islower()
         up = cmd.upper()
-        if up == "Z":
-            if subpaths and subpaths[-1]:
-                cur = start.copy()
+        if up == "Z":  # back to the subpath's start; drawing on without an M starts a new subpath there
+            cur, closed = start.copy(), True
             ctrl, prev = None, up
             continue
         arity = {"M": 2, "L": 2, "T": 2, "H": 1, "V": 1, "S": 4, "Q": 4, "C": 6, "A": 7}[up]
@@ -176,10 +176,11 @@ def path_polylines(svg_path: str, curve_steps: int = 8) -> list[np.ndarray]:
                 cur = base + a
                 start = cur.copy()
                 subpaths.append([cur.copy()])
-                ctrl, prev = None, up
+                ctrl, prev, closed = None, up, False
                 continue
-            if not subpaths:
+            if not subpaths or closed:
                 subpaths.append([cur.copy()])
+                closed = False
             if up in ("M", "L"):  # numbers after M's first pair are line-tos
                 nxt, ctrl = base + a, None
                 pts = [nxt]

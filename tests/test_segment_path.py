@@ -80,6 +80,10 @@ def test_polylines_commands_and_curves() -> None:
     np.testing.assert_allclose(q, [[0.0, 0.0], [0.5, 0.5], [1.0, 0.0], [1.5, -0.5], [2.0, 0.0]])
     two = path_polylines("M 0 0 L 1 0 L 1 1 Z M 2 2 L 3 3")
     assert [len(p) for p in two] == [3, 2]
+    # drawing on after Z without an M: a new subpath from the closed one's start
+    (a, b) = path_polylines("M 0 0 L 1 0 L 1 1 Z L 0 1 L -1 1 Z")
+    np.testing.assert_allclose(b, [[0.0, 0.0], [0.0, 1.0], [-1.0, 1.0]])
+    assert len(a) == 3
     with pytest.raises(PathError):
         path_polylines("0 0 L 1 1")
 
