@@ -163,11 +163,8 @@ def cmd_point(args: argparse.Namespace) -> int:
 
 
 def cmd_segment(args: argparse.Namespace) -> int:
-    settings = {"temperature": 0.0 if args.temperature is None else args.temperature, "top_p": args.top_p,
-                "max_tokens": args.max_tokens, "seed": args.seed}
-
     async def body(engine: Any) -> None:
-        res = await engine.segment(_image(args), args.object, settings=settings)
+        res = await engine.segment(_image(args), args.object, settings=_settings(args, 0.0))
         if args.mask:
             from PIL import Image
 

@@ -174,6 +174,18 @@ class ReferenceGenerator:
             x = x.at[i].set(self.size_embedding(w, h)[0])
         return x
 
+    # ---------------------------------------------------------------- region heads (greedy bins)
+    def decode_coord(self, h: np.ndarray) -> tuple[float, np.ndarray]:
+        """(coordinate, its logits [1024]) decoded from one hidden state [D]."""
+        logits = np.asarray(self.model.region.decode_coordinate(jnp.asarray(h[None], self.dtype))[0])
+        return float(coord_bin_to_value(jnp.argmax(logits))), logits
+
+    def decode_size(self, h: np.ndarray) -> tuple[tuple[float, float], np.ndarray]:
+        """((width, height), their logits [2, 1024]) decoded from one hidden state [D]."""
+        logits = np.asarray(self.model.region.decode_size(jnp.asarray(h[None], self.dtype))[0])
+        w, hh = (float(size_bin_to_value(jnp.argmax(row))) for row in logits)
+        return (w, hh), logits
+
     # ---------------------------------------------------------------- image
     def encode_image_crops(self, crops_u8: np.ndarray, tiling: tuple[int, int]) -> jax.Array:
         return _encode_image(self.graphdef, self.state, jnp.asarray(crops_u8), tuple(tiling), self.dtype)
@@ -219,7 +231,6 @@ class ReferenceGenerator:
         are the reference implementation's (unclamped) unless `clamp_boxes` (the engine's output:
         `prompts.box_from_center`)."""
         tk = self.cfg.tokenizer
-        region = self.model.region
         trace: dict[str, list[Any]] = {"hidden": [], "x": [], "y": [], "size": [], "next": [], "next_tok": []}
         objects: list[dict[str, float]] = []
         h, logits = first.hidden, first.logits
@@ -228,21 +239,17 @@ class ReferenceGenerator:
             if seq.length + (3 if boxes else 2) > self.max_len:
                 break
             trace["hidden"].append(h)
-            xl = np.asarray(region.decode_coordinate(jnp.asarray(h[None], self.dtype))[0])
-            x = float(coord_bin_to_value(jnp.argmax(xl)))
+            x, xl = self.decode_coord(h)
             trace["x"].append(xl)
             st = self.feed(seq, self.coord_embedding(x), decode=True)
             trace["hidden"].append(st.hidden)
-            yl = np.asarray(region.decode_coordinate(jnp.asarray(st.hidden[None], self.dtype))[0])
-            y = float(coord_bin_to_value(jnp.argmax(yl)))
+            y, yl = self.decode_coord(st.hidden)
             trace["y"].append(yl)
             st = self.feed(seq, self.coord_embedding(y), decode=True)
             if boxes:
                 trace["hidden"].append(st.hidden)
-                sl = np.asarray(region.decode_size(jnp.asarray(st.hidden[None], self.dtype))[0])
+                (w, hh), sl = self.decode_size(st.hidden)
                 trace["size"].append(sl)
-                w = float(size_bin_to_value(jnp.argmax(sl[0])))
-                hh = float(size_bin_to_value(jnp.argmax(sl[1])))
                 st = self.feed(seq, self.size_embedding(w, hh), decode=True)
                 objects.append(box_from_center(x, y, w, hh, clamp=clamp_boxes))
             else:
@@ -274,8 +281,7 @@ class ReferenceGenerator:
                 break
             ids.append(tok)
             if tok == tk.coord_id:
-                cl = np.asarray(self.model.region.decode_coordinate(jnp.asarray(h[None], self.dtype))[0])
-                v = float(coord_bin_to_value(jnp.argmax(cl)))
+                v, _ = self.decode_coord(h)
                 points.append({"index": len(ids) - 1, "value": v})
                 x = self.coord_embedding(v)
             else:
@@ -294,7 +300,6 @@ class ReferenceGenerator:
         state that sampled it, any other token itself. Returns (text ids, coordinates, sizes,
         finish reason)."""
         tk = self.cfg.tokenizer
-        region = self.model.region
         ids: list[int] = []
         coords: list[float] = []
         sizes: list[tuple[float, float]] = []
@@ -306,12 +311,10 @@ class ReferenceGenerator:
                 return ids, coords, sizes, "stop"
             n += 1
             if tok == tk.coord_id:
-                cl = np.asarray(region.decode_coordinate(jnp.asarray(h[None], self.dtype))[0])
-                coords.append(float(coord_bin_to_value(jnp.argmax(cl))))
+                coords.append(self.decode_coord(h)[0])
                 x = self.coord_embedding(coords[-1])
             elif tok == tk.size_id:
-                sl = np.asarray(region.decode_size(jnp.asarray(h[None], self.dtype))[0])
-                sizes.append((float(size_bin_to_value(jnp.argmax(sl[0]))), float(size_bin_to_value(jnp.argmax(sl[1])))))
+                sizes.append(self.decode_size(h)[0])
                 x = self.size_embedding(*sizes[-1])
             else:
                 ids.append(tok)

@@ -127,16 +127,34 @@ def test_bad_segment_requests_fail_alone(
 
 def test_point_with_spatial_refs_equals_the_reference(
         setup: tuple[InferenceEngine, ReferenceMoondream, list[tuple[int, int]]]) -> None:
-    """Point takes spatial references as Kestrel's does: prefix + refs + object + suffix."""
+    """Point takes spatial references as Kestrel's does: prefix + refs + object + suffix. Its
+    prefill feeds E_coord / E_size of the references' values at their slots (a random model's
+    points hardly move with them, so the step's inputs are checked, then the output)."""
+    from kestrel_jax.serving import batch as bt
+
     eng, ref, _ = setup
     img = np.random.default_rng(1).integers(0, 255, (378, 378, 3), dtype=np.uint8)
     refs = ((0.25, 0.5), (0.1, 0.1, 0.4, 0.3))
+    runner = eng._worker.runner
+    fed: list[tuple[np.ndarray, np.ndarray]] = []
+    prefill = runner.prefill
+
+    def spy(tok_ints: np.ndarray, tok_floats: np.ndarray, *args: Any) -> Any:
+        fed.append((tok_ints.copy(), tok_floats.copy()))
+        return prefill(tok_ints, tok_floats, *args)
 
     async def run() -> Any:
-        return await asyncio.gather(eng.point(img, "sun", spatial_refs=refs, settings={"max_objects": 3}),
-                                    eng.point(img, "sun", settings={"max_objects": 3}))
+        return await eng.point(img, "sun", spatial_refs=refs, settings={"max_objects": 3})
 
-    got, plain = asyncio.run(run())
+    runner.prefill = spy
+    try:
+        got = asyncio.run(run())
+    finally:
+        del runner.prefill
+    (ints, floats), = fed  # one prefill step, nothing else running
+    coord = ints[:, bt.T_KIND] == bt.IN_COORD
+    size = ints[:, bt.T_KIND] == bt.IN_SIZE
+    np.testing.assert_allclose(floats[coord, 0], [0.25, 0.5, 0.25, 0.2], rtol=1e-6)
+    np.testing.assert_allclose(floats[size], [[0.3, 0.2]], rtol=1e-6)
     want = ref.point(img, "sun", max_objects=3, spatial_refs=refs)
     assert got.output["points"] == want.output and len(want.output) == 3
-    assert got.metrics.input_tokens == plain.metrics.input_tokens + 5  # a point's 2 slots and a box's 3
