@@ -42,6 +42,10 @@ DENSE_GEMV_ROWS = 64
 # for every row of every step: at one row XLA rewrites each into a multiply + reduce (H100, session
 # 21: ~28 us of a batch-1 MD3 decode step for all four). KESTREL_JAX_GEMV_REGION_ROWS overrides.
 REGION_KERNEL_ROWS = 8
+# Decode rows up to which an MoE layer's output projection may ride in its down GEMM's launch
+# (`ops.proj_in_down_wanted`, opt-in): the projection's input padded to the 8-row block the dense
+# regime's GEMMs use at these sizes.
+SIDE_PROJ_ROWS = 8
 
 
 def _kernel_rows(name: str, default: int) -> int:
@@ -330,14 +334,16 @@ class MoE(nnx.Module):
                              logits=logits)
 
     def rows(self, x: jax.Array, num_valid: jax.Array | None, logits: jax.Array | None,
-             tokens: int, x_f16: jax.Array | None = None, route: DenseRoute | None = None) -> ExpertRows | None:
+             tokens: int, x_f16: jax.Array | None = None, route: DenseRoute | None = None,
+             side: tuple[jax.Array, jax.Array] | None = None) -> ExpertRows | None:
         """The layer's expert rows before the weighted sum (decode on a GPU; x may be padded past
         `tokens` rows, `x_f16` its f16 copy for W8A16 experts, `route` its routing tables when the
-        QKV epilogue built them), or None where the kernel path does not produce them."""
+        QKV epilogue built them, `side` a product for the down GEMM's launch, its partials then in
+        `ExpertRows.side`), or None where the kernel path does not produce them."""
         router_w = self.router.kernel[...]
         router_b = self.router.bias[...] if self.router.bias is not None else jnp.zeros(router_w.shape[1])
         return ops.moe_layer_rows(x, router_w, router_b, self.experts(), top_k=self.top_k, num_valid_tokens=num_valid,
-                                  logits=logits, tokens=tokens, x_f16=x_f16, route=route)
+                                  logits=logits, tokens=tokens, x_f16=x_f16, route=route, side=side)
 
 
 class DenseIn(nnx.Variable):
@@ -523,16 +529,27 @@ class TextModel(nnx.Module):
             if (batch.cu_q_lens is None and aux is None and t == 1 and block.dense_out_w is not None
                     and isinstance(block.mlp, MLP) and ops.dense_out_one_row()):
                 h_one = block.mlp.fc1(n[:t])
+            # opt-in: the output projection streamed in the MoE down GEMM's launch (`SideProduct`)
+            side_proj = (rows_path and block.attn.decode_gemm_kernel and t <= SIDE_PROJ_ROWS
+                         and ops.proj_in_down_wanted())
             a, ks[i], vs[i], routed = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux,
                                                  router=router, route_top_k=top_k,
                                                  experts=block.mlp.experts() if isinstance(block.mlp, MoE) else None,
                                                  u=None if dense_in is None else dense_in[0],
                                                  u_wide=None if dense_in is None else dense_in[2],
-                                                 project=not (out_joined or h_one is not None))
+                                                 project=not (out_joined or h_one is not None or side_proj))
             logits, route = (None, routed) if isinstance(routed, DenseRoute) else (routed, None)
             rows = None
             if isinstance(block.mlp, MoE) and rows_path:
-                rows = block.mlp.rows(n, batch.num_valid, logits, t, x_f16=n16, route=route)
+                side = None
+                if side_proj:
+                    side = (jnp.pad(a, ((0, SIDE_PROJ_ROWS - t), (0, 0))), block.attn.proj.kernel[...])
+                rows = block.mlp.rows(n, batch.num_valid, logits, t, x_f16=n16, route=route, side=side)
+            if side_proj:  # `a` is attention's output: its projection from the down GEMM's partials, or here
+                proj = block.attn.proj
+                bias = proj.bias[...] if proj.bias is not None else None
+                a = (ops.side_product_result(rows.side, t, bias, a.dtype) if rows is not None and rows.side is not None
+                     else block.attn._project(a, True))
             nxt_block = self.blocks[i + 1] if i + 1 < len(self.blocks) else None
             if rows is not None and ln_kernel and nxt_block is not None and isinstance(nxt_block.mlp, MoE):
                 # opt-in: the residual and the next MoE layer's LayerNorm in one launch

@@ -30,6 +30,9 @@ class ExpertRows(NamedTuple):
     dest: jax.Array  # [k, P] int32, P >= T
     weights: jax.Array  # [k, P] f32
     n_valid: jax.Array  # [1] int32
+    # f32 partials [splits, N, Mp] of a side product streamed in the down GEMM's launch (the attention
+    # output projection, `moe_mgpu.SideProduct`), or None
+    side: jax.Array | None = None
 
 
 def combine_rows(r: ExpertRows, tokens: int, dtype: jnp.dtype) -> jax.Array:

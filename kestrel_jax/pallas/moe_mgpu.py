@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +74,9 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kestrel_jax.pallas.decode_residual import ExpertRows, combine_rows
+from kestrel_jax.pallas.gemv_mgpu import _TRANSFORMS as GEMV_TRANSFORMS
+from kestrel_jax.pallas.gemv_mgpu import BLOCK_K as SIDE_BK
+from kestrel_jax.pallas.gemv_mgpu import _stream as gemv_stream
 from kestrel_jax.pallas.moe import (
     FP8_MAX,
     ExpertWeights,
@@ -101,6 +104,73 @@ H100_SMS = 132
 _QROWS = plgpu.Layout.TILED(mgpu_fa.Tiling(((8, 128), (2, 128), (4,))), warp_dims=(-5,), lane_dims=(-2,),
                             vector_dim=-1)
 MIN_QUANT_STAGES = 4  # in-GEMM quantisation only where its SMEM leaves a ring this deep
+
+
+SIDE_SMEM_MAX = 96 * 1024  # a side product's resident tiles (`SideProduct.smem_bytes`)
+
+
+class SideProduct(NamedTuple):
+    """A decode-size product y = x @ w that an expert GEMM streams in its own launch beside its
+    units (`_grouped_gemm(side=...)`): an MoE layer's attention output projection rides in the down
+    GEMM at decode instead of taking a launch of its own. Its pieces, (64-column block, K range)
+    pairs, go to the CTAs from the last one down; a piece holds its whole K range of weight and x
+    tiles resident in SMEM (`steps` tiles of `gemv_mgpu`'s layout: [64, 64] weights, [Mp, 64] x),
+    all requested before the block table, and forms its [64, Mp] block of y^T with wgmma (swap-AB,
+    as `gemv_mgpu.gemv_partials`). Output: f32 partials [splits, N, Mp] of y^T, summed by the
+    caller (`gemv_mgpu._summed`)."""
+
+    x: jax.Array  # [Mp, K] bf16, Mp a multiple of 8 <= 64
+    w: jax.Array  # [K, N] bf16
+    splits: int  # K ranges per 64-column block
+
+    @property
+    def rows(self) -> int:
+        return int(self.x.shape[0])
+
+    @property
+    def steps(self) -> int:  # K tiles per piece
+        return int(self.w.shape[0]) // SIDE_BK // self.splits
+
+    @property
+    def pieces(self) -> int:
+        return int(self.w.shape[1]) // ROWS * self.splits
+
+    def smem_bytes(self) -> int:
+        return _side_smem(self.steps, self.rows)
+
+
+def _side_smem(steps: int, rows: int) -> int:
+    return steps * (SIDE_BK * ROWS * 2 + rows * SIDE_BK * 2) + ROWS * rows * 4 + 8 * steps + 128
+
+
+def side_problem(side: SideProduct, num_ctas: int) -> str | None:
+    """Why `_grouped_gemm` cannot stream this side product (None: it can)."""
+    x, w = side.x, side.w
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        return f"x {x.shape} and w {w.shape} are not a [Mp, K] x [K, N] product"
+    if jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16) or jnp.dtype(w.dtype) != jnp.dtype(jnp.bfloat16):
+        return f"x and w must be bf16, got {x.dtype} / {w.dtype}"
+    if x.shape[0] % 8 or not 8 <= x.shape[0] <= 64:
+        return f"x needs a multiple of 8 rows in [8, 64], got {x.shape[0]}"
+    if w.shape[1] % ROWS or side.splits < 1 or w.shape[0] % (SIDE_BK * side.splits):
+        return (f"w {w.shape} needs N a multiple of {ROWS} and K a multiple of {SIDE_BK} x splits "
+                f"({side.splits})")
+    if side.smem_bytes() > SIDE_SMEM_MAX:
+        return f"{side.steps} K tiles per piece need {side.smem_bytes()} B of SMEM (at most {SIDE_SMEM_MAX})"
+    return None
+
+
+def side_splits(k: int, n: int, rows: int, num_ctas: int) -> int | None:
+    """K ranges per column block for a side product [rows, k] x [k, n]: the most that keep one
+    piece per CTA (more CTAs share the stream), else the fewest whose tiles fit in SMEM (CTAs then
+    take several pieces); None where no split fits."""
+    steps, blocks = k // SIDE_BK, n // ROWS
+    if k % SIDE_BK or n % ROWS or not steps:
+        return None
+    fits = [s for s in (1 << i for i in range(steps.bit_length())) if steps % s == 0
+            and _side_smem(steps // s, rows) <= SIDE_SMEM_MAX]
+    one_each = [s for s in fits if blocks * s <= num_ctas]
+    return max(one_each) if one_each else (min(fits) if fits else None)
 
 
 RoutingImpl = Literal["tables", "mosaic", "xla"]  # dense-regime routing implementations
@@ -264,10 +334,15 @@ def _grouped_gemm(
     quantize_b: bool = False,
     shared_rows: bool = False,
     slices_fastest: bool = False,  # round-robin units in (block, slice) order, slice fastest
+    side: SideProduct | None = None,  # an unrelated decode product streamed in the same launch
     interpret: object = None,
-) -> jax.Array:  # [NB * Nt, N or N/2] out_dtype
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [NB * Nt, N or N/2] out_dtype (, side partials)
     E, N, K = w.shape
     nt = block_tokens
+    if side is not None:
+        problem = side_problem(side, num_ctas)
+        if problem:
+            raise MoEKernelError(f"side product: {problem}")
     if quantize_b and (w.dtype != FP8 or b.dtype != jnp.bfloat16 or b_scale is not None):
         raise MoEKernelError("quantize_b needs e4m3 weights and bf16 token rows without scales")
     # Weight row tiles per unit: the up projection's h and g tiles (rows p * N/2 + j * ROWS); the
@@ -289,7 +364,7 @@ def _grouped_gemm(
     b_bytes = 0 if quantize_b else nt * tk * jnp.dtype(b.dtype).itemsize
     n_stage = staging_buffers if convert else 0
     out_bytes = (n_tiles_out * nt * ROWS * 2 + n_stage * nparts * ROWS * tk * 2 + meta.size * 4
-                 + (_quant_bytes(nt, K) if quantize_b else 0))
+                 + (_quant_bytes(nt, K) if quantize_b else 0) + (0 if side is None else side.smem_bytes()))
     stages = min(max_stages, (SMEM_LIMIT - out_bytes - 2048) // (a_bytes + b_bytes))
     if stages < 2:
         raise MoEKernelError(f"block_tokens={nt} leaves no room for a 2-stage pipeline in SMEM")
@@ -306,7 +381,12 @@ def _grouped_gemm(
         ws_ref = rest.pop(0) if has_w_scale else None
         b_ref = rest.pop(0)
         bs_ref = rest.pop(0) if b_scale is not None else None
-        out_ref, a_buf, b_buf, bar, o_smem, meta_ref, meta_bar, *extra = rest
+        sx_ref, sw_ref = (rest.pop(0), rest.pop(0)) if side is not None else (None, None)
+        out_ref = rest.pop(0)
+        so_ref = rest.pop(0) if side is not None else None
+        a_buf, b_buf, bar, o_smem, meta_ref, meta_bar, *extra = rest
+        if side is not None:
+            *extra, sw_buf, sx_buf, so_smem, s_bars = extra
         if quantize_b:
             q_stage, b_res, q_scale, q_bar = extra
         a16 = extra if convert else []
@@ -340,6 +420,31 @@ def _grouped_gemm(
             # the warpgroup for the epilogue's scale loads.
             plgpu.commit_smem()
 
+        cta = lax.axis_index("cta")
+        if side is not None:
+            # The side product's pieces go to the CTAs from the last one down (the dense regime's
+            # units fill the grid from the first); its weights and rows depend on no block table,
+            # so the first piece's whole K range is in flight before the table arrives.
+            n_side, s_steps = side.pieces, side.steps
+            assert sx_ref is not None and sw_ref is not None and so_ref is not None
+            s_first = num_ctas - 1 - cta
+            s_mine = lax.div(jnp.maximum(n_side - s_first + num_ctas - 1, 0), num_ctas)
+
+            def side_at(j):  # j-th piece of this CTA -> (first column, first K row, split)
+                piece = s_first + j * num_ctas
+                split = lax.rem(piece, side.splits)
+                return (pl.multiple_of(lax.div(piece, side.splits) * ROWS, ROWS),
+                        pl.multiple_of(split * (s_steps * SIDE_BK), SIDE_BK), split)
+
+            def side_fill(j):
+                n0, k0, _ = side_at(j)
+                for i in range(s_steps):
+                    rows_k = pl.ds(pl.multiple_of(k0 + i * SIDE_BK, SIDE_BK), SIDE_BK)
+                    plgpu.copy_gmem_to_smem(sw_ref.at[rows_k, pl.ds(n0, ROWS)], sw_buf.at[i], s_bars.at[i])
+                    plgpu.copy_gmem_to_smem(sx_ref.at[:, rows_k], sx_buf.at[i], s_bars.at[i])
+
+            pl.when(s_mine > 0)(lambda: side_fill(0))
+
         # The block table lives in SMEM: the TMA issue path reads it every step, and an SMEM
         # scalar load is ~30 cycles where a global one can be hundreds.
         for c in range(n_chunks):
@@ -351,7 +456,6 @@ def _grouped_gemm(
                 return meta_ref[0, field, blk]
             return meta_ref[lax.div(blk, chunk), field, lax.rem(blk, chunk)]
 
-        cta = lax.axis_index("cta")
         nb = meta_ref[0, 2, 0]
         units = nb * nj
         # Traced integer math uses lax.div/rem (all operands >= 0): jnp's floor-mod helper does
@@ -425,6 +529,22 @@ def _grouped_gemm(
             @pl.when(mine > 0)
             def _quantize_once():
                 quantize_rows_to_smem()
+
+        if side is not None:  # while the ring's first tiles arrive
+            @pl.loop(0, s_mine)
+            def _side_loop(j):
+                pl.when(j > 0)(lambda: side_fill(j))  # (the previous piece's MMAs are done)
+                n0, _, split = side_at(j)
+
+                def side_scope(acc_ref):
+                    gemv_stream(acc_ref, sw_buf, sx_buf, s_bars, _no_fetch, s_steps, s_steps, resident=True)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous piece's store
+                    so_smem[...] = acc_ref[...]
+
+                pl.run_scoped(side_scope, plgpu.ACC((ROWS, side.rows), jnp.float32))
+                plgpu.commit_smem()
+                assert so_ref is not None
+                plgpu.copy_smem_to_gmem(so_smem, so_ref.at[split, pl.ds(n0, ROWS)])
 
         @pl.loop(0, mine)
         def _unit_loop(i):
@@ -505,9 +625,16 @@ def _grouped_gemm(
     quant_scratch: list[Any] = [
         plgpu.SMEM((ks, nt, tk), b.dtype), plgpu.SMEM((ks, nt, tk), FP8, transforms=b_tr),
         plgpu.SMEM((nt,), jnp.float32), plgpu.Barrier(num_arrivals=ks)] if quantize_b else []
+    side_scratch: list[Any] = [] if side is None else [
+        plgpu.SMEM((side.steps, SIDE_BK, ROWS), jnp.bfloat16, transforms=GEMV_TRANSFORMS),
+        plgpu.SMEM((side.steps, side.rows, SIDE_BK), jnp.bfloat16, transforms=GEMV_TRANSFORMS),
+        plgpu.SMEM((ROWS, side.rows), jnp.float32),
+        plgpu.Barrier(num_arrivals=2, num_barriers=side.steps)]
+    main_out = jax.ShapeDtypeStruct((num_out_rows, n_out), out_dtype)
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((num_out_rows, n_out), out_dtype),
+        out_type=main_out if side is None else (
+            main_out, jax.ShapeDtypeStruct((side.splits, side.w.shape[1], side.rows), jnp.float32)),
         scratch_types=[
             plgpu.SMEM((stages, nparts, ROWS, tk), w.dtype, transforms=a_tr),
             # (with quantize_b the token tiles come from the resident e4m3 rows: one unused slot)
@@ -519,6 +646,7 @@ def _grouped_gemm(
             *([plgpu.SMEM((n_stage, nparts, ROWS, tk), b.dtype, transforms=_tile_transforms(tk, b.dtype))]
               if convert else []),
             *quant_scratch,
+            *side_scratch,
         ],
         grid=(num_ctas,),
         grid_names=("cta",),
@@ -526,7 +654,13 @@ def _grouped_gemm(
         interpret=interpret,
     )
     args = [meta, w] + ([w_scale] if has_w_scale else []) + [b] + ([b_scale] if has_b_scale else [])
+    if side is not None:
+        args += [side.x, side.w]
     return kernel(*args)
+
+
+def _no_fetch(i: Any, slot: Any) -> None:
+    """A ring that is never refilled: the side product's tiles are all resident."""
 
 
 def _quant_bytes(nt: int, k: int) -> int:
@@ -611,7 +745,7 @@ def moe(
         x_rows, row_token = xb, grp.row_token  # gathered to [C, D] compact rows
         compact_act = grp.row_block if w8a8 else None
 
-    y = _expert_gemms(x_rows, row_token, meta_up, meta_down, compact_act, experts, cfg, n_blocks, interpret)
+    y, _ = _expert_gemms(x_rows, row_token, meta_up, meta_down, compact_act, experts, cfg, n_blocks, interpret)
     return _combine(y, dest, routing.weights, valid, x.dtype)
 
 
@@ -626,7 +760,8 @@ def _expert_gemms(
     n_blocks: int,
     interpret: object,
     x_f16: jax.Array | None = None,  # x_rows as the W8A16 f16 operand, already formed (dense regime)
-) -> jax.Array:  # [NB * Nt, D] bf16 expert outputs (block rows)
+    side: SideProduct | None = None,  # streamed in the down GEMM's launch (`SideProduct`)
+) -> tuple[jax.Array, jax.Array | None]:  # ([NB * Nt, D] bf16 expert outputs (block rows), side partials)
     gemm = functools.partial(_grouped_gemm, block_tokens=cfg.block_tokens, num_out_rows=n_blocks * cfg.block_tokens,
                              num_ctas=cfg.num_ctas, max_stages=cfg.max_stages,
                              staging_buffers=cfg.staging_buffers, slices_fastest=cfg.slices_fastest and not cfg.dense,
@@ -636,22 +771,32 @@ def _expert_gemms(
         gemm = functools.partial(gemm, pdl_wait=True)
     else:
         up_gemm = gemm
+    down_gemm = functools.partial(gemm, side=side)
+
+    def down(*args, **kw) -> tuple[jax.Array, jax.Array | None]:
+        out = down_gemm(*args, **kw)
+        return out if isinstance(out, tuple) else (out, None)
+
+    def up(*args, **kw) -> jax.Array:
+        out = up_gemm(*args, **kw)
+        assert not isinstance(out, tuple)
+        return out
     if experts.is_fp8 and cfg.w8a8:
         nt, (_, two_i, dim) = cfg.block_tokens, experts.up_w.shape
         in_gemm = cfg.quant_in_gemm and cfg.dense and row_token is None and compact_act is None
         if in_gemm and quant_in_gemm_fits(nt, dim, 2, cfg.max_stages):
-            act = up_gemm(meta_up, experts.up_w, experts.up_scale, x_rows, None, glu=True, quantize_b=True,
+            act = up(meta_up, experts.up_w, experts.up_scale, x_rows, None, glu=True, quantize_b=True,
                           shared_rows=True)
         else:
             xq, xs = _quantize(x_rows, None, interpret)  # per token, before any gather: T rows, not C
             if row_token is not None:
                 xq, xs = _gather_rows(xq, row_token), xs[row_token]
-            act = up_gemm(meta_up, experts.up_w, experts.up_scale, xq, xs, glu=True)  # [NB*Nt, I]
+            act = up(meta_up, experts.up_w, experts.up_scale, xq, xs, glu=True)  # [NB*Nt, I]
         if in_gemm and quant_in_gemm_fits(nt, two_i // 2, cfg.down_row_tiles, cfg.max_stages):
-            return gemm(meta_down, experts.down_w, experts.down_scale, act, None, glu=False,
+            return down(meta_down, experts.down_w, experts.down_scale, act, None, glu=False,
                         row_tiles=cfg.down_row_tiles, quantize_b=True)
         aq, a_s = _quantize(act, compact_act, interpret)
-        return gemm(meta_down, experts.down_w, experts.down_scale, aq, a_s, glu=False,
+        return down(meta_down, experts.down_w, experts.down_scale, aq, a_s, glu=False,
                     row_tiles=cfg.down_row_tiles)
     b = x_rows if row_token is None else x_rows[row_token]
     f16 = experts.is_fp8 and cfg.f16_operands
@@ -659,9 +804,9 @@ def _expert_gemms(
         b = x_f16
     elif f16:
         b = jnp.clip(b.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
-    act = up_gemm(meta_up, experts.up_w, experts.up_scale, b, None, glu=True,
+    act = up(meta_up, experts.up_w, experts.up_scale, b, None, glu=True,
                   out_dtype=jnp.float16 if f16 else jnp.bfloat16)
-    return gemm(meta_down, experts.down_w, experts.down_scale, act, None, glu=False, row_tiles=cfg.down_row_tiles)
+    return down(meta_down, experts.down_w, experts.down_scale, act, None, glu=False, row_tiles=cfg.down_row_tiles)
 
 
 def pdl_wanted() -> bool:
@@ -748,10 +893,13 @@ def moe_layer_rows(
     tokens: int | None = None,  # real rows of x (None: all)
     x_f16: jax.Array | None = None,  # x as the W8A16 f16 operand ([Nt, D], see `f16_rows_wanted`)
     route: DenseRoute | None = None,  # the tables routing's result, built by the caller from the same logits
+    side: tuple[jax.Array, jax.Array] | None = None,  # (x [Mp, K'], w [K', N']) bf16: see `SideProduct`
 ) -> ExpertRows | None:
     """The dense regime's expert rows before the weighted sum (`decode_residual.ExpertRows`: the
     down GEMM's output, each token's k rows and weights), or None where that regime with the
-    routing kernels does not apply (the caller runs `moe_layer`'s other paths)."""
+    routing kernels does not apply (the caller runs `moe_layer`'s other paths). With `side`, the
+    down GEMM also streams x @ w (`SideProduct`; its partials in `ExpertRows.side`) where it fits
+    (`side_splits`), else `side` stays None and the caller forms the product itself."""
     T = x.shape[0] if tokens is None else tokens
     D = x.shape[1]
     E = experts.up_w.shape[0]
@@ -785,9 +933,16 @@ def moe_layer_rows(
     else:
         r = route_dense(x_rows, router_w, own_buffer(router_b, router_b.dtype), n_valid, top_k=top_k,
                         interpret=interpret)
-    y = _expert_gemms(x_rows, None, r.meta_up, r.meta_down, None, experts, cfg, min(E, T * top_k), interpret,
-                      x_f16=x_f16)
-    return ExpertRows(y, r.dest, r.weights, n_valid)
+    side_product = None
+    if side is not None:
+        splits = side_splits(side[1].shape[0], side[1].shape[1], side[0].shape[0], cfg.num_ctas)
+        if splits is not None:
+            side_product = SideProduct(side[0], side[1], splits)
+            if side_problem(side_product, cfg.num_ctas):
+                side_product = None
+    y, parts = _expert_gemms(x_rows, None, r.meta_up, r.meta_down, None, experts, cfg, min(E, T * top_k), interpret,
+                             x_f16=x_f16, side=side_product)
+    return ExpertRows(y, r.dest, r.weights, n_valid, parts)
 
 
 def tables_route_block_tokens(num_tokens: int, num_experts: int, top_k: int) -> int | None:

@@ -394,9 +394,12 @@ def route(x: jax.Array, router_w: jax.Array, router_b: jax.Array, top_k: int) ->
 
 def moe_layer_rows(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: ExpertWeights, *,
                    top_k: int, num_valid_tokens: jax.Array | int | None = None, logits: jax.Array | None = None,
-                   tokens: int | None = None, x_f16: jax.Array | None = None, route: Any = None) -> ExpertRows | None:
+                   tokens: int | None = None, x_f16: jax.Array | None = None, route: Any = None,
+                   side: tuple[jax.Array, jax.Array] | None = None) -> ExpertRows | None:
     """The MoE layer's expert rows before the weighted sum (`moe_mgpu.moe_layer_rows`; x may be
-    padded to the block width with `tokens` real rows) on the kernel path; None otherwise."""
+    padded to the block width with `tokens` real rows) on the kernel path; None otherwise. `side`
+    (x, w): a product the down GEMM may stream in its launch (`moe_mgpu.SideProduct`; its partials
+    in the result's `side`, else that stays None)."""
     if not _want_kernel():
         return None
     from kestrel_jax.pallas import moe_mgpu as kern
@@ -406,7 +409,23 @@ def moe_layer_rows(x: jax.Array, router_w: jax.Array, router_b: jax.Array, exper
         return None
     return _jitted(kern.moe_layer_rows, ("top_k", "tokens"))(x, router_w, router_b, experts, top_k=top_k,
                                                             num_valid_tokens=num_valid_tokens, logits=logits,
-                                                            tokens=tokens, x_f16=x_f16, route=route)
+                                                            tokens=tokens, x_f16=x_f16, route=route, side=side)
+
+
+def proj_in_down_wanted() -> bool:
+    """KESTREL_JAX_PROJ_IN_DOWN=1 (read at trace time; default off until measured on a GPU): at
+    decode steps of up to 8 rows an MoE layer's attention output projection is streamed by the
+    down GEMM's launch (`moe_mgpu.SideProduct`: its pieces on the CTAs the expert units leave
+    free or lightly loaded) instead of a decode GEMM launch of its own."""
+    return _want_kernel() and flag("KESTREL_JAX_PROJ_IN_DOWN", False)
+
+
+def side_product_result(parts: jax.Array, rows: int, bias: jax.Array | None, dtype: Any) -> jax.Array:
+    """[rows, N] in dtype from a side product's [splits, N, Mp] f32 partials: their sum rounded to
+    dtype, then the bias added in dtype (`gemv_mgpu.gemv`'s rounding; XLA fuses it into the consumer)."""
+    from kestrel_jax.pallas import gemv_mgpu as kern
+
+    return kern._finish(kern._summed(parts, rows), bias, dtype)
 
 
 def decode_moe_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, experts: ExpertWeights, *, eps: float,

@@ -39,8 +39,11 @@ def _partials(x, w, w2=None, **_):  # [2, N, Mp] f32 partials of y^T, K split in
     return jnp.stack([(xp[:, :h] @ ww[:h].astype(jnp.float32)).T, (xp[:, h:] @ ww[h:].astype(jnp.float32)).T])
 
 
+_sides: list[tuple[int, ...]] = []  # the side products' x shapes the expert rows stand-in was handed
+
+
 def _rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tokens=None, logits=None, tokens=None,
-          x_f16=None, route=None):
+          x_f16=None, route=None, side=None):
     t = x.shape[0] if tokens is None else tokens
     xs = x[:t].astype(jnp.float32)
     if route is None:
@@ -55,7 +58,11 @@ def _rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tok
     act = gelu_erf(hg[..., :i]) * (hg[..., i:] + 1.0)
     y = jnp.einsum("tkdi,tki->tkd", down, act).reshape(t * top_k, -1).astype(x.dtype)
     n = jnp.asarray(t if num_valid_tokens is None else num_valid_tokens, jnp.int32).reshape(1)
-    return dr.ExpertRows(y, jnp.arange(t * top_k, dtype=jnp.int32).reshape(t, top_k).T, weights.T, n)
+    parts = None
+    if side is not None:  # the down GEMM's side product: [splits, N, Mp] partials of y^T
+        _sides.append(tuple(side[0].shape))
+        parts = _partials(*side)
+    return dr.ExpertRows(y, jnp.arange(t * top_k, dtype=jnp.int32).reshape(t, top_k).T, weights.T, n, parts)
 
 
 def _gemv_rows(x, w1, b1, w2=None, b2=None, **_):
@@ -78,6 +85,7 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(gemv_mgpu, "gemv_supported", lambda x, w: x.shape[0] <= 64)
     monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_KERNEL", "0")
     _prefetched.clear()
+    _sides.clear()
 
     def attention(q, kp, vp, lens, table, ks, vs, *, sm_scale, prefetch=(), prefetch_experts=(),
                   prefetch_max_blocks=8):
@@ -147,6 +155,28 @@ def test_fused_decode_matches_the_reference_path(stand_ins: list[str], monkeypat
     # residual + LayerNorm kernel (the last layer ends in XLA's residual: no next LayerNorm)
     assert stand_ins == ["layernorm"] + ["residual+layernorm"] * (moe_layers - 1)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_projection_in_the_down_gemm_switch(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch, t: int) -> None:
+    """KESTREL_JAX_PROJ_IN_DOWN=1: each MoE layer hands its attention output, padded to 8 rows, and
+    its projection weight to the expert rows call (the down GEMM's side product) and adds the
+    projection from the partials that come back; the hidden states match the reference path. Off
+    (the default) nothing is handed over."""
+    model = random_model(tiny_config("md3"), dtype=jnp.float32, std=0.05).text
+    cfg = model.cfg
+    x, batch, cache = _f32_decode_case(cfg, t, np.random.default_rng(11 + t))
+    with ops.use_backend("reference"):
+        want, _, _ = model(x, batch, cache)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    for switch, expect in (("0", 0), ("1", moe_layers)):
+        monkeypatch.setenv("KESTREL_JAX_PROJ_IN_DOWN", switch)
+        _sides.clear()
+        ops._jitted.cache_clear()
+        with ops.use_backend("kernel"):
+            got, _, _ = model(x, batch, cache)
+        assert _sides == [(8, cfg.dim)] * expect, switch
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
 
 
 def test_residual_layer_norm_switch(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -302,7 +332,8 @@ def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[
                      for w, b in (((w1, b1),) if w2 is None else ((w1, b1), (w2, b2))))
 
     def rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tokens=None, logits=None,
-             tokens=None, x_f16=None, route=None):
+             tokens=None, x_f16=None, route=None, side=None):
+        assert side is None  # (the projection rides in the down GEMM only with its opt-in switch)
         t = x.shape[0] if tokens is None else tokens
         got_route.append(route is not None)
         if route is None:

@@ -661,6 +661,55 @@ def test_expert_rows_read_the_callers_f16_rows(rng, monkeypatch):
     assert not np.array_equal(rows_of(-x16), inside)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("side_shape", [(384, 256), (512, 64)], ids=["pieces-over-ctas", "k-split"])
+def test_side_product_streams_beside_the_down_gemm(rng, fp8, side_shape):
+    """`moe_layer_rows(side=(x, w))`: the down GEMM's launch also streams x @ w (the decode output
+    projection's place) as f32 partials whose sum is the product, and the expert rows are
+    bit-identical to those without it. (384, 256) on 3 CTAs: 4 column blocks, one K range each,
+    so one CTA takes two pieces (its tiles refilled); (512, 64): one block split over two CTAs."""
+    T, k, n_experts = 1, 4, 16
+    K2, N2 = side_shape
+    ex = make_experts(rng, fp8, n_experts=n_experts)
+    x, rw, rb = exact_router_inputs(rng, T, dim(fp8), n_experts)
+    cfg = small_config(T)
+    xp = jnp.pad(x, ((0, cfg.block_tokens - T), (0, 0)))
+    sx = jnp.asarray(rng.standard_normal((8, K2)), jnp.bfloat16)
+    sw = jnp.asarray(rng.standard_normal((K2, N2)) / math.sqrt(K2), jnp.bfloat16)
+    splits = moe_mgpu.side_splits(K2, N2, 8, SMALL_CTAS)
+    assert splits == (1 if N2 == 256 else 2)
+
+    def rows_of(side):
+        return moe_layer_rows(xp, rw, rb, ex, top_k=k, config=cfg, interpret=INTERPRET, tokens=T, side=side)
+
+    plain, with_side = rows_of(None), rows_of((sx, sw))
+    assert plain is not None and with_side is not None and plain.side is None and with_side.side is not None
+    np.testing.assert_array_equal(np.asarray(with_side.y.astype(jnp.float32)), np.asarray(plain.y.astype(jnp.float32)))
+    assert with_side.side.shape == (splits, N2, 8)
+    got = np.asarray(with_side.side, np.float64).sum(0).T
+    want = np.asarray(sx, np.float64) @ np.asarray(sw, np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_side_product_splits_and_validation():
+    """`side_splits`: the most K ranges that keep one piece per CTA (production: the [2048, 2048]
+    projection at 4 over 132 CTAs, 128 pieces of 8 tiles), else the fewest that fit in SMEM; a
+    product that cannot ride gives None, and the kernel refuses a bad one with a clear error."""
+    assert moe_mgpu.side_splits(2048, 2048, 8, 132) == 4
+    assert moe_mgpu.side_splits(2048, 2048, 8, 64) == 4  # 2 would keep one piece each, but not fit
+    assert moe_mgpu.side_splits(1024, 2048, 8, 64) == 2
+    assert moe_mgpu.side_splits(2048, 256, 8, 132) == 32  # 4 blocks: one 1-tile piece per CTA
+    assert moe_mgpu.side_splits(100, 2048, 8, 132) is None
+    assert moe_mgpu.side_splits(2048, 2048, 64, 1) == 8  # 64 rows of x: at most 5 tiles fit
+    S = jax.ShapeDtypeStruct
+    bad = moe_mgpu.SideProduct(S((8, 2048), jnp.float32), S((2048, 2048), jnp.bfloat16), 4)  # type: ignore[arg-type]
+    assert "bf16" in (moe_mgpu.side_problem(bad, 132) or "")
+    big = moe_mgpu.SideProduct(S((8, 2048), jnp.bfloat16), S((2048, 2048), jnp.bfloat16), 1)  # type: ignore[arg-type]
+    assert "SMEM" in (moe_mgpu.side_problem(big, 132) or "")
+    odd = moe_mgpu.SideProduct(S((3, 2048), jnp.bfloat16), S((2048, 2048), jnp.bfloat16), 4)  # type: ignore[arg-type]
+    assert "rows" in (moe_mgpu.side_problem(odd, 132) or "")
+
+
 def test_supported_and_validation():
     x = jnp.zeros((4, 2048), jnp.bfloat16)
     ok = ExpertWeights(jnp.zeros((64, 2048, 2048), FP8), jnp.zeros((64, 2048, 1024), FP8),
@@ -763,6 +812,28 @@ def test_pdl_lowers_for_h100(monkeypatch):
     assert "griddepcontrol" not in texts["0"] and "uses_pdl" not in texts["0"]
     assert "griddepcontrol.launch_dependents" in texts["1"] and "griddepcontrol.wait" in texts["1"]
     assert texts["1"].count("mosaic_gpu.uses_pdl") == 1  # the down GEMM only: it waits, the up GEMM triggers
+
+
+def test_side_product_lowers_for_h100():
+    """The one-row decode expert rows with the output projection ([8, 2048] x [2048, 2048] bf16) in
+    the down GEMM's launch lower for an H100 at production shapes (SMEM fits beside the W8A8 ring
+    and the in-GEMM quantisation), still two Mosaic kernels."""
+    S = jax.ShapeDtypeStruct
+    Ep, Dp, Ip, k, T = 64, 2048, 1024, 8, 1
+    ex = ExpertWeights(S((Ep, 2 * Ip, Dp), FP8), S((Ep, Dp, Ip), FP8),  # type: ignore[arg-type]
+                       S((Ep, 2 * Ip), jnp.float32), S((Ep, Dp), jnp.float32))  # type: ignore[arg-type]
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=H100)
+
+    def f(x, rw, rb, ex, sx, sw):
+        r = moe_layer_rows(x, rw, rb, ex, top_k=k, config=default_config(T, num_ctas=132), tokens=T, side=(sx, sw))
+        assert r is not None and r.side is not None and r.side.shape == (4, Dp, 8)
+        return r
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(f).trace(S((8, Dp), jnp.bfloat16), S((Dp, Ep), jnp.bfloat16), S((Ep,), jnp.bfloat16), ex,
+                                S((8, Dp), jnp.bfloat16), S((Dp, Dp), jnp.bfloat16)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
