@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             positions = jnp.full((b,), a.context, jnp.int32)
             table = jnp.arange(b * maxp, dtype=jnp.int32).reshape(b, maxp)
             slots = table[:, a.context // page] * page + a.context % page
-            outs = {}
+            outs, kernels = {}, {}
             for val in (on_val, off_val):
                 os.environ[switch] = val
                 # The switch is read at trace time, also inside the kernels' jitted entry points, whose
@@ -91,12 +91,16 @@ def main(argv: list[str] | None = None) -> int:
                 ops._jitted.cache_clear()
                 jax.clear_caches()
                 f = jax.jit(lambda *args: fwd(*args))
-                outs[val] = np.asarray(f(state, x, cache, positions, slots, positions + 1, table).astype(jnp.float32))
+                args = (state, x, cache, positions, slots, positions + 1, table)
+                # Mosaic GPU kernel calls in the lowered forward: shows that the switch took effect
+                kernels[val] = f.lower(*args).as_text().count("custom_call @mosaic_gpu")
+                outs[val] = np.asarray(f(*args).astype(jnp.float32))
             on, off = outs[on_val], outs[off_val]
             rel = float(np.abs(on - off).max() / max(np.abs(off).max(), 1e-30))
             rms = float(np.sqrt(np.mean((on - off) ** 2) / max(np.mean(off ** 2), 1e-30)))
             rel_diff[b] = {"max_rel": rel, "rms_rel": rms, "finite": bool(np.isfinite(on).all()),
-                           "max_abs_off": float(np.abs(off).max())}
+                           "max_abs_off": float(np.abs(off).max()),
+                           "mosaic_calls_on_off": [kernels[on_val], kernels[off_val]]}
             print(json.dumps({"switch": spec, "batch": b, **rel_diff[b]}), flush=True)
         if before is None:
             os.environ.pop(switch, None)

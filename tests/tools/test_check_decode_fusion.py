@@ -30,6 +30,7 @@ def test_tiny_run_with_joined_dense_weights(tmp_path: Path):
                  "--context", "40", "--layers", "2", "--out", str(out)]) == 0
     res = json.loads(out.read_text())["switches"][spec]["2"]
     assert res["finite"] and res["max_rel"] == 0.0 and res["rms_rel"] == 0.0 and res["max_abs_off"] > 0
+    assert res["mosaic_calls_on_off"] == [0, 0]  # (no Mosaic GPU kernels on the CPU)
     assert "KESTREL_JAX_GEMV_DENSE_OUT" not in os.environ
 
 
@@ -45,3 +46,15 @@ def test_layers_keeps_the_first_layers():
     assert len(md3.blocks) == 3 and [md3.cfg.is_moe_layer(i) for i in range(3)] == [False, False, True]
     with pytest.raises(SystemExit):
         main(["--tiny", "--layers", "0"])
+
+
+def test_side_product_check_small_run(tmp_path: Path):
+    """tools/check_side_product.py --small: the interpreted down GEMM with the side product at test
+    sizes passes its own checks (rows combine bit-identically, partials sum to the product)."""
+    from tools.check_side_product import main as side_main
+
+    out = tmp_path / "side.json"
+    assert side_main(["--small", "--tokens", "1", "3", "--out", str(out)]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert [c["tokens"] for c in cases] == [1, 3] and all(c["rows_equal"] for c in cases)
+    assert all(c["side_max_rel"] < 1e-5 for c in cases)
