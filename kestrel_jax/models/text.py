@@ -42,9 +42,9 @@ DENSE_GEMV_ROWS = 64
 # for every row of every step: at one row XLA rewrites each into a multiply + reduce (H100, session
 # 21: ~28 us of a batch-1 MD3 decode step for all four). KESTREL_JAX_GEMV_REGION_ROWS overrides.
 REGION_KERNEL_ROWS = 8
-# Decode rows up to which an MoE layer's output projection may ride in its down GEMM's launch
-# (`ops.proj_in_down_wanted`, opt-in): the projection's input padded to the 8-row block the dense
-# regime's GEMMs use at these sizes.
+# Decode rows up to which an MoE layer's output projection rides in its down GEMM's launch
+# (`ops.proj_in_down_wanted`): the projection's input padded to the 8-row block the dense regime's
+# GEMMs use at these sizes.
 SIDE_PROJ_ROWS = 8
 
 
@@ -529,9 +529,10 @@ class TextModel(nnx.Module):
             if (batch.cu_q_lens is None and aux is None and t == 1 and block.dense_out_w is not None
                     and isinstance(block.mlp, MLP) and ops.dense_out_one_row()):
                 h_one = block.mlp.fc1(n[:t])
-            # opt-in: the output projection streamed in the MoE down GEMM's launch (`SideProduct`)
+            # the output projection streamed in the MoE down GEMM's launch (`ops.proj_in_down_wanted`),
+            # unless the opt-in merged projection (attention's split-KV merge in its launch) asks for it
             side_proj = (rows_path and block.attn.decode_gemm_kernel and t <= SIDE_PROJ_ROWS
-                         and ops.proj_in_down_wanted())
+                         and ops.proj_in_down_wanted() and not ops.merged_projection_wanted())
             a, ks[i], vs[i], routed = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux,
                                                  router=router, route_top_k=top_k,
                                                  experts=block.mlp.experts() if isinstance(block.mlp, MoE) else None,

@@ -413,11 +413,14 @@ def moe_layer_rows(x: jax.Array, router_w: jax.Array, router_b: jax.Array, exper
 
 
 def proj_in_down_wanted() -> bool:
-    """KESTREL_JAX_PROJ_IN_DOWN=1 (read at trace time; default off until measured on a GPU): at
-    decode steps of up to 8 rows an MoE layer's attention output projection is streamed by the
-    down GEMM's launch (`moe_mgpu.SideProduct`: its pieces on the CTAs the expert units leave
-    free or lightly loaded) instead of a decode GEMM launch of its own."""
-    return _want_kernel() and flag("KESTREL_JAX_PROJ_IN_DOWN", False)
+    """At decode steps of up to 8 rows an MoE layer's attention output projection is streamed by
+    the down GEMM's launch (`moe_mgpu.SideProduct`: its pieces on the CTAs from the last one down,
+    beside the expert units) instead of a decode GEMM launch of its own. H200, forty-sixth
+    session, MD3's batch-1 step: 1,332.6 -> 1,281.1 us (-3.9%, 20 launches fewer; the down GEMM
+    +1.7 us per layer for the projection's 8.4 MB, the projection's own 3.9-4.8 us launch gone),
+    MD3 W1 869.9 / 870.1 -> 910.6 / 910.9 tok/s (+4.7%, two pairs). On by default;
+    KESTREL_JAX_PROJ_IN_DOWN=0 (read at trace time) restores the projection's own launch."""
+    return _want_kernel() and flag("KESTREL_JAX_PROJ_IN_DOWN", True)
 
 
 def side_product_result(parts: jax.Array, rows: int, bias: jax.Array | None, dtype: Any) -> jax.Array:
@@ -451,11 +454,14 @@ def decode_dense_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, *, 
     """A dense layer's LayerNorm in a one-row decode step as one launch (`layer_norm_triton`, as
     MoE layers' `decode_moe_layer_norm`, unpadded) instead of XLA's two (H200, forty-fourth session,
     MD2's batch-1 step: statistics 1.29 us, normalisation 1.47-1.51 us per layer; the kernel took
-    1.61 us at one row in MD3's MoE layers). KESTREL_JAX_DENSE_LN_ONE_ROW=1, read at trace time:
-    opt-in until timed (the forty-third session's dense LayerNorm in 64-row steps, through another
-    kernel, cut the step by 3.6 us but lowered MD2 W2 by 0.75%). None off the kernel path, with the
-    switch off, or for shapes the kernel does not take."""
-    if not _want_kernel() or not flag("KESTREL_JAX_DENSE_LN_ONE_ROW", False):
+    1.61 us at one row in MD3's MoE layers). H200, forty-sixth session: MD2's batch-1 step
+    1,438.1 -> 1,409.3 us (-2.0%, 24 launches fewer; the kernel 1.75 us per layer), MD2 W1 906.1 ->
+    916.7 / 917.5 tok/s (+1.2%); MD3's (4 dense layers) -0.8 us. On by default;
+    KESTREL_JAX_DENSE_LN_ONE_ROW=0 (read at trace time) restores XLA's launches. (The forty-third
+    session's dense LayerNorm in 64-row steps, through another kernel, cut that step by 3.6 us but
+    lowered MD2 W2 by 0.75%: not kept.) None off the kernel path, with the switch off, or for
+    shapes the kernel does not take."""
+    if not _want_kernel() or not flag("KESTREL_JAX_DENSE_LN_ONE_ROW", True):
         return None
     from kestrel_jax.pallas import layer_norm_triton as kern
 

@@ -151,26 +151,30 @@ def test_fused_decode_matches_the_reference_path(stand_ins: list[str], monkeypat
     with ops.use_backend("kernel"):
         got, _, _ = model(x, batch, cache)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    # the first MoE layer normalises its own input; the others get it from the previous layer's
+    # the dense layers' one-row LayerNorm on the same kernel (`ops.decode_dense_layer_norm`); the
+    # first MoE layer normalises its own input; the others get it from the previous layer's
     # residual + LayerNorm kernel (the last layer ends in XLA's residual: no next LayerNorm)
-    assert stand_ins == ["layernorm"] + ["residual+layernorm"] * (moe_layers - 1)
+    assert stand_ins == ["layernorm"] * (cfg.n_layers - moe_layers + 1) + ["residual+layernorm"] * (moe_layers - 1)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
 
 
 @pytest.mark.parametrize("t", [1, 3])
 def test_projection_in_the_down_gemm_switch(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch, t: int) -> None:
-    """KESTREL_JAX_PROJ_IN_DOWN=1: each MoE layer hands its attention output, padded to 8 rows, and
-    its projection weight to the expert rows call (the down GEMM's side product) and adds the
-    projection from the partials that come back; the hidden states match the reference path. Off
-    (the default) nothing is handed over."""
+    """KESTREL_JAX_PROJ_IN_DOWN (on by default): each MoE layer hands its attention output, padded
+    to 8 rows, and its projection weight to the expert rows call (the down GEMM's side product) and
+    adds the projection from the partials that come back; the hidden states match the reference
+    path. Off, nothing is handed over."""
     model = random_model(tiny_config("md3"), dtype=jnp.float32, std=0.05).text
     cfg = model.cfg
     x, batch, cache = _f32_decode_case(cfg, t, np.random.default_rng(11 + t))
     with ops.use_backend("reference"):
         want, _, _ = model(x, batch, cache)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    for switch, expect in (("0", 0), ("1", moe_layers)):
-        monkeypatch.setenv("KESTREL_JAX_PROJ_IN_DOWN", switch)
+    for switch, expect in (("0", 0), (None, moe_layers)):
+        if switch is None:
+            monkeypatch.delenv("KESTREL_JAX_PROJ_IN_DOWN", raising=False)
+        else:
+            monkeypatch.setenv("KESTREL_JAX_PROJ_IN_DOWN", switch)
         _sides.clear()
         ops._jitted.cache_clear()
         with ops.use_backend("kernel"):
@@ -192,8 +196,9 @@ def test_residual_layer_norm_switch(stand_ins: list[str], monkeypatch: pytest.Mo
     table = jnp.arange(MAXP, dtype=jnp.int32)[None]
     batch = AttentionBatch(jnp.array([3], jnp.int32), jnp.array([3], jnp.int32), jnp.array([4], jnp.int32), table)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
-    for switch, want in ((None, ["layernorm"] * moe_layers),  # no residual kernel: each layer's LayerNorm
-                         ("1", ["layernorm"] + ["residual+layernorm"] * (moe_layers - 1))):
+    dense = ["layernorm"] * (cfg.n_layers - moe_layers)  # the dense layers' one-row LayerNorm kernel
+    for switch, want in ((None, dense + ["layernorm"] * moe_layers),  # no residual kernel: each layer's
+                         ("1", dense + ["layernorm"] + ["residual+layernorm"] * (moe_layers - 1))):
         if switch is not None:
             monkeypatch.setenv("KESTREL_JAX_RESIDUAL_LN", switch)
         stand_ins.clear()
@@ -333,7 +338,6 @@ def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[
 
     def rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tokens=None, logits=None,
              tokens=None, x_f16=None, route=None, side=None):
-        assert side is None  # (the projection rides in the down GEMM only with its opt-in switch)
         t = x.shape[0] if tokens is None else tokens
         got_route.append(route is not None)
         if route is None:
@@ -348,6 +352,7 @@ def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[
         i = hg.shape[-1] // 2
         y = jnp.einsum("tkdi,tki->tkd", down, gelu_erf(hg[..., :i]) * (hg[..., i:] + 1.0))
         n = jnp.asarray(t, jnp.int32).reshape(1)
+        # (no side partials even where handed a side product: the layer then projects on its own)
         return dr.ExpertRows(y.reshape(t * top_k, -1).astype(x.dtype),
                              jnp.arange(t * top_k, dtype=jnp.int32).reshape(t, top_k).T, weights_t.T, n)
 

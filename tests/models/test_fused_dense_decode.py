@@ -319,13 +319,13 @@ def test_one_row_output_product_over_the_joined_weights(family: Literal["md2", "
 
 @pytest.mark.parametrize("family", ["md2", "md3"])
 def test_one_row_dense_layer_norm_in_one_launch(family: Literal["md2", "md3"], monkeypatch: pytest.MonkeyPatch):
-    """KESTREL_JAX_DENSE_LN_ONE_ROW=1: a one-row decode step forms each dense layer's LayerNorm with
-    the rows kernel (interpreted here), unpadded: the same tokens, outputs and KV within rounding of
-    XLA's statistics and normalisation (the kernel sums in another order). Off by default; steps of
-    more rows keep XLA's."""
+    """A one-row decode step forms each dense layer's LayerNorm with the rows kernel (interpreted
+    here), unpadded: the same tokens, outputs and KV within rounding of XLA's statistics and
+    normalisation (the kernel sums in another order). On by default; KESTREL_JAX_DENSE_LN_ONE_ROW=0
+    keeps XLA's; steps of more rows keep XLA's."""
     from kestrel_jax.pallas import layer_norm_triton as L
 
-    monkeypatch.delenv("KESTREL_JAX_DENSE_LN_ONE_ROW", raising=False)
+    monkeypatch.setenv("KESTREL_JAX_DENSE_LN_ONE_ROW", "0")
     ref, _ = _steps(family, "on", 1)
     shapes: list[tuple[int, ...]] = []
     kernel = L.layer_norm_rows_kernel
@@ -337,7 +337,7 @@ def test_one_row_dense_layer_norm_in_one_launch(family: Literal["md2", "md3"], m
     row, scale = jnp.ones((1, 256), jnp.bfloat16), jnp.ones((256,), jnp.bfloat16)
     with ops.use_backend("kernel"):  # off: XLA's LayerNorm even on the kernel path
         assert ops.decode_dense_layer_norm(row, scale, scale, eps=1e-5) is None
-    monkeypatch.setenv("KESTREL_JAX_DENSE_LN_ONE_ROW", "1")
+    monkeypatch.delenv("KESTREL_JAX_DENSE_LN_ONE_ROW")
     _route_through(monkeypatch, "decode_dense_layer_norm", L, "layer_norm_rows_kernel", interpreted)
     got, _ = _steps(family, "on", 1)
     assert shapes and set(shapes) == {(1, 256)} and len(shapes) % _dense_layers(family) == 0
