@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 # launch; the lowered module holds each jitted kernel function once): whether the switch
                 # took effect. (Session 46's call 3 counted the lowered module's: 6 and 6, uninformative.)
                 compiled = f.lower(*args).compile()
-                kernels[val] = compiled.as_text().count('custom_call_target="mosaic_gpu')
+                kernels[val] = (compiled.as_text() or "").count('custom_call_target="mosaic_gpu')
                 outs[val] = np.asarray(compiled(*args).astype(jnp.float32))
             on, off = outs[on_val], outs[off_val]
             rel = float(np.abs(on - off).max() / max(np.abs(off).max(), 1e-30))
