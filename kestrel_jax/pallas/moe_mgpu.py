@@ -143,7 +143,7 @@ def _side_smem(steps: int, rows: int) -> int:
     return steps * (SIDE_BK * ROWS * 2 + rows * SIDE_BK * 2) + ROWS * rows * 4 + 8 * steps + 128
 
 
-def side_problem(side: SideProduct, num_ctas: int) -> str | None:
+def side_problem(side: SideProduct) -> str | None:
     """Why `_grouped_gemm` cannot stream this side product (None: it can)."""
     x, w = side.x, side.w
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
@@ -340,7 +340,7 @@ def _grouped_gemm(
     E, N, K = w.shape
     nt = block_tokens
     if side is not None:
-        problem = side_problem(side, num_ctas)
+        problem = side_problem(side)
         if problem:
             raise MoEKernelError(f"side product: {problem}")
     if quantize_b and (w.dtype != FP8 or b.dtype != jnp.bfloat16 or b_scale is not None):
@@ -786,7 +786,7 @@ def _expert_gemms(
         in_gemm = cfg.quant_in_gemm and cfg.dense and row_token is None and compact_act is None
         if in_gemm and quant_in_gemm_fits(nt, dim, 2, cfg.max_stages):
             act = up(meta_up, experts.up_w, experts.up_scale, x_rows, None, glu=True, quantize_b=True,
-                          shared_rows=True)
+                     shared_rows=True)
         else:
             xq, xs = _quantize(x_rows, None, interpret)  # per token, before any gather: T rows, not C
             if row_token is not None:
@@ -805,7 +805,7 @@ def _expert_gemms(
     elif f16:
         b = jnp.clip(b.astype(jnp.float32), -F16_MAX, F16_MAX).astype(jnp.float16)
     act = up(meta_up, experts.up_w, experts.up_scale, b, None, glu=True,
-                  out_dtype=jnp.float16 if f16 else jnp.bfloat16)
+             out_dtype=jnp.float16 if f16 else jnp.bfloat16)
     return down(meta_down, experts.down_w, experts.down_scale, act, None, glu=False, row_tiles=cfg.down_row_tiles)
 
 
@@ -938,10 +938,16 @@ def moe_layer_rows(
         splits = side_splits(side[1].shape[0], side[1].shape[1], side[0].shape[0], cfg.num_ctas)
         if splits is not None:
             side_product = SideProduct(side[0], side[1], splits)
-            if side_problem(side_product, cfg.num_ctas):
+            if side_problem(side_product):
                 side_product = None
-    y, parts = _expert_gemms(x_rows, None, r.meta_up, r.meta_down, None, experts, cfg, min(E, T * top_k), interpret,
-                             x_f16=x_f16, side=side_product)
+    gemms = functools.partial(_expert_gemms, x_rows, None, r.meta_up, r.meta_down, None, experts, cfg,
+                              min(E, T * top_k), interpret, x_f16=x_f16)
+    try:
+        y, parts = gemms(side=side_product)
+    except MoEKernelError:  # the side product's tiles leave the down GEMM no 2-stage ring: the caller forms it
+        if side_product is None:
+            raise
+        y, parts = gemms(side=None)
     return ExpertRows(y, r.dest, r.weights, n_valid, parts)
 
 

@@ -691,6 +691,35 @@ def test_side_product_streams_beside_the_down_gemm(rng, fp8, side_shape):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+def test_side_product_that_leaves_no_ring_is_left_to_the_caller(rng, monkeypatch):
+    """Where the side product's resident tiles would leave the down GEMM less than a 2-stage ring
+    (here: SMEM shrunk to 50 KB), `moe_layer_rows` runs the GEMMs without it (side None: the
+    caller forms the product) instead of failing, and the rows are the same."""
+    T, k, n_experts = 1, 4, 16
+    ex = make_experts(rng, True, n_experts=n_experts)
+    x, rw, rb = exact_router_inputs(rng, T, dim(True), n_experts)
+    cfg = small_config(T)
+    xp = jnp.pad(x, ((0, cfg.block_tokens - T), (0, 0)))
+    sx = jnp.asarray(rng.standard_normal((8, 384)), jnp.bfloat16)
+    sw = jnp.asarray(rng.standard_normal((384, 256)) / 20, jnp.bfloat16)
+    monkeypatch.setattr(moe_mgpu, "SMEM_LIMIT", 50 * 1024)
+    with pytest.raises(MoEKernelError, match="2-stage"):  # the kernel itself refuses it
+        jax.eval_shape(lambda: moe_mgpu._grouped_gemm(
+            jnp.zeros((1, 3, 8), jnp.int32), ex.down_w, ex.down_scale, jnp.zeros((8 * 8, I), jnp.bfloat16), None,
+            glu=False, block_tokens=8, num_out_rows=64, num_ctas=SMALL_CTAS, max_stages=SMALL_STAGES,
+            row_tiles=2, quantize_b=True, side=moe_mgpu.SideProduct(sx, sw, 1)))
+
+    def rows_of(side):
+        r = moe_layer_rows(xp, rw, rb, ex, top_k=k, config=cfg, interpret=INTERPRET, tokens=T, side=side)
+        assert r is not None
+        return r
+
+    plain, asked = rows_of(None), rows_of((sx, sw))
+    assert asked.side is None
+    np.testing.assert_array_equal(np.asarray(combine_rows(asked, T, jnp.float32)),
+                                  np.asarray(combine_rows(plain, T, jnp.float32)))
+
+
 def test_side_product_splits_and_validation():
     """`side_splits`: the most K ranges that keep one piece per CTA (production: the [2048, 2048]
     projection at 4 over 132 CTAs, 128 pieces of 8 tiles), else the fewest that fit in SMEM; a
@@ -703,11 +732,11 @@ def test_side_product_splits_and_validation():
     assert moe_mgpu.side_splits(2048, 2048, 64, 1) == 8  # 64 rows of x: at most 5 tiles fit
     S = jax.ShapeDtypeStruct
     bad = moe_mgpu.SideProduct(S((8, 2048), jnp.float32), S((2048, 2048), jnp.bfloat16), 4)  # type: ignore[arg-type]
-    assert "bf16" in (moe_mgpu.side_problem(bad, 132) or "")
+    assert "bf16" in (moe_mgpu.side_problem(bad) or "")
     big = moe_mgpu.SideProduct(S((8, 2048), jnp.bfloat16), S((2048, 2048), jnp.bfloat16), 1)  # type: ignore[arg-type]
-    assert "SMEM" in (moe_mgpu.side_problem(big, 132) or "")
+    assert "SMEM" in (moe_mgpu.side_problem(big) or "")
     odd = moe_mgpu.SideProduct(S((3, 2048), jnp.bfloat16), S((2048, 2048), jnp.bfloat16), 4)  # type: ignore[arg-type]
-    assert "rows" in (moe_mgpu.side_problem(odd, 132) or "")
+    assert "rows" in (moe_mgpu.side_problem(odd) or "")
 
 
 def test_supported_and_validation():
@@ -814,10 +843,13 @@ def test_pdl_lowers_for_h100(monkeypatch):
     assert texts["1"].count("mosaic_gpu.uses_pdl") == 1  # the down GEMM only: it waits, the up GEMM triggers
 
 
-def test_side_product_lowers_for_h100():
+@pytest.mark.parametrize("w8a8_min", ["1", "2"], ids=["w8a8", "w8a16"])
+def test_side_product_lowers_for_h100(w8a8_min, monkeypatch):
     """The one-row decode expert rows with the output projection ([8, 2048] x [2048, 2048] bf16) in
     the down GEMM's launch lower for an H100 at production shapes (SMEM fits beside the W8A8 ring
-    and the in-GEMM quantisation), still two Mosaic kernels."""
+    and the in-GEMM quantisation, or the W8A16 ring and its staging tiles), still two Mosaic
+    kernels."""
+    monkeypatch.setenv("KESTREL_JAX_W8A8_MIN_TOKENS", w8a8_min)
     S = jax.ShapeDtypeStruct
     Ep, Dp, Ip, k, T = 64, 2048, 1024, 8, 1
     ex = ExpertWeights(S((Ep, 2 * Ip, Dp), FP8), S((Ep, Dp, Ip), FP8),  # type: ignore[arg-type]
