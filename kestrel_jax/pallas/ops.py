@@ -282,6 +282,18 @@ def dense_out_one_row() -> bool:
     return flag("KESTREL_JAX_DENSE_OUT_ONE_ROW", True)
 
 
+def dense_in_one_row() -> bool:
+    """KESTREL_JAX_DENSE_IN_ONE_ROW=1 (opt-in, read at trace time; not yet timed on a GPU): a
+    one-row decode step forms a dense layer's QKV and fc1 as the one product over the weights
+    joined at load time (`Block.dense_decode_in`), as steps of more rows do, instead of XLA's
+    product over the two weights concatenated at run time. Meant with KESTREL_JAX_DECODE_QKV_WIDE=1
+    (the QKV epilogue reads the QKV columns, bias included, out of that product in place): MD2's
+    batch-1 step spends 1.5 us per layer adding the QKV bias to the slice of XLA's merged product
+    (H200, forty-sixth session). The thirty-fifth session's joined product at one row, without the
+    in-place read, cost +22.8 us (its slices became copies)."""
+    return flag("KESTREL_JAX_DENSE_IN_ONE_ROW", False)
+
+
 def region_gate_wanted() -> bool:
     """Whether the steps gate the region heads' decode GEMMs on the host's "any row needs them"
     column (`batch.D_REGION` / `T_REGION`): a step of text rows only then skips their weight

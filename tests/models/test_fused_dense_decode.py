@@ -234,6 +234,44 @@ def test_decode_qkv_kernel_reads_the_joined_product(monkeypatch: pytest.MonkeyPa
     _assert_same_tokens(got, ref)
 
 
+@pytest.mark.parametrize("family", ["md2", "md3"])
+def test_one_row_joined_input_product_switch(family: Literal["md2", "md3"], monkeypatch: pytest.MonkeyPatch):
+    """KESTREL_JAX_DENSE_IN_ONE_ROW=1 (opt-in): a one-row decode step also forms each dense layer's
+    QKV and fc1 as the one product over the joined weights (`Block.dense_decode_in` at one row, no
+    fc1 of its own), and with KESTREL_JAX_DECODE_QKV_WIDE=1 the QKV epilogue kernel (interpreted)
+    reads its columns in place: the same tokens, outputs and KV within bf16 rounding of the
+    default one-row step. Off (the default), one-row steps never call it."""
+    from kestrel_jax.models.text import Block
+    from kestrel_jax.pallas import qkv_epilogue as qe
+
+    monkeypatch.delenv("KESTREL_JAX_DENSE_IN_ONE_ROW", raising=False)
+    rows_in: list[int] = []
+    original = Block.dense_decode_in
+
+    def counted(self: Block, n: jax.Array) -> Any:
+        rows_in.append(n.shape[0])
+        return original(self, n)
+
+    monkeypatch.setattr(Block, "dense_decode_in", counted)
+    ref, _ = _steps(family, "on", 1)
+    assert 1 not in rows_in
+    widths: list[int] = []
+    kernel = qe.decode_qkv_kernel
+
+    def interpreted(u: jax.Array, *args: Any, **kwargs: Any) -> Any:
+        widths.append(u.shape[1])
+        return kernel(u, *args, interpret=True, **kwargs)
+
+    monkeypatch.setenv("KESTREL_JAX_DENSE_IN_ONE_ROW", "1")
+    monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_WIDE", "1")
+    _route_through(monkeypatch, "decode_qkv", qe, "decode_qkv_kernel", interpreted)
+    got, _ = _steps(family, "on", 1)
+    assert rows_in.count(1) and rows_in.count(1) % _dense_layers(family) == 0
+    if family == "md2":  # (MD3's dense layers have tau: the wide read is MD2's)
+        assert widths and set(widths) == {3 * 256 + 512}
+    _assert_same_tokens(got, ref)
+
+
 @pytest.mark.parametrize("family,bucket", [("md2", 2), ("md3", 2), ("md2", 64)])
 def test_joined_products_through_the_decode_gemm_kernel(family: Literal["md2", "md3"], bucket: int,
                                                         monkeypatch: pytest.MonkeyPatch):
