@@ -30,6 +30,12 @@ token rows come from DRAM once and an expert's blocks share its weight tiles thr
 runs one continuous TMA -> SMEM ring across all its units (weight streaming never drains between
 units); the accumulator is re-scoped per unit; the block table is copied to SMEM once.
 
+Side product (decode, `SideProduct`): the down GEMM's launch may also stream an unrelated small
+product, the MoE layer's attention output projection at up to 8 decode rows: its (64-column block,
+K range) pieces go to the CTAs from the last one down, whose dense-regime units are fewest, with
+their tiles requested before the block table arrives. H200, forty-sixth session: MD3 batch-1 step
+-3.9%, W1 +4.7% (`ops.proj_in_down_wanted`).
+
 Precisions (A = weights, B = tokens):
   bf16:        bf16 x bf16 wgmma.
   FP8 W8A8:    e4m3 x e4m3 wgmma; weight scale per (expert, row) and token scale per row applied
