@@ -2,7 +2,7 @@
 # product at one row (KESTREL_JAX_DENSE_IN_ONE_ROW=1) with the QKV epilogue reading its columns in
 # place (KESTREL_JAX_DECODE_QKV_WIDE=1): it should drop the 1.5 us QKV bias add per dense layer
 # (MD2: 24 of them). Then an MD2 W1 pair if the probe shows it > 0.5% faster.
-# Move this file into the session's dated folder before running it.
+# Run as session 47's second call (2026-12-03).
 FILT='cuda_event.cc\|cuda_stream.cc\|^===\|^external\|^$\|cuda_executor\|cuda_host_alloc\|local_device_state\|cuda_device_alloc\|JIT session error\|cuda_timer.cc'
 export PYTHONPATH=$PWD
 mkdir -p $OUT/x

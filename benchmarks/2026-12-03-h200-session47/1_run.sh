@@ -2,7 +2,7 @@
 # batch-1 decode side by side with Kestrel in one call, which no session has run since the
 # defaults of sessions 44-46 (dense one-row output product and LayerNorm, the MoE output projection
 # in the down GEMM's launch): ours MD3 W1, Kestrel 0.4.2 MD3 (batch-1 phase only), ours MD2 W1.
-# Move this file into the session's dated folder before running it.
+# Run as session 47's first call (2026-12-03).
 FILT='cuda_event.cc\|cuda_stream.cc\|^===\|^external\|^$\|cuda_executor\|cuda_host_alloc\|local_device_state\|cuda_device_alloc\|JIT session error\|cuda_timer.cc'
 export PYTHONPATH=$PWD
 mkdir -p $OUT/x $OUT/x/peer
