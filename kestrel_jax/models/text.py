@@ -518,10 +518,11 @@ class TextModel(nnx.Module):
             top_k = block.mlp.top_k if isinstance(block.mlp, MoE) and rows_path else None
             # a dense layer's decode step: QKV and fc1 in one product over weights joined at load time
             # (XLA merges the two products anyway, joining the weights at run time inside its GEMM).
-            # Not at one row by default: there the two products' slices became copies of their own
-            # (H200, session 35: batch-1 step +22.8 us; at 64 rows -32 us); `ops.dense_in_one_row`
-            # (opt-in) asks for it there too, for the QKV epilogue to read its columns in place.
-            joined = batch.cu_q_lens is None and aux is None and (t > 1 or ops.dense_in_one_row())
+            # At one row only where the QKV epilogue reads its columns in place (no tau): otherwise the
+            # two products' slices became copies of their own (H200, session 35: batch-1 step +22.8 us;
+            # at 64 rows -32 us); `ops.dense_in_one_row`.
+            joined = batch.cu_q_lens is None and aux is None and (
+                t > 1 or ops.dense_in_one_row(tau=block.attn.tau is not None))
             dense_in = block.dense_decode_in(n[:t]) if joined else None
             out_joined = dense_in is not None and block.dense_out_w is not None
             # one row: the output projection and fc2 still as one product over the joined weights,

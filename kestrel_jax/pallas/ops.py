@@ -282,16 +282,18 @@ def dense_out_one_row() -> bool:
     return flag("KESTREL_JAX_DENSE_OUT_ONE_ROW", True)
 
 
-def dense_in_one_row() -> bool:
-    """KESTREL_JAX_DENSE_IN_ONE_ROW=1 (opt-in, read at trace time; not yet timed on a GPU): a
-    one-row decode step forms a dense layer's QKV and fc1 as the one product over the weights
-    joined at load time (`Block.dense_decode_in`), as steps of more rows do, instead of XLA's
-    product over the two weights concatenated at run time. Meant with KESTREL_JAX_DECODE_QKV_WIDE=1
-    (the QKV epilogue reads the QKV columns, bias included, out of that product in place): MD2's
-    batch-1 step spends 1.5 us per layer adding the QKV bias to the slice of XLA's merged product
-    (H200, forty-sixth session). The thirty-fifth session's joined product at one row, without the
-    in-place read, cost +22.8 us (its slices became copies)."""
-    return flag("KESTREL_JAX_DENSE_IN_ONE_ROW", False)
+def dense_in_one_row(tau: bool) -> bool:
+    """Whether a one-row decode step forms a dense layer's QKV and fc1 as the one product over the
+    weights joined at load time (`Block.dense_decode_in`), as steps of more rows do, instead of
+    XLA's product over the two weights concatenated at run time: KESTREL_JAX_DENSE_IN_ONE_ROW, read
+    at trace time; default on for layers without tau (MD2's), whose QKV epilogue then reads the QKV
+    columns, bias included, out of that product in place (`decode_qkv`'s wide read, on at one row),
+    and off for MD3's dense layers (tau: no wide read, so the slices would become copies; the
+    thirty-fifth session's joined product at one row without the in-place read cost +22.8 us).
+    H200, forty-seventh session, MD2 with the wide read: batch-1 step 1,409.0 -> 1,365.9 us (-3.1%,
+    24 launches fewer: XLA's 1.5 us QKV bias add per layer), W1 913.1 -> 944.1 tok/s (one pair),
+    the forward at batch 1 unchanged (max difference 0.0)."""
+    return flag("KESTREL_JAX_DENSE_IN_ONE_ROW", not tau)
 
 
 def region_gate_wanted() -> bool:
@@ -620,9 +622,12 @@ def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: ja
     (`small_linear_pair`'s third item): the kernel forms tau from the dots the QKV GEMM formed, where it
     takes them (else from `tau`), at any row count. `wide`: the product u was sliced from (its
     first columns; a dense layer's joined QKV + fc1 product, `Block.dense_decode_in`), which the
-    kernel reads in place of the slice with KESTREL_JAX_DECODE_QKV_WIDE=1 (opt-in, read at trace
-    time: saves XLA's copy of the slice, 1.57 us per MD2 layer at 64 rows; not yet measured)."""
-    if wide is not None and tau is None and tau_dots is None and flag("KESTREL_JAX_DECODE_QKV_WIDE", False):
+    kernel reads in place of the slice (no tau only) with KESTREL_JAX_DECODE_QKV_WIDE, read at trace
+    time: default on at one row (with `dense_in_one_row`: MD2's batch-1 step -3.1%, the forty-seventh
+    session) and off at more rows (opt-in there: it saves XLA's copy of the slice, MD2 64-row step
+    -37 to -43 us, W2 unchanged within its runs' spread, the thirty-sixth session)."""
+    if (wide is not None and tau is None and tau_dots is None
+            and flag("KESTREL_JAX_DECODE_QKV_WIDE", u.shape[0] == 1)):
         out = _decode_qkv(wide, positions, slots, k_pages, v_pages, k_scale, v_scale, None, n_heads=n_heads,
                           rotary_dim=rotary_dim, theta=theta, route=None, u_cols=u.shape[1])
         if out is not None:

@@ -235,16 +235,16 @@ def test_decode_qkv_kernel_reads_the_joined_product(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.parametrize("family", ["md2", "md3"])
-def test_one_row_joined_input_product_switch(family: Literal["md2", "md3"], monkeypatch: pytest.MonkeyPatch):
-    """KESTREL_JAX_DENSE_IN_ONE_ROW=1 (opt-in): a one-row decode step also forms each dense layer's
-    QKV and fc1 as the one product over the joined weights (`Block.dense_decode_in` at one row, no
-    fc1 of its own), and with KESTREL_JAX_DECODE_QKV_WIDE=1 the QKV epilogue kernel (interpreted)
-    reads its columns in place: the same tokens, outputs and KV within bf16 rounding of the
-    default one-row step. Off (the default), one-row steps never call it."""
+def test_one_row_joined_input_product(family: Literal["md2", "md3"], monkeypatch: pytest.MonkeyPatch):
+    """KESTREL_JAX_DENSE_IN_ONE_ROW: a one-row decode step also forms each dense layer's QKV and fc1
+    as the one product over the joined weights (`Block.dense_decode_in` at one row, no fc1 of its
+    own), by default where the layer has no tau (MD2's), whose QKV epilogue kernel (interpreted)
+    then reads its columns in place (the wide read, on at one row); MD3's dense layers (tau) take
+    it only when asked for (=1). The same tokens, outputs and KV within bf16 rounding of the
+    one-row step without it (=0), which never calls it."""
     from kestrel_jax.models.text import Block
     from kestrel_jax.pallas import qkv_epilogue as qe
 
-    monkeypatch.delenv("KESTREL_JAX_DENSE_IN_ONE_ROW", raising=False)
     rows_in: list[int] = []
     original = Block.dense_decode_in
 
@@ -253,6 +253,7 @@ def test_one_row_joined_input_product_switch(family: Literal["md2", "md3"], monk
         return original(self, n)
 
     monkeypatch.setattr(Block, "dense_decode_in", counted)
+    monkeypatch.setenv("KESTREL_JAX_DENSE_IN_ONE_ROW", "0")
     ref, _ = _steps(family, "on", 1)
     assert 1 not in rows_in
     widths: list[int] = []
@@ -262,8 +263,10 @@ def test_one_row_joined_input_product_switch(family: Literal["md2", "md3"], monk
         widths.append(u.shape[1])
         return kernel(u, *args, interpret=True, **kwargs)
 
-    monkeypatch.setenv("KESTREL_JAX_DENSE_IN_ONE_ROW", "1")
-    monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_WIDE", "1")
+    monkeypatch.delenv("KESTREL_JAX_DENSE_IN_ONE_ROW")
+    assert ops.dense_in_one_row(tau=False) and not ops.dense_in_one_row(tau=True)  # the defaults
+    if family == "md3":  # its dense layers have tau: asked for
+        monkeypatch.setenv("KESTREL_JAX_DENSE_IN_ONE_ROW", "1")
     _route_through(monkeypatch, "decode_qkv", qe, "decode_qkv_kernel", interpreted)
     got, _ = _steps(family, "on", 1)
     assert rows_in.count(1) and rows_in.count(1) % _dense_layers(family) == 0

@@ -268,6 +268,18 @@ def test_a_wide_u_reads_only_its_first_columns(monkeypatch: pytest.MonkeyPatch):
     assert out is not None and out_wide is not None
     for a, b in zip(out_wide, out, strict=True):
         np.testing.assert_array_equal(_bits(a), _bits(b))
+    # one row: the wide read by default (=0 turns it off there too)
+    seen.clear()
+    one = (positions[:1], slots[:1], kp, vp, ks, vs)
+    with ops.use_backend("kernel"):
+        monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_WIDE")
+        got1 = ops.decode_qkv(u[:1], *one, None, n_heads=4, rotary_dim=8, theta=1e4, wide=wide[:1])
+        monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_WIDE", "0")
+        want1 = ops.decode_qkv(u[:1], *one, None, n_heads=4, rotary_dim=8, theta=1e4, wide=wide[:1])
+    assert seen == [(232, 192), (192, None)]
+    assert got1 is not None and want1 is not None
+    for a, b in zip(got1, want1, strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
 
 
 def _problem(u, kp, tau, rot=8) -> str:
