@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny model (a CPU smoke run)")
     ap.add_argument("--layers", type=int, default=None,
                     help="only the decoder's first N layers (default all): a difference before depth amplifies it")
+    ap.add_argument("--logits", action="store_true",
+                    help="also the LM head's logits of each row (`TextModel.model_logits`, one row at a time, as "
+                         "a decode step's heads form them at batch 1): their largest difference and argmax")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     if a.layers is not None and a.layers < 1:
@@ -68,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     graphdef, state = nnx.split(model)
 
     def fwd(state, x, cache, positions, slots, kv_lens, table):
-        h, _, _ = nnx.merge(graphdef, state)(x, AttentionBatch(positions, slots, kv_lens, table), cache)
-        return h
+        text = nnx.merge(graphdef, state)
+        h, _, _ = text(x, AttentionBatch(positions, slots, kv_lens, table), cache)
+        if not a.logits:
+            return h
+        return h, jnp.concatenate([text.model_logits(h[i:i + 1]) for i in range(h.shape[0])])
 
     res = {"device": jax.devices()[0].device_kind, "model": a.model, "switches": {}}
     for spec in a.switch:
@@ -82,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             positions = jnp.full((b,), a.context, jnp.int32)
             table = jnp.arange(b * maxp, dtype=jnp.int32).reshape(b, maxp)
             slots = table[:, a.context // page] * page + a.context % page
-            outs, kernels = {}, {}
+            outs, kernels, logits = {}, {}, {}
             for val in (on_val, off_val):
                 os.environ[switch] = val
                 # The switch is read at trace time, also inside the kernels' jitted entry points, whose
@@ -97,13 +103,21 @@ def main(argv: list[str] | None = None) -> int:
                 # took effect. (Session 46's call 3 counted the lowered module's: 6 and 6, uninformative.)
                 compiled = f.lower(*args).compile()
                 kernels[val] = (compiled.as_text() or "").count('custom_call_target="mosaic_gpu')
-                outs[val] = np.asarray(compiled(*args).astype(jnp.float32))
+                res_val = compiled(*args)
+                if a.logits:
+                    res_val, logit_vals = res_val
+                    logits[val] = np.asarray(logit_vals.astype(jnp.float32))
+                outs[val] = np.asarray(res_val.astype(jnp.float32))
             on, off = outs[on_val], outs[off_val]
             rel = float(np.abs(on - off).max() / max(np.abs(off).max(), 1e-30))
             rms = float(np.sqrt(np.mean((on - off) ** 2) / max(np.mean(off ** 2), 1e-30)))
             rel_diff[b] = {"max_rel": rel, "rms_rel": rms, "finite": bool(np.isfinite(on).all()),
                            "max_abs_off": float(np.abs(off).max()),
                            "mosaic_calls_on_off": [kernels[on_val], kernels[off_val]]}
+            if a.logits:
+                lon, loff = logits[on_val], logits[off_val]
+                rel_diff[b]["logits_max_rel"] = float(np.abs(lon - loff).max() / max(np.abs(loff).max(), 1e-30))
+                rel_diff[b]["logits_argmax_equal"] = int((lon.argmax(1) == loff.argmax(1)).sum())
             print(json.dumps({"switch": spec, "batch": b, **rel_diff[b]}), flush=True)
         if before is None:
             os.environ.pop(switch, None)

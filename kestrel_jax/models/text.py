@@ -524,7 +524,8 @@ class TextModel(nnx.Module):
             joined = batch.cu_q_lens is None and aux is None and (
                 t > 1 or ops.dense_in_one_row(tau=block.attn.tau is not None))
             dense_in = block.dense_decode_in(n[:t]) if joined else None
-            out_joined = dense_in is not None and block.dense_out_w is not None
+            # (at one row as `ops.dense_out_one_row` asks, whichever way the input product was formed)
+            out_joined = dense_in is not None and block.dense_out_w is not None and (t > 1 or ops.dense_out_one_row())
             # one row: the output projection and fc2 still as one product over the joined weights,
             # fc1 formed on its own (XLA merges it with the QKV product; `ops.dense_out_one_row`)
             h_one: jax.Array | None = None
@@ -596,4 +597,15 @@ class TextModel(nnx.Module):
         return n
 
     def logits(self, hidden: jax.Array) -> jax.Array:  # [N, D] -> [N, V] float32
-        return self.lm_head(self.post_ln(hidden)).astype(jnp.float32)
+        return self.model_logits(hidden).astype(jnp.float32)
+
+    def model_logits(self, hidden: jax.Array) -> jax.Array:  # [N, D] -> [N, V] in the model's dtype
+        """The LM head's logits as it forms them (bf16 for a bf16 model): `logits` before the cast,
+        for consumers that widen them themselves (the sampler), so that no pass of its own does. A
+        one-row step's `post_ln` runs as the dense layers' one-row LayerNorm does (one launch on a
+        GPU, `ops.decode_dense_layer_norm`, instead of XLA's two)."""
+        ln = self.post_ln
+        n = None
+        if hidden.shape[0] == 1:
+            n = ops.decode_dense_layer_norm(hidden, ln.scale[...], ln.bias[...], eps=ln.eps)
+        return self.lm_head(ln(hidden) if n is None else n)

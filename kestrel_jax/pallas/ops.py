@@ -286,13 +286,14 @@ def dense_in_one_row(tau: bool) -> bool:
     """Whether a one-row decode step forms a dense layer's QKV and fc1 as the one product over the
     weights joined at load time (`Block.dense_decode_in`), as steps of more rows do, instead of
     XLA's product over the two weights concatenated at run time: KESTREL_JAX_DENSE_IN_ONE_ROW, read
-    at trace time; default on for layers without tau (MD2's), whose QKV epilogue then reads the QKV
-    columns, bias included, out of that product in place (`decode_qkv`'s wide read, on at one row),
-    and off for MD3's dense layers (tau: no wide read, so the slices would become copies; the
-    thirty-fifth session's joined product at one row without the in-place read cost +22.8 us).
-    H200, forty-seventh session, MD2 with the wide read: batch-1 step 1,409.0 -> 1,365.9 us (-3.1%,
-    24 launches fewer: XLA's 1.5 us QKV bias add per layer), W1 913.1 -> 944.1 tok/s (one pair),
-    the forward at batch 1 unchanged (max difference 0.0)."""
+    at trace time; default on for layers without tau (MD2's) and off for MD3's dense layers (tau).
+    The QKV epilogue reads the QKV columns, bias included, out of that product in place
+    (`decode_qkv`'s wide read, on at one row; the thirty-fifth session's joined product at one row
+    without it cost +22.8 us, its slices becoming copies). H200, forty-seventh session: MD2 batch-1
+    step 1,409.0 -> 1,365.9 us (-3.1%, 24 launches fewer: XLA's 1.5 us QKV bias add per layer), W1
+    913.1 -> 944.1 tok/s (one pair); MD3 with =1 (tau over the QKV columns of the wide product)
+    1,278.5 -> 1,274.7 us (-0.3%, 4 launches fewer), so off there; the forwards and logits at
+    batch 1 unchanged either way (max difference 0.0)."""
     return flag("KESTREL_JAX_DENSE_IN_ONE_ROW", not tau)
 
 
@@ -470,7 +471,8 @@ def decode_dense_layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, *, 
     MD2's batch-1 step: statistics 1.29 us, normalisation 1.47-1.51 us per layer; the kernel took
     1.61 us at one row in MD3's MoE layers). H200, forty-sixth session: MD2's batch-1 step
     1,438.1 -> 1,409.3 us (-2.0%, 24 launches fewer; the kernel 1.75 us per layer), MD2 W1 906.1 ->
-    916.7 / 917.5 tok/s (+1.2%); MD3's (4 dense layers) -0.8 us. On by default;
+    916.7 / 917.5 tok/s (+1.2%); MD3's (4 dense layers) -0.8 us. Also the final LayerNorm
+    (`post_ln`) of a one-row step's LM head (`TextModel.model_logits`). On by default;
     KESTREL_JAX_DENSE_LN_ONE_ROW=0 (read at trace time) restores XLA's launches. (The forty-third
     session's dense LayerNorm in 64-row steps, through another kernel, cut that step by 3.6 us but
     lowered MD2 W2 by 0.75%: not kept.) None off the kernel path, with the switch off, or for
@@ -622,14 +624,13 @@ def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: ja
     (`small_linear_pair`'s third item): the kernel forms tau from the dots the QKV GEMM formed, where it
     takes them (else from `tau`), at any row count. `wide`: the product u was sliced from (its
     first columns; a dense layer's joined QKV + fc1 product, `Block.dense_decode_in`), which the
-    kernel reads in place of the slice (no tau only) with KESTREL_JAX_DECODE_QKV_WIDE, read at trace
+    kernel reads in place of the slice (tau over its first columns) with KESTREL_JAX_DECODE_QKV_WIDE, read at trace
     time: default on at one row (with `dense_in_one_row`: MD2's batch-1 step -3.1%, the forty-seventh
     session) and off at more rows (opt-in there: it saves XLA's copy of the slice, MD2 64-row step
     -37 to -43 us, W2 unchanged within its runs' spread, the thirty-sixth session)."""
-    if (wide is not None and tau is None and tau_dots is None
-            and flag("KESTREL_JAX_DECODE_QKV_WIDE", u.shape[0] == 1)):
-        out = _decode_qkv(wide, positions, slots, k_pages, v_pages, k_scale, v_scale, None, n_heads=n_heads,
-                          rotary_dim=rotary_dim, theta=theta, route=None, u_cols=u.shape[1])
+    if wide is not None and flag("KESTREL_JAX_DECODE_QKV_WIDE", u.shape[0] == 1):
+        out = _decode_qkv(wide, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
+                          rotary_dim=rotary_dim, theta=theta, route=None, tau_dots=tau_dots, u_cols=u.shape[1])
         if out is not None:
             return out[:3]
     out = _decode_qkv(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
@@ -723,12 +724,15 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
                                             route[1], n_heads=n_heads, rotary_dim=rotary_dim, theta=theta,
                                             top_k=route[2], block_tokens=route[3], factors=factors, tau_dots=dots)
 
-    if u_cols is not None:  # u wider than the QKV product (no tau, no routing): its first u_cols columns
-        if route is not None or tau is not None or tau_dots is not None or kern.decode_qkv_problem(
-                u, k_pages, None, n_heads=n_heads, rotary_dim=rotary_dim, u_cols=u_cols) is not None:
+    if u_cols is not None:  # u wider than the QKV product (no routing): its first u_cols columns
+        tau_w = None if tau_dots is not None else tau  # tau from the GEMM's dots, else from the row
+        if route is not None or (tau_w is not None and positions.shape[0] > kern.MAX_TAU_ROWS) or (
+                kern.decode_qkv_problem(u, k_pages, tau_w, n_heads=n_heads, rotary_dim=rotary_dim,
+                                        tau_dots=tau_dots, u_cols=u_cols) is not None):
             return None
-        return kern.decode_qkv_kernel(u, positions, slots, k_pages, v_pages, k_scale, v_scale, None,
-                                      n_heads=n_heads, rotary_dim=rotary_dim, theta=theta, u_cols=u_cols)
+        return kern.decode_qkv_kernel(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau_w,
+                                      n_heads=n_heads, rotary_dim=rotary_dim, theta=theta, tau_dots=tau_dots,
+                                      u_cols=u_cols)
     rows = positions.shape[0]  # u may carry padding rows past them (`gemv_rows`): the kernel reads the first
     # With the dots a program reads 2 x (columns / 64) floats per head, not its whole row: any rows.
     if tau_dots is not None and kern.decode_qkv_problem(

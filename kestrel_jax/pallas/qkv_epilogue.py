@@ -157,12 +157,9 @@ def decode_qkv_problem(u: jax.Array, k_pages: jax.Array, tau: TauWeights | None,
                        rotary_dim: int, factors: tuple[jax.Array, jax.Array] | None = None,
                        tau_dots: TauDots | None = None, u_cols: int | None = None) -> str | None:
     """Why `decode_qkv_kernel` cannot take these shapes (None: it can). `u_cols`: u is wider, its
-    first `u_cols` columns being the QKV product (no tau then)."""
-    if u_cols is not None:
-        if tau is not None or factors is not None or tau_dots is not None:
-            return "a wide u (u_cols) takes no tau"
-        if u.ndim != 2 or not 0 < u_cols <= u.shape[1]:
-            return f"u_cols {u_cols} must be in (0, u's width] for u {u.shape}"
+    first `u_cols` columns being the QKV product (tau, where asked for, over those columns only)."""
+    if u_cols is not None and (u.ndim != 2 or not 0 < u_cols <= u.shape[1]):
+        return f"u_cols {u_cols} must be in (0, u's width] for u {u.shape}"
     if tau_dots is not None:
         if tau is not None or factors is not None:
             return "tau dots, tau weights and tau factors are exclusive"
@@ -195,8 +192,8 @@ def decode_qkv_problem(u: jax.Array, k_pages: jax.Array, tau: TauWeights | None,
         return f"pool dtype must be float8_e4m3fn or bf16, got {k_pages.dtype}"
     if k_pages.size >= 2**31:
         return f"pool of {k_pages.size} elements: the kernel's offsets are int32"
-    if tau is not None and (tau.wq.shape != (n_heads, u.shape[1]) or tau.wv.shape != tau.wq.shape
-                            or tau.alpha.shape != (n_heads,) or _chunk(u.shape[1]) < 16):
+    if tau is not None and (tau.wq.shape != (n_heads, width) or tau.wv.shape != tau.wq.shape
+                            or tau.alpha.shape != (n_heads,) or _chunk(width) < 16):
         return f"tau weights {tau.wq.shape} / {tau.wv.shape} / {tau.alpha.shape} do not fit u {u.shape}"
     if tau is not None and hkv != n_heads:  # v's tau is per query head (MD3 has no GQA)
         return f"tau needs as many KV heads as query heads, got {hkv} and {n_heads}"
@@ -210,13 +207,13 @@ def _bf16(x: jax.Array) -> jax.Array:
 
 def _kernel(u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: int, n_kv: int, dh: int, rot: int,
             has_tau: bool, has_factors: bool, has_dots: bool, chunk: int, fp8: bool, low: bool,
-            route: tuple[int, int] | None):
+            route: tuple[int, int] | None, cols: int):
     # program ids are read here, outside any branch (the interpreter evaluates them only there)
     m, h = pl.program_id(0), pl.program_id(1)
     mode = dict(has_tau=has_tau, has_factors=has_factors, has_dots=has_dots)
     if route is None:
         _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads=n_heads, n_kv=n_kv, dh=dh,
-               rot=rot, chunk=chunk, fp8=fp8, low=low, **mode)
+               rot=rot, chunk=chunk, fp8=fp8, low=low, cols=cols, **mode)
         return
     # [..., logits, n_valid, (the pools), q, pools, weights, experts, dest, meta_up, meta_down]
     n_tau = 3 if has_tau else (2 if has_factors or has_dots else 0)
@@ -227,7 +224,7 @@ def _kernel(u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: i
     @pl.when(h < n_heads)
     def _head_program():
         _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *head_refs, n_heads=n_heads, n_kv=n_kv, dh=dh,
-               rot=rot, chunk=chunk, fp8=fp8, low=low, **mode)
+               rot=rot, chunk=chunk, fp8=fp8, low=low, cols=cols, **mode)
 
     @pl.when((h == n_heads) & (m == 0))
     def _route_program():
@@ -235,7 +232,8 @@ def _kernel(u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: i
 
 
 def _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_heads: int, n_kv: int, dh: int,
-           rot: int, has_tau: bool, has_factors: bool, has_dots: bool, chunk: int, fp8: bool, low: bool):
+           rot: int, has_tau: bool, has_factors: bool, has_dots: bool, chunk: int, fp8: bool, low: bool,
+           cols: int):
     tq_ref = tv_ref = dots_ref = None
     if has_tau:
         wq_ref, wv_ref, alpha_ref, _kp_in, _vp_in, q_ref, kp_ref, vp_ref = refs
@@ -246,7 +244,7 @@ def _heads(m, h, u_ref, pos_ref, slot_ref, ks_ref, vs_ref, inv_ref, *refs, n_hea
     else:
         _kp_in, _vp_in, q_ref, kp_ref, vp_ref = refs
     f32 = jnp.float32
-    n = u_ref.shape[1]
+    n = cols  # the QKV product's columns (u may be wider: `u_cols`)
     P, _, S, _ = kp_ref.shape
     half, rest_w = rot // 2, dh - rot
     pos = pos_ref[m]
@@ -335,14 +333,15 @@ def decode_qkv_kernel(
     tau_dots: TauDots | None = None,  # the tau dots from the QKV GEMM, instead of tau
     interpret: bool = False,
     num_warps: int | None = None,  # None: TAU_WARPS with tau, else PLAIN_WARPS
-    u_cols: int | None = None,  # u wider than the QKV product: its first u_cols columns are (no tau)
+    u_cols: int | None = None,  # u wider than the QKV product: its first u_cols columns are it
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """-> (q [M, H, Dh] in u.dtype, k_pages, v_pages with the M new rows written). With `factors`
     the kernel scales q and v by tau factors formed outside (`tau_factors`, rounded to u.dtype)
     instead of forming them from `tau` itself (for batches past `MAX_TAU_ROWS`); with `tau_dots`
     it forms the factors from the dot products the QKV GEMM formed (`gemv_mgpu.gemv_rows`'
     tau_w) instead of from the whole row and the tau weights. With `u_cols` u may carry more
-    columns past the QKV product (a dense layer's joined QKV + fc1 product): they are not read."""
+    columns past the QKV product (a dense layer's joined QKV + fc1 product): they are not read
+    (tau's GELU and dots run over the first `u_cols` columns)."""
     q, kp, vp, _ = _decode_qkv(u, positions, slots, k_pages, v_pages, k_scale, v_scale, tau, n_heads=n_heads,
                                rotary_dim=rotary_dim, theta=theta, factors=factors, tau_dots=tau_dots,
                                interpret=interpret, num_warps=num_warps, u_cols=u_cols)
@@ -410,7 +409,8 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
                                  tau_dots=tau_dots, u_cols=u_cols)
     if problem is not None:
         raise ValueError(f"decode_qkv_kernel: {problem}")
-    M, N = positions.shape[0], u.shape[1]  # u may have padding rows past the M decode rows
+    # u may have padding rows past the M decode rows, and columns past the QKV product's N (`u_cols`)
+    M, N = positions.shape[0], u.shape[1] if u_cols is None else u_cols
     if u.shape[0] < M or slots.shape != positions.shape:
         raise ValueError(f"decode_qkv_kernel: u has {u.shape[0]} rows, positions {positions.shape}, "
                          f"slots {slots.shape}: need [M] positions and slots and at least M rows of u")
@@ -431,7 +431,8 @@ def _decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: j
     kern = functools.partial(
         _kernel, n_heads=n_heads, n_kv=n_kv, dh=dh, rot=rotary_dim, has_tau=tau is not None,
         has_factors=factors is not None, has_dots=tau_dots is not None, chunk=_chunk(N), fp8=is_fp8(k_pages.dtype),
-        low=jnp.dtype(u.dtype) == jnp.dtype(jnp.bfloat16), route=None if route is None else (route[2], route[3]))
+        low=jnp.dtype(u.dtype) == jnp.dtype(jnp.bfloat16), route=None if route is None else (route[2], route[3]),
+        cols=N)
     q, kp, vp, *tables = pl.pallas_call(
         kern,
         out_shape=(jax.ShapeDtypeStruct((M, n_heads, dh), u.dtype),

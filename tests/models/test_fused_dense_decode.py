@@ -138,12 +138,12 @@ def test_decode_through_joined_weights_equals_separate(family: Literal["md2", "m
     got, r_on = _steps(family, "on")
     for x, y in zip(got, ref, strict=True):
         np.testing.assert_array_equal(x, y)
-    # the 2-row decode step's dense layers took the joined product; a 1-row step does not (measured
-    # slower there: the products' slices become copies of their own)
+    # the 2-row decode step's dense layers took the joined product; a 1-row step only where the QKV
+    # epilogue reads it in place by default, MD2's layers (no tau; `ops.dense_in_one_row`)
     traced = len(seen)
     assert traced and set(seen) == {2}
     r_on.decode(*bt.text_decode([(2, 20, 7, -1)], bucket=1, pages=r_on.max_pages_per_seq, page_size=PAGE), None)
-    assert len(seen) == traced
+    assert seen[traced:] == ([1] * _dense_layers(family) if family == "md2" else [])
     per_layer = 2 * 256 * (3 * 256 + 512) + 2 * (3 * 256 + 512)  # bf16 [D, QKV + F] and its bias
     dense = _dense_layers(family)
     assert r_on.joined_dense_bytes == dense * per_layer and r_off.joined_dense_bytes == 0
@@ -270,8 +270,10 @@ def test_one_row_joined_input_product(family: Literal["md2", "md3"], monkeypatch
     _route_through(monkeypatch, "decode_qkv", qe, "decode_qkv_kernel", interpreted)
     got, _ = _steps(family, "on", 1)
     assert rows_in.count(1) and rows_in.count(1) % _dense_layers(family) == 0
-    if family == "md2":  # (MD3's dense layers have tau: the wide read is MD2's)
-        assert widths and set(widths) == {3 * 256 + 512}
+    # the epilogue reads the joined product in place (MD3's with tau over its QKV columns); the MoE
+    # layers' QKV products (MD3) are their own
+    assert widths and (3 * 256 + 512) in widths
+    assert set(widths) <= {3 * 256 + 512, 3 * 256}
     _assert_same_tokens(got, ref)
 
 
@@ -360,10 +362,10 @@ def test_one_row_output_product_over_the_joined_weights(family: Literal["md2", "
 
 @pytest.mark.parametrize("family", ["md2", "md3"])
 def test_one_row_dense_layer_norm_in_one_launch(family: Literal["md2", "md3"], monkeypatch: pytest.MonkeyPatch):
-    """A one-row decode step forms each dense layer's LayerNorm with the rows kernel (interpreted
-    here), unpadded: the same tokens, outputs and KV within rounding of XLA's statistics and
-    normalisation (the kernel sums in another order). On by default; KESTREL_JAX_DENSE_LN_ONE_ROW=0
-    keeps XLA's; steps of more rows keep XLA's."""
+    """A one-row decode step forms each dense layer's LayerNorm, and the LM head's `post_ln`, with
+    the rows kernel (interpreted here), unpadded: the same tokens, outputs and KV within rounding of
+    XLA's statistics and normalisation (the kernel sums in another order). On by default;
+    KESTREL_JAX_DENSE_LN_ONE_ROW=0 keeps XLA's; steps of more rows keep XLA's."""
     from kestrel_jax.pallas import layer_norm_triton as L
 
     monkeypatch.setenv("KESTREL_JAX_DENSE_LN_ONE_ROW", "0")
@@ -380,8 +382,20 @@ def test_one_row_dense_layer_norm_in_one_launch(family: Literal["md2", "md3"], m
         assert ops.decode_dense_layer_norm(row, scale, scale, eps=1e-5) is None
     monkeypatch.delenv("KESTREL_JAX_DENSE_LN_ONE_ROW")
     _route_through(monkeypatch, "decode_dense_layer_norm", L, "layer_norm_rows_kernel", interpreted)
+    from kestrel_jax.serving import runner as runner_mod
+
+    sampled: list[jnp.dtype] = []  # the steps hand the sampler the LM head's bf16 logits, no f32 copy
+    real_sample = runner_mod.sample
+
+    def recorded(logits: jax.Array, *args: Any, **kwargs: Any) -> Any:
+        sampled.append(logits.dtype)
+        return real_sample(logits, *args, **kwargs)
+
+    monkeypatch.setattr(runner_mod, "sample", recorded)
     got, _ = _steps(family, "on", 1)
-    assert shapes and set(shapes) == {(1, 256)} and len(shapes) % _dense_layers(family) == 0
+    assert sampled and set(sampled) == {jnp.dtype(jnp.bfloat16)}
+    # per one-row step: the dense layers' and post_ln's
+    assert shapes and set(shapes) == {(1, 256)} and len(shapes) % (_dense_layers(family) + 1) == 0
     _assert_same_tokens(got, ref)
     shapes.clear()
     _steps(family, "on", 2)

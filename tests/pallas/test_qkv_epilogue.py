@@ -230,25 +230,31 @@ def test_rows_of_u_past_the_decode_rows_are_not_read(tau):
 
 def test_a_wide_u_reads_only_its_first_columns(monkeypatch: pytest.MonkeyPatch):
     """u as a dense layer's joined QKV + fc1 product hands it over (`u_cols`: the QKV product is its
-    first columns): the same q and pools as the narrow u, NaN in the columns past it never read;
-    the dispatch reads the wide product only with KESTREL_JAX_DECODE_QKV_WIDE=1 and no tau."""
+    first columns): the same q and pools as the narrow u, bit for bit, with tau from the weights
+    (its GELU and dots over the first columns only) or from the GEMM's dots, and without; NaN in the
+    columns past it never read. The dispatch reads the wide product with KESTREL_JAX_DECODE_QKV_WIDE
+    (default on at one row, off at more), tau from the weights up to `MAX_TAU_ROWS` rows only."""
     rng = fresh_rng()
     M = 3
-    u, positions, slots, (kp, vp), (ks, vs), _ = _case(rng, M, 4, 4, 16, 8, BF16, False)
+    u, positions, slots, (kp, vp), (ks, vs), tw = _case(rng, M, 4, 4, 16, 8, BF16, True)
+    assert tw is not None
     wide = jnp.concatenate([u, jnp.full((M, 40), jnp.nan, u.dtype)], axis=1)
     kw = dict(n_heads=4, rotary_dim=8, theta=10000.0, interpret=True)
-    want = qe.decode_qkv_kernel(u, positions, slots, kp, vp, ks, vs, None, **kw)
-    got = qe.decode_qkv_kernel(wide, positions, slots, kp, vp, ks, vs, None, u_cols=u.shape[1], **kw)
-    for a, b in zip(got, want, strict=True):
-        np.testing.assert_array_equal(_bits(a), _bits(b))
+    dots = _tau_dots(u, tw, 64)
+    for tau, tau_dots in ((None, None), (tw, None), (None, dots)):
+        want = qe.decode_qkv_kernel(u, positions, slots, kp, vp, ks, vs, tau, tau_dots=tau_dots, **kw)
+        got = qe.decode_qkv_kernel(wide, positions, slots, kp, vp, ks, vs, tau, tau_dots=tau_dots,
+                                   u_cols=u.shape[1], **kw)
+        assert np.isfinite(np.asarray(got[0].astype(jnp.float32))).all()  # q: no NaN column read
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(_bits(a), _bits(b))
     problem = functools.partial(qe.decode_qkv_problem, wide, kp, n_heads=4, rotary_dim=8)
     assert problem(None, u_cols=u.shape[1]) is None
+    assert problem(tw, u_cols=u.shape[1]) is None
     assert "width" in (problem(None, u_cols=u.shape[1] - 16) or "")
     assert "u_cols" in (problem(None, u_cols=wide.shape[1] + 1) or "")
-    tw = qe.TauWeights(jnp.zeros((4, 192), BF16), jnp.zeros((4, 192), BF16), jnp.zeros((4,), BF16))
-    assert "no tau" in (problem(tw, u_cols=u.shape[1]) or "")
-    with pytest.raises(ValueError, match="decode_qkv_kernel: a wide u"):
-        qe.decode_qkv_kernel(wide, positions, slots, kp, vp, ks, vs, tw, u_cols=u.shape[1], **kw)
+    wide_tw = qe.TauWeights(jnp.zeros((4, 232), BF16), jnp.zeros((4, 232), BF16), tw.alpha)
+    assert "do not fit" in (problem(wide_tw, u_cols=u.shape[1]) or "")  # tau spans the QKV product only
     # dispatch: which u reaches the kernel
     seen: list[tuple[int, int | None]] = []
     kernel = qe.decode_qkv_kernel
@@ -259,12 +265,16 @@ def test_a_wide_u_reads_only_its_first_columns(monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setattr(qe, "decode_qkv_kernel", spy)
     args = (positions, slots, kp, vp, ks, vs)
+    qkv: dict[str, Any] = dict(n_heads=4, rotary_dim=8, theta=1e4)
     with ops.use_backend("kernel"):
-        out = ops.decode_qkv(u, *args, None, n_heads=4, rotary_dim=8, theta=1e4, wide=wide)  # off by default
+        out = ops.decode_qkv(u, *args, None, **qkv, wide=wide)  # off by default past one row
         monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_WIDE", "1")
-        out_wide = ops.decode_qkv(u, *args, None, n_heads=4, rotary_dim=8, theta=1e4, wide=wide)
-        ops.decode_qkv(u, *args, tw, n_heads=4, rotary_dim=8, theta=1e4, wide=wide)  # tau: the narrow u
-    assert seen == [(192, None), (232, 192), (192, None)]
+        out_wide = ops.decode_qkv(u, *args, None, **qkv, wide=wide)
+        ops.decode_qkv(u, *args, tw, **qkv, wide=wide)  # tau from the weights, over the first columns
+        big = jnp.concatenate([u] * 3)  # 9 rows: past MAX_TAU_ROWS the narrow u (XLA forms the factors)
+        pos9, slots9 = jnp.concatenate([positions] * 3), jnp.concatenate([slots, slots + 1, slots + 2])
+        ops.decode_qkv(big, pos9, slots9, kp, vp, ks, vs, tw, **qkv, wide=jnp.concatenate([wide] * 3))
+    assert seen == [(192, None), (232, 192), (232, 192), (192, None)]
     assert out is not None and out_wide is not None
     for a, b in zip(out_wide, out, strict=True):
         np.testing.assert_array_equal(_bits(a), _bits(b))
@@ -273,9 +283,9 @@ def test_a_wide_u_reads_only_its_first_columns(monkeypatch: pytest.MonkeyPatch):
     one = (positions[:1], slots[:1], kp, vp, ks, vs)
     with ops.use_backend("kernel"):
         monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_WIDE")
-        got1 = ops.decode_qkv(u[:1], *one, None, n_heads=4, rotary_dim=8, theta=1e4, wide=wide[:1])
+        got1 = ops.decode_qkv(u[:1], *one, tw, **qkv, wide=wide[:1])
         monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_WIDE", "0")
-        want1 = ops.decode_qkv(u[:1], *one, None, n_heads=4, rotary_dim=8, theta=1e4, wide=wide[:1])
+        want1 = ops.decode_qkv(u[:1], *one, tw, **qkv, wide=wide[:1])
     assert seen == [(232, 192), (192, None)]
     assert got1 is not None and want1 is not None
     for a, b in zip(got1, want1, strict=True):

@@ -6,6 +6,7 @@ Every test draws fresh random inputs; the seed is printed (shown by pytest on fa
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -180,6 +181,24 @@ def test_kernel_matches_reference_and_spec(rng, dtype, width):
     out = sample_kernel(logits, params, n_top=3, return_logprobs=True, interpret=True, chunk=16, width=width)
     check_against_spec_and_reference(logits, params, rows, ref, ref)
     check_against_spec_and_reference(logits, params, rows, out, ref)
+
+
+def test_bf16_logits_sample_as_their_f32_widening(rng):
+    """The decode steps hand the sampler the LM head's bf16 logits (`TextModel.model_logits`), not
+    an f32 copy: the kernel (interpreted) and the reference give the same tokens, logprobs and
+    top-n, bit for bit, as on the logits widened to f32 (every bf16 value is an f32 value)."""
+    B, V = 27, 203
+    rows = mixed_rows(rng, B, V)
+    params = make_sampling_params(rows, B, n_allowed=N_ALLOWED, n_suppressed=N_SUPP, vocab_size=V)
+    logits = mixed_logits(rng, B, V, jnp.bfloat16)
+    wide = logits.astype(jnp.float32)
+    for fn in (functools.partial(sample_reference, chunk=16),
+               functools.partial(sample_kernel, interpret=True, chunk=16, width=2)):
+        got = fn(logits, params, n_top=3, return_logprobs=True)
+        want = fn(wide, params, n_top=3, return_logprobs=True)
+        for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+            np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)),
+                                          err_msg=name)
 
 
 def test_greedy_is_first_argmax(rng):

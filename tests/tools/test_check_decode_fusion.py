@@ -23,13 +23,15 @@ def test_switch_spec():
 def test_tiny_run_with_joined_dense_weights(tmp_path: Path):
     """--tiny --fused-dense-decode: the joined weights are made and both settings of a switch of the
     joined products run (on the CPU the decode GEMM kernel is off, so they agree exactly) on the
-    first 2 of the 4 layers; the switch is restored afterwards."""
+    first 2 of the 4 layers, with --logits the LM head's rows too; the switch is restored
+    afterwards."""
     out = tmp_path / "check.json"
     spec = "KESTREL_JAX_GEMV_DENSE_OUT=4,0"
     assert main(["--tiny", "--model", "md2", "--fused-dense-decode", "--switch", spec, "--batches", "2",
-                 "--context", "40", "--layers", "2", "--out", str(out)]) == 0
+                 "--context", "40", "--layers", "2", "--logits", "--out", str(out)]) == 0
     res = json.loads(out.read_text())["switches"][spec]["2"]
     assert res["finite"] and res["max_rel"] == 0.0 and res["rms_rel"] == 0.0 and res["max_abs_off"] > 0
+    assert res["logits_max_rel"] == 0.0 and res["logits_argmax_equal"] == 2  # --logits: both rows
     assert res["mosaic_calls_on_off"] == [0, 0]  # (no Mosaic GPU kernels on the CPU)
     assert "KESTREL_JAX_GEMV_DENSE_OUT" not in os.environ
 
