@@ -518,9 +518,9 @@ class TextModel(nnx.Module):
             top_k = block.mlp.top_k if isinstance(block.mlp, MoE) and rows_path else None
             # a dense layer's decode step: QKV and fc1 in one product over weights joined at load time
             # (XLA merges the two products anyway, joining the weights at run time inside its GEMM).
-            # At one row only where the QKV epilogue reads its columns in place (no tau): otherwise the
-            # two products' slices became copies of their own (H200, session 35: batch-1 step +22.8 us;
-            # at 64 rows -32 us); `ops.dense_in_one_row`.
+            # At one row the QKV epilogue reads its columns in place (without that the products' slices
+            # became copies of their own: H200, session 35, batch-1 step +22.8 us); by default only in
+            # layers without tau (MD2's: -3.1%; MD3's four measured -0.3%), `ops.dense_in_one_row`.
             joined = batch.cu_q_lens is None and aux is None and (
                 t > 1 or ops.dense_in_one_row(tau=block.attn.tau is not None))
             dense_in = block.dense_decode_in(n[:t]) if joined else None
