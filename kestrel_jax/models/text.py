@@ -8,7 +8,7 @@ decoders read) and the updated KV cache; `logits()` applies `post_ln` + `lm_head
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -163,7 +163,8 @@ class Attention(nnx.Module):
         u: jax.Array | None = None,
         u_wide: jax.Array | None = None,
         project: bool = True,
-    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | DenseRoute | None]:
+        partials: bool = False,
+    ) -> tuple[jax.Array | tuple[jax.Array, jax.Array], jax.Array, jax.Array, jax.Array | DenseRoute | None]:
         """-> (output, k_pages, v_pages, router logits, routing tables or None). With `router` (the
         MoE layer's, which reads the same normalised input), decode on a GPU computes its logits in
         the QKV product's launch (rows past the batch's may follow: x's padding rows' logits); with
@@ -173,7 +174,10 @@ class Attention(nnx.Module):
         `experts` (an MoE layer's): what decode attention may ask into L2 for the selected experts
         (`ops.l2_prefetch_mask`). `u`: the QKV product already formed (a dense layer's decode step
         with `Block.dense_w`), else this layer forms it; `u_wide`: the product it is the first
-        columns of (`ops.decode_qkv` may read that in place of the slice)."""
+        columns of (`ops.decode_qkv` may read that in place of the slice). `partials` (decode, with
+        `project` off): split-KV attention's unmerged partials (o, lse) come back in place of the
+        output where the kernel path has them (`ops.decode_attention_partials`), for a later launch
+        to merge."""
         cfg = self.cfg
         t = batch.positions.shape[0]
         hd, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
@@ -230,6 +234,12 @@ class Attention(nnx.Module):
                     max_rows=proj_kernel_rows(), prefetch=pf, prefetch_experts=pf_experts, prefetch_max_blocks=blocks)
                 if y is not None:
                     return y, k_pages, v_pages, routed
+            if partials and not project:
+                parts = ops.decode_attention_partials(
+                    q, k_pages, v_pages, batch.kv_lens, batch.page_table, k_scale, v_scale, sm_scale=scale,
+                    prefetch=pf, prefetch_experts=pf_experts, prefetch_max_blocks=blocks)
+                if parts is not None:
+                    return parts, k_pages, v_pages, routed
             o = ops.decode_attention(q, k_pages, v_pages, batch.kv_lens, batch.page_table, k_scale, v_scale,
                                      sm_scale=scale, prefetch=pf, prefetch_experts=pf_experts,
                                      prefetch_max_blocks=blocks)
@@ -335,7 +345,7 @@ class MoE(nnx.Module):
 
     def rows(self, x: jax.Array, num_valid: jax.Array | None, logits: jax.Array | None,
              tokens: int, x_f16: jax.Array | None = None, route: DenseRoute | None = None,
-             side: tuple[jax.Array, jax.Array] | None = None) -> ExpertRows | None:
+             side: tuple[Any, jax.Array] | None = None) -> ExpertRows | None:
         """The layer's expert rows before the weighted sum (decode on a GPU; x may be padded past
         `tokens` rows, `x_f16` its f16 copy for W8A16 experts, `route` its routing tables when the
         QKV epilogue built them, `side` a product for the down GEMM's launch, its partials then in
@@ -536,17 +546,26 @@ class TextModel(nnx.Module):
             # unless the opt-in merged projection (attention's split-KV merge in its launch) asks for it
             side_proj = (rows_path and block.attn.decode_gemm_kernel and t <= SIDE_PROJ_ROWS
                          and ops.proj_in_down_wanted() and not ops.merged_projection_wanted())
-            a, ks[i], vs[i], routed = block.attn(n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux,
-                                                 router=router, route_top_k=top_k,
-                                                 experts=block.mlp.experts() if isinstance(block.mlp, MoE) else None,
-                                                 u=None if dense_in is None else dense_in[0],
-                                                 u_wide=None if dense_in is None else dense_in[2],
-                                                 project=not (out_joined or h_one is not None or side_proj))
+            a_out, ks[i], vs[i], routed = block.attn(
+                n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux, router=router, route_top_k=top_k,
+                experts=block.mlp.experts() if isinstance(block.mlp, MoE) else None,
+                u=None if dense_in is None else dense_in[0], u_wide=None if dense_in is None else dense_in[2],
+                project=not (out_joined or h_one is not None or side_proj),
+                partials=side_proj and ops.merge_in_up_wanted())
+            # split-KV partials (`ops.merge_in_up_wanted`): the up GEMM's launch merges them for the
+            # projection's side product; where it does not, they are merged here
+            parts: tuple[jax.Array, jax.Array] | None = None
+            if isinstance(a_out, tuple):
+                parts, a = a_out, ops.merge_partials(a_out, t, n.dtype)
+            else:
+                a = a_out
             logits, route = (None, routed) if isinstance(routed, DenseRoute) else (routed, None)
             rows = None
             if isinstance(block.mlp, MoE) and rows_path:
                 side = None
-                if side_proj:
+                if side_proj and parts is not None:
+                    side = (ops.merged_rows(parts, t), block.attn.proj.kernel[...])
+                elif side_proj:
                     side = (jnp.pad(a, ((0, SIDE_PROJ_ROWS - t), (0, 0))), block.attn.proj.kernel[...])
                 rows = block.mlp.rows(n, batch.num_valid, logits, t, x_f16=n16, route=route, side=side)
             if side_proj:  # `a` is attention's output: its projection from the down GEMM's partials, or here

@@ -125,7 +125,8 @@ _XROWS = plgpu.Layout.TILED(mgpu_fa.Tiling(((8, 64), (2, 64), (2,))), warp_dims=
                             vector_dim=-1)
 
 
-def merge_supported(o: jax.Array | jax.ShapeDtypeStruct, lse: jax.Array | jax.ShapeDtypeStruct, w: jax.Array) -> bool:
+def merge_supported(o: jax.Array | jax.ShapeDtypeStruct, lse: jax.Array | jax.ShapeDtypeStruct,
+                    w: jax.Array | jax.ShapeDtypeStruct) -> bool:
     """Split-KV attention partials the merged-input GEMM takes: o [8, H, S, 64] f32, lse [8, H, S]
     f32, w [H * 64, N] bf16 (one head per K step)."""
     return (o.ndim == 4 and o.shape[0] == 8 and o.shape[3] == BLOCK_K and lse.shape == o.shape[:3]

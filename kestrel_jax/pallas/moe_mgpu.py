@@ -34,7 +34,10 @@ Side product (decode, `SideProduct`): the down GEMM's launch may also stream an 
 product, the MoE layer's attention output projection at up to 8 decode rows: its (64-column block,
 K range) pieces go to the CTAs from the last one down, whose dense-regime units are fewest, with
 their tiles requested before the block table arrives. H200, forty-sixth session: MD3 batch-1 step
--3.9%, W1 +4.7% (`ops.proj_in_down_wanted`).
+-3.9%, W1 +4.7% (`ops.proj_in_down_wanted`). Its x may be `MergedRows`, split-KV attention
+partials that the up GEMM's launch merges (a head per CTA from the last one down, while their rings'
+first tiles arrive) and writes for it, so the merge and the pad to 8 rows leave XLA's fusion
+(`ops.merge_in_up_wanted`, opt-in, not yet measured on a GPU).
 
 Precisions (A = weights, B = tokens):
   bf16:        bf16 x bf16 wgmma.
@@ -82,6 +85,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from kestrel_jax.pallas.decode_residual import ExpertRows, combine_rows
 from kestrel_jax.pallas.gemv_mgpu import _TRANSFORMS as GEMV_TRANSFORMS
 from kestrel_jax.pallas.gemv_mgpu import BLOCK_K as SIDE_BK
+from kestrel_jax.pallas.gemv_mgpu import _merged_tile, merge_supported
 from kestrel_jax.pallas.gemv_mgpu import _stream as gemv_stream
 from kestrel_jax.pallas.moe import (
     FP8_MAX,
@@ -115,6 +119,22 @@ MIN_QUANT_STAGES = 4  # in-GEMM quantisation only where its SMEM leaves a ring t
 SIDE_SMEM_MAX = 96 * 1024  # a side product's resident tiles (`SideProduct.smem_bytes`)
 
 
+class MergedRows(NamedTuple):
+    """Split-KV decode attention's partials standing in for a side product's x (`SideProduct.x`):
+    the up GEMM's launch merges them (`_grouped_gemm(merge=...)`: one head at a time on the CTAs
+    from the last one down, whose units are fewest, while their rings' first tiles arrive; the
+    arithmetic of `gemv_mgpu._merged_tile`, rows >= `rows` zero) into the [8, H * 64] bf16 rows
+    the down GEMM's side product then reads. The merge and the pad to 8 rows then take no launch
+    of their own (`ops.merge_in_up_wanted`)."""
+
+    o: jax.Array  # [8, H, S, 64] f32 normalised partials
+    lse: jax.Array  # [8, H, S] f32 log2-sum-exp2
+    rows: int  # real rows, <= 8
+
+
+MERGE_ROWS = 8  # rows of the merged x: the partials' row tile (`paged_attention_mgpu`'s partial_rows)
+
+
 class SideProduct(NamedTuple):
     """A decode-size product y = x @ w that an expert GEMM streams in its own launch beside its
     units (`_grouped_gemm(side=...)`): an MoE layer's attention output projection rides in the down
@@ -125,13 +145,13 @@ class SideProduct(NamedTuple):
     as `gemv_mgpu.gemv_partials`). Output: f32 partials [splits, N, Mp] of y^T, summed by the
     caller (`gemv_mgpu._summed`)."""
 
-    x: jax.Array  # [Mp, K] bf16, Mp a multiple of 8 <= 64
+    x: jax.Array | MergedRows  # [Mp, K] bf16, Mp a multiple of 8 <= 64; or partials the up GEMM merges
     w: jax.Array  # [K, N] bf16
     splits: int  # K ranges per 64-column block
 
     @property
     def rows(self) -> int:
-        return int(self.x.shape[0])
+        return MERGE_ROWS if isinstance(self.x, MergedRows) else int(self.x.shape[0])
 
     @property
     def steps(self) -> int:  # K tiles per piece
@@ -151,7 +171,16 @@ def _side_smem(steps: int, rows: int) -> int:
 
 def side_problem(side: SideProduct) -> str | None:
     """Why `_grouped_gemm` cannot stream this side product (None: it can)."""
-    x, w = side.x, side.w
+    w = side.w
+    x: jax.Array | jax.ShapeDtypeStruct
+    if isinstance(side.x, MergedRows):
+        m = side.x
+        if not merge_supported(m.o, m.lse, w) or not 1 <= m.rows <= MERGE_ROWS:
+            return (f"merged rows: partials o {m.o.shape} {m.o.dtype} / lse {m.lse.shape} with {m.rows} rows do not "
+                    f"fit w {w.shape} {w.dtype} (o [8, H, S, 64] f32, w [H * 64, N] bf16, 1 to 8 rows)")
+        x = jax.ShapeDtypeStruct((MERGE_ROWS, w.shape[0]), jnp.bfloat16)  # what the up GEMM hands over
+    else:
+        x = side.x
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
         return f"x {x.shape} and w {w.shape} are not a [Mp, K] x [K, N] product"
     if jnp.dtype(x.dtype) != jnp.dtype(jnp.bfloat16) or jnp.dtype(w.dtype) != jnp.dtype(jnp.bfloat16):
@@ -341,14 +370,19 @@ def _grouped_gemm(
     shared_rows: bool = False,
     slices_fastest: bool = False,  # round-robin units in (block, slice) order, slice fastest
     side: SideProduct | None = None,  # an unrelated decode product streamed in the same launch
+    merge: MergedRows | None = None,  # attention partials merged in the same launch (`MergedRows`)
     interpret: object = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:  # [NB * Nt, N or N/2] out_dtype (, side partials)
+) -> jax.Array | tuple[jax.Array, ...]:  # [NB * Nt, N or N/2] out_dtype (, side partials) (, merged rows)
     E, N, K = w.shape
     nt = block_tokens
     if side is not None:
         problem = side_problem(side)
-        if problem:
-            raise MoEKernelError(f"side product: {problem}")
+        if problem or isinstance(side.x, MergedRows):
+            raise MoEKernelError(f"side product: {problem or 'its merged rows come from the up GEMM'}")
+    if merge is not None and (not merge_supported(merge.o, merge.lse, jax.ShapeDtypeStruct(
+            (merge.o.shape[1] * SIDE_BK, ROWS), jnp.bfloat16)) or not 1 <= merge.rows <= MERGE_ROWS):
+        raise MoEKernelError(f"merged rows: partials o {merge.o.shape} {merge.o.dtype} / lse {merge.lse.shape}, "
+                             f"{merge.rows} rows")
     if quantize_b and (w.dtype != FP8 or b.dtype != jnp.bfloat16 or b_scale is not None):
         raise MoEKernelError("quantize_b needs e4m3 weights and bf16 token rows without scales")
     # Weight row tiles per unit: the up projection's h and g tiles (rows p * N/2 + j * ROWS); the
@@ -370,7 +404,8 @@ def _grouped_gemm(
     b_bytes = 0 if quantize_b else nt * tk * jnp.dtype(b.dtype).itemsize
     n_stage = staging_buffers if convert else 0
     out_bytes = (n_tiles_out * nt * ROWS * 2 + n_stage * nparts * ROWS * tk * 2 + meta.size * 4
-                 + (_quant_bytes(nt, K) if quantize_b else 0) + (0 if side is None else side.smem_bytes()))
+                 + (_quant_bytes(nt, K) if quantize_b else 0) + (0 if side is None else side.smem_bytes())
+                 + (0 if merge is None else MERGE_ROWS * SIDE_BK * 2))
     stages = min(max_stages, (SMEM_LIMIT - out_bytes - 2048) // (a_bytes + b_bytes))
     if stages < 2:
         raise MoEKernelError(f"block_tokens={nt} leaves no room for a 2-stage pipeline in SMEM")
@@ -388,9 +423,13 @@ def _grouped_gemm(
         b_ref = rest.pop(0)
         bs_ref = rest.pop(0) if b_scale is not None else None
         sx_ref, sw_ref = (rest.pop(0), rest.pop(0)) if side is not None else (None, None)
+        mo_ref, ml_ref = (rest.pop(0), rest.pop(0)) if merge is not None else (None, None)
         out_ref = rest.pop(0)
         so_ref = rest.pop(0) if side is not None else None
+        mx_ref = rest.pop(0) if merge is not None else None
         a_buf, b_buf, bar, o_smem, meta_ref, meta_bar, *extra = rest
+        if merge is not None:
+            *extra, mt_smem = extra
         if side is not None:
             *extra, sw_buf, sx_buf, so_smem, s_bars = extra
         if quantize_b:
@@ -536,6 +575,20 @@ def _grouped_gemm(
             def _quantize_once():
                 quantize_rows_to_smem()
 
+        if merge is not None:  # while the ring's first tiles arrive: the heads on the CTAs from the last one down
+            n_heads, n_splits = merge.o.shape[1], merge.o.shape[2]
+            m_first = num_ctas - 1 - cta
+            m_mine = lax.div(jnp.maximum(n_heads - m_first + num_ctas - 1, 0), num_ctas)
+
+            @pl.loop(0, m_mine)
+            def _merge_loop(j):
+                head = m_first + j * num_ctas
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous head's store has read the tile
+                mt_smem[...] = _merged_tile(mo_ref, ml_ref, head, merge.rows, n_splits)
+                plgpu.commit_smem()
+                assert mx_ref is not None
+                plgpu.copy_smem_to_gmem(mt_smem, mx_ref.at[:, pl.ds(pl.multiple_of(head * SIDE_BK, SIDE_BK), SIDE_BK)])
+
         if side is not None:  # while the ring's first tiles arrive
             @pl.loop(0, s_mine)
             def _side_loop(j):
@@ -636,11 +689,15 @@ def _grouped_gemm(
         plgpu.SMEM((side.steps, side.rows, SIDE_BK), jnp.bfloat16, transforms=GEMV_TRANSFORMS),
         plgpu.SMEM((ROWS, side.rows), jnp.float32),
         plgpu.Barrier(num_arrivals=2, num_barriers=side.steps)]
-    main_out = jax.ShapeDtypeStruct((num_out_rows, n_out), out_dtype)
+    merge_scratch: list[Any] = [] if merge is None else [plgpu.SMEM((MERGE_ROWS, SIDE_BK), jnp.bfloat16)]
+    outs: list[jax.ShapeDtypeStruct] = [jax.ShapeDtypeStruct((num_out_rows, n_out), out_dtype)]
+    if side is not None:
+        outs.append(jax.ShapeDtypeStruct((side.splits, side.w.shape[1], side.rows), jnp.float32))
+    if merge is not None:
+        outs.append(jax.ShapeDtypeStruct((MERGE_ROWS, merge.o.shape[1] * SIDE_BK), jnp.bfloat16))
     kernel = plgpu.kernel(
         body,
-        out_type=main_out if side is None else (
-            main_out, jax.ShapeDtypeStruct((side.splits, side.w.shape[1], side.rows), jnp.float32)),
+        out_type=outs[0] if len(outs) == 1 else tuple(outs),
         scratch_types=[
             plgpu.SMEM((stages, nparts, ROWS, tk), w.dtype, transforms=a_tr),
             # (with quantize_b the token tiles come from the resident e4m3 rows: one unused slot)
@@ -653,6 +710,7 @@ def _grouped_gemm(
               if convert else []),
             *quant_scratch,
             *side_scratch,
+            *merge_scratch,
         ],
         grid=(num_ctas,),
         grid_names=("cta",),
@@ -661,7 +719,10 @@ def _grouped_gemm(
     )
     args = [meta, w] + ([w_scale] if has_w_scale else []) + [b] + ([b_scale] if has_b_scale else [])
     if side is not None:
+        assert not isinstance(side.x, MergedRows)
         args += [side.x, side.w]
+    if merge is not None:
+        args += [merge.o, merge.lse]
     return kernel(*args)
 
 
@@ -768,6 +829,8 @@ def _expert_gemms(
     x_f16: jax.Array | None = None,  # x_rows as the W8A16 f16 operand, already formed (dense regime)
     side: SideProduct | None = None,  # streamed in the down GEMM's launch (`SideProduct`)
 ) -> tuple[jax.Array, jax.Array | None]:  # ([NB * Nt, D] bf16 expert outputs (block rows), side partials)
+    """The up and down GEMMs. A side product whose x is `MergedRows` has the up GEMM's launch merge
+    them and the down GEMM's side product read what it wrote."""
     gemm = functools.partial(_grouped_gemm, block_tokens=cfg.block_tokens, num_out_rows=n_blocks * cfg.block_tokens,
                              num_ctas=cfg.num_ctas, max_stages=cfg.max_stages,
                              staging_buffers=cfg.staging_buffers, slices_fastest=cfg.slices_fastest and not cfg.dense,
@@ -777,16 +840,25 @@ def _expert_gemms(
         gemm = functools.partial(gemm, pdl_wait=True)
     else:
         up_gemm = gemm
-    down_gemm = functools.partial(gemm, side=side)
+    merge = side.x if side is not None and isinstance(side.x, MergedRows) else None
+    merged: list[jax.Array] = []  # the up GEMM's merged rows, for the down GEMM's side product
 
     def down(*args, **kw) -> tuple[jax.Array, jax.Array | None]:
-        out = down_gemm(*args, **kw)
-        return out if isinstance(out, tuple) else (out, None)
+        side_now = side if merge is None or side is None else side._replace(x=merged[0])
+        out = gemm(*args, side=side_now, **kw)
+        if isinstance(out, tuple):
+            assert len(out) == 2
+            return out[0], out[1]
+        return out, None
 
     def up(*args, **kw) -> jax.Array:
-        out = up_gemm(*args, **kw)
-        assert not isinstance(out, tuple)
-        return out
+        out = up_gemm(*args, merge=merge, **kw)
+        if merge is None:
+            assert not isinstance(out, tuple)
+            return out
+        assert isinstance(out, tuple) and len(out) == 2
+        merged.append(out[1])
+        return out[0]
     if experts.is_fp8 and cfg.w8a8:
         nt, (_, two_i, dim) = cfg.block_tokens, experts.up_w.shape
         in_gemm = cfg.quant_in_gemm and cfg.dense and row_token is None and compact_act is None
@@ -899,13 +971,14 @@ def moe_layer_rows(
     tokens: int | None = None,  # real rows of x (None: all)
     x_f16: jax.Array | None = None,  # x as the W8A16 f16 operand ([Nt, D], see `f16_rows_wanted`)
     route: DenseRoute | None = None,  # the tables routing's result, built by the caller from the same logits
-    side: tuple[jax.Array, jax.Array] | None = None,  # (x [Mp, K'], w [K', N']) bf16: see `SideProduct`
+    side: tuple[jax.Array | MergedRows, jax.Array] | None = None,  # (x [Mp, K'], w [K', N']): `SideProduct`
 ) -> ExpertRows | None:
     """The dense regime's expert rows before the weighted sum (`decode_residual.ExpertRows`: the
     down GEMM's output, each token's k rows and weights), or None where that regime with the
     routing kernels does not apply (the caller runs `moe_layer`'s other paths). With `side`, the
     down GEMM also streams x @ w (`SideProduct`; its partials in `ExpertRows.side`) where it fits
-    (`side_splits`), else `side` stays None and the caller forms the product itself."""
+    (`side_splits`), else `side` stays None and the caller forms the product itself (with
+    `MergedRows` as x, from the partials: the up GEMM merges them only for the side product)."""
     T = x.shape[0] if tokens is None else tokens
     D = x.shape[1]
     E = experts.up_w.shape[0]
@@ -941,7 +1014,8 @@ def moe_layer_rows(
                         interpret=interpret)
     side_product = None
     if side is not None:
-        splits = side_splits(side[1].shape[0], side[1].shape[1], side[0].shape[0], cfg.num_ctas)
+        side_rows = MERGE_ROWS if isinstance(side[0], MergedRows) else side[0].shape[0]
+        splits = side_splits(side[1].shape[0], side[1].shape[1], side_rows, cfg.num_ctas)
         if splits is not None:
             side_product = SideProduct(side[0], side[1], splits)
             if side_problem(side_product):

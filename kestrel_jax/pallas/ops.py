@@ -113,6 +113,63 @@ def _attention_kernel(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_l
         prefetch_late=bool(mask & 4), prefetch_expert_part=2 if mask & 8 else 1, partial_rows=partial_rows)
 
 
+def decode_attention_partials(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, kv_lens: jax.Array,
+                              page_table: jax.Array, k_scale: jax.Array, v_scale: jax.Array, *, sm_scale: float,
+                              prefetch: tuple[jax.Array, ...] = (),
+                              prefetch_experts: tuple[tuple[jax.Array, jax.Array], ...] = (),
+                              prefetch_max_blocks: int = 8) -> tuple[jax.Array, jax.Array] | None:
+    """Decode attention's split-KV partials, unmerged: (o [8, H, S, 64] f32, lse [8, H, S] f32),
+    rows past the batch's padding, for a later launch to merge (`moe_mgpu.MergedRows`), on the
+    kernel path where the batch fits 8 rows and the attention splits (`planned_splits` > 1); None
+    otherwise (the caller runs `decode_attention`). Prefetch arguments as `decode_attention`'s."""
+    rows, heads, head_dim = q.shape
+    if not _want_kernel() or rows > 8:
+        return None
+    from kestrel_jax.pallas import gemv_mgpu
+    from kestrel_jax.pallas import paged_attention_mgpu as kern
+
+    if not kern.decode_attention_kernel_supported(q, k_pages, page_table):
+        return None
+    splits = kern.planned_splits(rows, k_pages.shape[1], page_table.shape[1], k_pages.shape[2])
+    if splits == 1 or not gemv_mgpu.merge_supported(
+            jax.ShapeDtypeStruct((8, heads, splits, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((8, heads, splits), jnp.float32),
+            jax.ShapeDtypeStruct((heads * head_dim, 64), jnp.bfloat16)):
+        return None
+    out = _attention_kernel(q, k_pages, v_pages, kv_lens, page_table, k_scale, v_scale, sm_scale, prefetch,
+                            prefetch_experts, prefetch_max_blocks, partial_rows=8)
+    assert isinstance(out, tuple)
+    return out
+
+
+def merge_in_up_wanted() -> bool:
+    """Whether a decode MoE layer whose output projection rides in the down GEMM's launch
+    (`proj_in_down_wanted`) also has the up GEMM's launch merge split-KV attention's partials into
+    that projection's rows (`moe_mgpu.MergedRows`) instead of an XLA fusion of their own (the
+    merge and the pad to 8 rows: 1.35 us per MoE layer at batch 1 on an H200, forty-seventh
+    session, ~27 us of MD3's batch-1 step). KESTREL_JAX_MERGE_IN_UP=1 (read at trace time),
+    opt-in: built in the forty-seventh session after its device time, not yet measured."""
+    return flag("KESTREL_JAX_MERGE_IN_UP", False)
+
+
+def merge_partials(parts: tuple[jax.Array, jax.Array], rows: int, dtype: Any) -> jax.Array:
+    """[rows, H * 64] in dtype from `decode_attention_partials`' (o, lse): the merge
+    `decode_attention` forms (`paged_attention_mgpu.merge_splits`), for a caller whose partials
+    no kernel merged."""
+    from kestrel_jax.pallas import paged_attention_mgpu as kern
+
+    o, lse = parts
+    return kern.merge_splits(o[:rows], lse[:rows], dtype).reshape(rows, -1)
+
+
+def merged_rows(parts: tuple[jax.Array, jax.Array], rows: int) -> Any:
+    """`decode_attention_partials`' (o, lse) of `rows` real rows as a side product's x that the up
+    GEMM's launch merges (`moe_mgpu.MergedRows`; `moe_layer_rows`' side)."""
+    from kestrel_jax.pallas import moe_mgpu
+
+    return moe_mgpu.MergedRows(parts[0], parts[1], rows)
+
+
 def merged_projection_wanted() -> bool:
     """Whether `decode_attention_projected` merges split-KV attention's partials inside the output
     projection's GEMM launch (`gemv_mgpu.gemv_merged`) instead of in an XLA fusion of their own
@@ -410,11 +467,12 @@ def route(x: jax.Array, router_w: jax.Array, router_b: jax.Array, top_k: int) ->
 def moe_layer_rows(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: ExpertWeights, *,
                    top_k: int, num_valid_tokens: jax.Array | int | None = None, logits: jax.Array | None = None,
                    tokens: int | None = None, x_f16: jax.Array | None = None, route: Any = None,
-                   side: tuple[jax.Array, jax.Array] | None = None) -> ExpertRows | None:
+                   side: tuple[Any, jax.Array] | None = None) -> ExpertRows | None:
     """The MoE layer's expert rows before the weighted sum (`moe_mgpu.moe_layer_rows`; x may be
     padded to the block width with `tokens` real rows) on the kernel path; None otherwise. `side`
     (x, w): a product the down GEMM may stream in its launch (`moe_mgpu.SideProduct`; its partials
-    in the result's `side`, else that stays None)."""
+    in the result's `side`, else that stays None); x may be `moe_mgpu.MergedRows`, attention
+    partials the up GEMM's launch merges for it."""
     if not _want_kernel():
         return None
     from kestrel_jax.pallas import moe_mgpu as kern

@@ -11,6 +11,8 @@ the last layer without a next LayerNorm.
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +24,7 @@ from kestrel_jax.models.layers import gelu_erf
 from kestrel_jax.models.moondream import random_model
 from kestrel_jax.models.text import AttentionBatch, KVCache, MoE, TextModel, dense_proj_kernel
 from kestrel_jax.pallas import decode_residual as dr
-from kestrel_jax.pallas import gemv_mgpu, layer_norm_triton, ops
+from kestrel_jax.pallas import gemv_mgpu, layer_norm_triton, moe_mgpu, ops
 from kestrel_jax.pallas import paged_attention as pa
 from kestrel_jax.pallas.moe import ExpertWeights, _expert_matrix, route_ref
 from kestrel_jax.pallas.paged_attention import init_kv_pool
@@ -39,7 +41,8 @@ def _partials(x, w, w2=None, **_):  # [2, N, Mp] f32 partials of y^T, K split in
     return jnp.stack([(xp[:, :h] @ ww[:h].astype(jnp.float32)).T, (xp[:, h:] @ ww[h:].astype(jnp.float32)).T])
 
 
-_sides: list[tuple[int, ...]] = []  # the side products' x shapes the expert rows stand-in was handed
+_sides: list[tuple] = []  # the side products' x shapes (or merged partials) the expert rows stand-in was handed
+_refuse_merged = False  # the expert rows stand-in leaves merged partials' side product to the caller
 
 
 def _rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tokens=None, logits=None, tokens=None,
@@ -59,7 +62,13 @@ def _rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tok
     y = jnp.einsum("tkdi,tki->tkd", down, act).reshape(t * top_k, -1).astype(x.dtype)
     n = jnp.asarray(t if num_valid_tokens is None else num_valid_tokens, jnp.int32).reshape(1)
     parts = None
-    if side is not None:  # the down GEMM's side product: [splits, N, Mp] partials of y^T
+    if side is not None and isinstance(side[0], moe_mgpu.MergedRows):  # attention partials the up GEMM merges
+        m = side[0]
+        _sides.append(("merged", tuple(m.o.shape), m.rows))
+        if not _refuse_merged:
+            sx = jnp.pad(ops.merge_partials((m.o, m.lse), m.rows, jnp.float32), ((0, 8 - m.rows), (0, 0)))
+            parts = _partials(sx, side[1])
+    elif side is not None:  # the down GEMM's side product: [splits, N, Mp] partials of y^T
         _sides.append(tuple(side[0].shape))
         parts = _partials(*side)
     return dr.ExpertRows(y, jnp.arange(t * top_k, dtype=jnp.int32).reshape(t, top_k).T, weights.T, n, parts)
@@ -180,6 +189,49 @@ def test_projection_in_the_down_gemm_switch(stand_ins: list[str], monkeypatch: p
         with ops.use_backend("kernel"):
             got, _, _ = model(x, batch, cache)
         assert _sides == [(8, cfg.dim)] * expect, switch
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("refused", [False, True], ids=["merged-in-up", "left-to-the-model"])
+def test_merge_in_up_switch(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch, refused: bool) -> None:
+    """KESTREL_JAX_MERGE_IN_UP=1 (opt-in): each MoE layer takes decode attention's unmerged split
+    partials (the stand-in: the reference output as one split, a second split of 7s with lse -inf,
+    NaN padding rows) and hands them as `MergedRows` to the expert rows call, whose up GEMM merges
+    them for the projection's side product; where that call leaves the side product to the caller
+    the model merges them itself (`ops.merge_partials`) and projects. The hidden states match the
+    reference path either way; dense layers and the default take no partials."""
+    global _refuse_merged
+    model = random_model(tiny_config("md3"), dtype=jnp.float32, std=0.05).text
+    cfg = model.cfg
+    t = 2
+    x, batch, cache = _f32_decode_case(cfg, t, np.random.default_rng(5))
+    with ops.use_backend("reference"):
+        want, _, _ = model(x, batch, cache)
+    asked: list[int] = []
+
+    def partials(q, kp, vp, lens, table, ks, vs, *, sm_scale, **_):
+        asked.append(q.shape[0])
+        o = pa.decode_attention_ref(q, kp, vp, lens, table, ks, vs, sm_scale=sm_scale).astype(jnp.float32)
+        o8 = jnp.full((8, q.shape[1], 2, q.shape[2]), jnp.nan, jnp.float32).at[:t, :, 0].set(o).at[:t, :, 1].set(7.0)
+        lse = jnp.full((8, q.shape[1], 2), jnp.nan, jnp.float32).at[:t, :, 0].set(0.0).at[:t, :, 1].set(-jnp.inf)
+        return o8, lse
+
+    monkeypatch.setattr(ops, "decode_attention_partials", partials)
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    monkeypatch.setattr(sys.modules[__name__], "_refuse_merged", refused)
+    for switch, expect in ((None, [(8, cfg.dim)] * moe_layers),
+                           ("1", [("merged", (8, cfg.n_heads, 2, cfg.head_dim), t)] * moe_layers)):
+        if switch is None:
+            monkeypatch.delenv("KESTREL_JAX_MERGE_IN_UP", raising=False)
+        else:
+            monkeypatch.setenv("KESTREL_JAX_MERGE_IN_UP", switch)
+        _sides.clear()
+        asked.clear()
+        ops._jitted.cache_clear()
+        with ops.use_backend("kernel"):
+            got, _, _ = model(x, batch, cache)
+        assert _sides == expect, switch
+        assert asked == ([t] * moe_layers if switch else [])
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
 
 

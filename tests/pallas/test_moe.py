@@ -691,6 +691,46 @@ def test_side_product_streams_beside_the_down_gemm(rng, fp8, side_shape):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_merged_rows_side_product(rng, fp8, rows):
+    """`moe_layer_rows(side=(MergedRows(o, lse, rows), w))`: the up GEMM's launch merges split-KV
+    attention partials (8 heads of 64 over 3 CTAs, so CTAs take several heads; 3 splits, one empty
+    for a head, -inf) into x, rows >= `rows` zero (their partials NaN: never read into the result),
+    and the down GEMM streams x @ w beside its units: the partials' sum is merge_splits(o, lse) @ w
+    (the merged rows rounded to bf16 as jnp rounds them; measured ~1e-7 of the largest value, bound
+    1e-3: one bf16 ulp in a few rows), the expert rows bit-identical to those without."""
+    from kestrel_jax.pallas.paged_attention_mgpu import merge_splits
+
+    T, k, n_experts, H, S = 1, 4, 16, 8, 3
+    ex = make_experts(rng, fp8, n_experts=n_experts)
+    x, rw, rb = exact_router_inputs(rng, T, dim(fp8), n_experts)
+    cfg = small_config(T)
+    xp = jnp.pad(x, ((0, cfg.block_tokens - T), (0, 0)))
+    o = rng.standard_normal((8, H, S, 64)).astype(np.float32)
+    lse = (rng.standard_normal((8, H, S)) * 3).astype(np.float32)
+    lse[:, 2, 1] = -np.inf  # an empty split: weight 0
+    o[rows:], lse[rows:] = np.nan, np.nan  # padding rows: never merged into the result
+    sw = jnp.asarray(rng.standard_normal((H * 64, 128)) / math.sqrt(H * 64), jnp.bfloat16)
+    merged = moe_mgpu.MergedRows(jnp.asarray(o), jnp.asarray(lse), rows)
+    assert moe_mgpu.side_problem(moe_mgpu.SideProduct(merged, sw, 1)) is None
+
+    def rows_of(side):
+        return moe_layer_rows(xp, rw, rb, ex, top_k=k, config=cfg, interpret=INTERPRET, tokens=T, side=side)
+
+    plain, with_side = rows_of(None), rows_of((merged, sw))
+    assert plain is not None and with_side is not None and with_side.side is not None
+    np.testing.assert_array_equal(np.asarray(with_side.y.astype(jnp.float32)), np.asarray(plain.y.astype(jnp.float32)))
+    got = np.asarray(with_side.side, np.float64).sum(0).T  # [8, N]
+    a = np.asarray(merge_splits(jnp.asarray(o[:rows]), jnp.asarray(lse[:rows]), jnp.bfloat16).astype(jnp.float32))
+    want = a.reshape(rows, H * 64).astype(np.float64) @ np.asarray(sw, np.float64)
+    assert np.isfinite(got).all() and not np.abs(got[rows:]).any()  # the padding rows merged to zero
+    # (the kernel's f32 merge and jnp's round to the same bf16 rows, but for last-bit ties)
+    np.testing.assert_allclose(got[:rows], want, rtol=0, atol=1e-3 * np.abs(want).max())
+    bad = moe_mgpu.SideProduct(moe_mgpu.MergedRows(merged.o[:, :4], merged.lse[:, :4], rows), sw, 1)
+    assert "merged rows" in (moe_mgpu.side_problem(bad) or "")  # 4 heads cannot feed a K of 8 heads
+
+
 def test_side_product_that_leaves_no_ring_is_left_to_the_caller(rng, monkeypatch):
     """Where the side product's resident tiles would leave the down GEMM less than a 2-stage ring
     (here: SMEM shrunk to 50 KB), `moe_layer_rows` runs the GEMMs without it (side None: the
@@ -865,6 +905,31 @@ def test_side_product_lowers_for_h100(w8a8_min, monkeypatch):
         text = jax.jit(f).trace(S((8, Dp), jnp.bfloat16), S((Dp, Ep), jnp.bfloat16), S((Ep,), jnp.bfloat16), ex,
                                 S((8, Dp), jnp.bfloat16), S((Dp, Dp), jnp.bfloat16)).lower(
             lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
+
+
+@pytest.mark.parametrize("w8a8_min", ["1", "2"], ids=["w8a8", "w8a16"])
+def test_merged_rows_side_product_lowers_for_h100(w8a8_min, monkeypatch):
+    """The one-row decode expert rows with the attention partials merged in the up GEMM's launch
+    (32 heads, 4 splits) and the output projection streamed in the down GEMM's lower for an H100 at
+    production shapes: still two Mosaic kernels, the up GEMM writing the [8, 2048] merged rows."""
+    monkeypatch.setenv("KESTREL_JAX_W8A8_MIN_TOKENS", w8a8_min)
+    S = jax.ShapeDtypeStruct
+    Ep, Dp, Ip, k, T = 64, 2048, 1024, 8, 1
+    ex = ExpertWeights(S((Ep, 2 * Ip, Dp), FP8), S((Ep, Dp, Ip), FP8),  # type: ignore[arg-type]
+                       S((Ep, 2 * Ip), jnp.float32), S((Ep, Dp), jnp.float32))  # type: ignore[arg-type]
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=H100)
+
+    def f(x, rw, rb, ex, o, lse, sw):
+        side = (moe_mgpu.MergedRows(o, lse, T), sw)
+        r = moe_layer_rows(x, rw, rb, ex, top_k=k, config=default_config(T, num_ctas=132), tokens=T, side=side)
+        assert r is not None and r.side is not None and r.side.shape == (4, Dp, 8)
+        return r
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(f).trace(S((8, Dp), jnp.bfloat16), S((Dp, Ep), jnp.bfloat16), S((Ep,), jnp.bfloat16), ex,
+                                S((8, 32, 4, 64), jnp.float32), S((8, 32, 4), jnp.float32),
+                                S((Dp, Dp), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
 
 
