@@ -3,8 +3,10 @@
 # (one head per CTA from the last one down, while their rings' first tiles arrive) into the rows the
 # down GEMM's side product (the output projection) reads, instead of XLA's merge + pad fusion
 # (loop_pad_fusion bf16[8,2048], 1.35 us x 20 per batch-1 step). Expected: MD3 batch-1 step up to
-# -27 us (-2.4%) if the up GEMM does not grow. GPU output check, batch-1 probe, then a W1 pair if
-# the probe shows >= 0.5%.
+# -27 us (-2.4%) if the up GEMM does not grow. GPU output check, batch-1 probe (also of the opt-in
+# KESTREL_JAX_RESIDUAL_LN=1, last measured in session 33, before the projection moved into the down
+# GEMM's launch, whose partials the residual fusion now sums), then a W1 pair for the best set if
+# the probe shows it >= 0.5% faster.
 # Move this file into the session's dated folder before running it.
 FILT='cuda_event.cc\|cuda_stream.cc\|^===\|^external\|^$\|cuda_executor\|cuda_host_alloc\|local_device_state\|cuda_device_alloc\|JIT session error\|cuda_timer.cc'
 export PYTHONPATH=$PWD
@@ -13,8 +15,8 @@ nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv > $OUT/x/2
 timeout 150 python3 tools/check_decode_fusion.py --model md3 --logits --switch KESTREL_JAX_MERGE_IN_UP \
   --batches 1 3 8 --out $OUT/x/2_check.json 2>&1 | grep -v "$FILT" > $OUT/x/2_check.log
 echo "check ($SECONDS s):"; grep "max_rel\|rror" $OUT/x/2_check.log | cut -c1-260
-timeout 150 python3 tools/probe_step_kernels.py --kernels 45 --top 30 --model md3 --kinds decode --batch 1 \
-  --sets default KESTREL_JAX_MERGE_IN_UP=1 --json $OUT/x/2_probe_md3.json 2>&1 | grep -v "$FILT" > $OUT/x/2_probe_md3.log
+timeout 220 python3 tools/probe_step_kernels.py --kernels 45 --top 30 --model md3 --kinds decode --batch 1 \
+  --sets default KESTREL_JAX_MERGE_IN_UP=1 KESTREL_JAX_RESIDUAL_LN=1 KESTREL_JAX_MERGE_IN_UP=1+KESTREL_JAX_RESIDUAL_LN=1 --json $OUT/x/2_probe_md3.json 2>&1 | grep -v "$FILT" > $OUT/x/2_probe_md3.log
 echo "probe ($SECONDS s):"; grep "^\[.*\] decode:\|rror\|body_mosaic\|loop_pad_fusion " $OUT/x/2_probe_md3.log | cut -c1-150
 BEST=$(python3 - $OUT/x/2_probe_md3.log <<'PY'
 import re, sys
