@@ -52,6 +52,7 @@ SHARED = {"serving/test_engine.py": _ENGINE_GROUP,
 # next file when it is done with one.
 SLOW_FIRST = (
     "pallas/test_moe.py",
+    "models/test_fused_dense_decode.py",  # ~180 s (session 47): unlisted, it could run alone at the end
     "serving/test_engine.py",
     "serving/test_soak.py",  # before test_server.py, whose last test shuts the shared engine down
     "serving/test_server.py",
