@@ -882,12 +882,14 @@ def test_pdl_lowers_for_h100(monkeypatch):
     assert texts["1"].count("mosaic_gpu.uses_pdl") == 1  # the down GEMM only: it waits, the up GEMM triggers
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["rows", "merged-partials"])
 @pytest.mark.parametrize("w8a8_min", ["1", "2"], ids=["w8a8", "w8a16"])
-def test_side_product_lowers_for_h100(w8a8_min, monkeypatch):
+def test_side_product_lowers_for_h100(w8a8_min, merged, monkeypatch):
     """The one-row decode expert rows with the output projection ([8, 2048] x [2048, 2048] bf16) in
     the down GEMM's launch lower for an H100 at production shapes (SMEM fits beside the W8A8 ring
     and the in-GEMM quantisation, or the W8A16 ring and its staging tiles), still two Mosaic
-    kernels."""
+    kernels; also with the projection's rows merged from attention partials (32 heads, 4 splits) in
+    the up GEMM's launch (`MergedRows`)."""
     monkeypatch.setenv("KESTREL_JAX_W8A8_MIN_TOKENS", w8a8_min)
     S = jax.ShapeDtypeStruct
     Ep, Dp, Ip, k, T = 64, 2048, 1024, 8, 1
@@ -896,39 +898,15 @@ def test_side_product_lowers_for_h100(w8a8_min, monkeypatch):
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=H100)
 
     def f(x, rw, rb, ex, sx, sw):
-        r = moe_layer_rows(x, rw, rb, ex, top_k=k, config=default_config(T, num_ctas=132), tokens=T, side=(sx, sw))
-        assert r is not None and r.side is not None and r.side.shape == (4, Dp, 8)
-        return r
-
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(f).trace(S((8, Dp), jnp.bfloat16), S((Dp, Ep), jnp.bfloat16), S((Ep,), jnp.bfloat16), ex,
-                                S((8, Dp), jnp.bfloat16), S((Dp, Dp), jnp.bfloat16)).lower(
-            lowering_platforms=("cuda",)).as_text()
-    assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
-
-
-@pytest.mark.parametrize("w8a8_min", ["1", "2"], ids=["w8a8", "w8a16"])
-def test_merged_rows_side_product_lowers_for_h100(w8a8_min, monkeypatch):
-    """The one-row decode expert rows with the attention partials merged in the up GEMM's launch
-    (32 heads, 4 splits) and the output projection streamed in the down GEMM's lower for an H100 at
-    production shapes: still two Mosaic kernels, the up GEMM writing the [8, 2048] merged rows."""
-    monkeypatch.setenv("KESTREL_JAX_W8A8_MIN_TOKENS", w8a8_min)
-    S = jax.ShapeDtypeStruct
-    Ep, Dp, Ip, k, T = 64, 2048, 1024, 8, 1
-    ex = ExpertWeights(S((Ep, 2 * Ip, Dp), FP8), S((Ep, Dp, Ip), FP8),  # type: ignore[arg-type]
-                       S((Ep, 2 * Ip), jnp.float32), S((Ep, Dp), jnp.float32))  # type: ignore[arg-type]
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=H100)
-
-    def f(x, rw, rb, ex, o, lse, sw):
-        side = (moe_mgpu.MergedRows(o, lse, T), sw)
+        side = (moe_mgpu.MergedRows(sx[0], sx[1], T) if merged else sx, sw)
         r = moe_layer_rows(x, rw, rb, ex, top_k=k, config=default_config(T, num_ctas=132), tokens=T, side=side)
         assert r is not None and r.side is not None and r.side.shape == (4, Dp, 8)
         return r
 
+    sx = (S((8, 32, 4, 64), jnp.float32), S((8, 32, 4), jnp.float32)) if merged else S((8, Dp), jnp.bfloat16)
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(f).trace(S((8, Dp), jnp.bfloat16), S((Dp, Ep), jnp.bfloat16), S((Ep,), jnp.bfloat16), ex,
-                                S((8, 32, 4, 64), jnp.float32), S((8, 32, 4), jnp.float32),
-                                S((Dp, Dp), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+                                sx, S((Dp, Dp), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
 
 
