@@ -119,13 +119,16 @@ MIN_QUANT_STAGES = 4  # in-GEMM quantisation only where its SMEM leaves a ring t
 SIDE_SMEM_MAX = 96 * 1024  # a side product's resident tiles (`SideProduct.smem_bytes`)
 
 
-class MergedRows(NamedTuple):
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["o", "lse"], meta_fields=["rows"])
+@dataclasses.dataclass(frozen=True)
+class MergedRows:
     """Split-KV decode attention's partials standing in for a side product's x (`SideProduct.x`):
     the up GEMM's launch merges them (`_grouped_gemm(merge=...)`: one head at a time on the CTAs
     from the last one down, whose units are fewest, while their rings' first tiles arrive; the
     arithmetic of `gemv_mgpu._merged_tile`, rows >= `rows` zero) into the [8, H * 64] bf16 rows
     the down GEMM's side product then reads. The merge and the pad to 8 rows then take no launch
-    of their own (`ops.merge_in_up_wanted`)."""
+    of their own (`ops.merge_in_up_wanted`). A pytree whose `rows` is static (its aux data), so
+    it passes through `jax.jit` (`ops.moe_layer_rows`) as a Python int: the kernels' plans read it."""
 
     o: jax.Array  # [8, H, S, 64] f32 normalised partials
     lse: jax.Array  # [8, H, S] f32 log2-sum-exp2

@@ -730,6 +730,27 @@ def test_merged_rows_side_product(rng, fp8, rows):
     assert "merged rows" in (moe_mgpu.side_problem(bad) or "")  # 4 heads cannot feed a K of 8 heads
 
 
+def test_merged_rows_pass_through_jit(rng):
+    """`MergedRows.rows` is static under `jax.jit` (the kernels' plans read it as an int): the model
+    reaches `moe_layer_rows` through `ops`' jitted entry, where a NamedTuple's int field was traced
+    (the forty-eighth session's first GPU run of KESTREL_JAX_MERGE_IN_UP failed so). Traced only."""
+    T, k, n_experts, H = 1, 4, 16, 8
+    ex = make_experts(rng, False, n_experts=n_experts)
+    x, rw, rb = exact_router_inputs(rng, T, dim(False), n_experts)
+    cfg = small_config(T)
+    xp = jnp.pad(x, ((0, cfg.block_tokens - T), (0, 0)))
+    merged = moe_mgpu.MergedRows(jnp.zeros((8, H, 2, 64), jnp.float32), jnp.zeros((8, H, 2), jnp.float32), T)
+    assert jax.tree_util.tree_leaves(merged) == [merged.o, merged.lse]
+    seen: list[object] = []
+    jax.jit(lambda m: seen.append(m.rows) or m.o)(merged)
+    assert seen == [T]
+    sw = jnp.zeros((H * 64, 128), jnp.bfloat16)
+    fn = jax.jit(functools.partial(moe_layer_rows, config=cfg, interpret=INTERPRET),
+                 static_argnames=("top_k", "tokens"))
+    out = jax.eval_shape(lambda: fn(xp, rw, rb, ex, top_k=k, tokens=T, side=(merged, sw)))
+    assert out is not None and out.side is not None and out.side.shape[-1] == 8
+
+
 def test_side_product_that_leaves_no_ring_is_left_to_the_caller(rng, monkeypatch):
     """Where the side product's resident tiles would leave the down GEMM less than a 2-stage ring
     (here: SMEM shrunk to 50 KB), `moe_layer_rows` runs the GEMMs without it (side None: the
