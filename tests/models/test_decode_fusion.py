@@ -105,6 +105,9 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return pa.decode_attention_ref(q, kp, vp, lens, table, ks, vs, sm_scale=sm_scale)
 
     monkeypatch.setattr(ops, "decode_attention", attention)
+    # no split partials (the merge in the up GEMM's launch, on by default, has a stand-in of its own
+    # in test_merge_in_up_switch): the layers call the attention stand-in above
+    monkeypatch.setattr(ops, "decode_attention_partials", lambda *args, **kw: None)
 
     def projected(q, kp, vp, lens, table, ks, vs, w, b, *, sm_scale, max_rows, **pf):
         # attention + its projection in one call where the merged-projection switch is on
@@ -194,12 +197,12 @@ def test_projection_in_the_down_gemm_switch(stand_ins: list[str], monkeypatch: p
 
 @pytest.mark.parametrize("refused", [False, True], ids=["merged-in-up", "left-to-the-model"])
 def test_merge_in_up_switch(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch, refused: bool) -> None:
-    """KESTREL_JAX_MERGE_IN_UP=1 (opt-in): each MoE layer takes decode attention's unmerged split
+    """KESTREL_JAX_MERGE_IN_UP (on by default): each MoE layer takes decode attention's unmerged split
     partials (the stand-in: the reference output as one split, a second split of 7s with lse -inf,
     NaN padding rows) and hands them as `MergedRows` to the expert rows call, whose up GEMM merges
     them for the projection's side product; where that call leaves the side product to the caller
     the model merges them itself (`ops.merge_partials`) and projects. The hidden states match the
-    reference path either way; dense layers and the default take no partials."""
+    reference path either way; dense layers and =0 take no partials."""
     global _refuse_merged
     model = random_model(tiny_config("md3"), dtype=jnp.float32, std=0.05).text
     cfg = model.cfg
@@ -219,8 +222,8 @@ def test_merge_in_up_switch(stand_ins: list[str], monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(ops, "decode_attention_partials", partials)
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     monkeypatch.setattr(sys.modules[__name__], "_refuse_merged", refused)
-    for switch, expect in ((None, [(8, cfg.dim)] * moe_layers),
-                           ("1", [("merged", (8, cfg.n_heads, 2, cfg.head_dim), t)] * moe_layers)):
+    for switch, expect in (("0", [(8, cfg.dim)] * moe_layers),
+                           (None, [("merged", (8, cfg.n_heads, 2, cfg.head_dim), t)] * moe_layers)):
         if switch is None:
             monkeypatch.delenv("KESTREL_JAX_MERGE_IN_UP", raising=False)
         else:
@@ -231,7 +234,7 @@ def test_merge_in_up_switch(stand_ins: list[str], monkeypatch: pytest.MonkeyPatc
         with ops.use_backend("kernel"):
             got, _, _ = model(x, batch, cache)
         assert _sides == expect, switch
-        assert asked == ([t] * moe_layers if switch else [])
+        assert asked == ([t] * moe_layers if switch is None else [])
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
 
 

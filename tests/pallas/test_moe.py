@@ -742,7 +742,11 @@ def test_merged_rows_pass_through_jit(rng):
     merged = moe_mgpu.MergedRows(jnp.zeros((8, H, 2, 64), jnp.float32), jnp.zeros((8, H, 2), jnp.float32), T)
     assert jax.tree_util.tree_leaves(merged) == [merged.o, merged.lse]
     seen: list[object] = []
-    jax.jit(lambda m: seen.append(m.rows) or m.o)(merged)
+    def traced(m: moe_mgpu.MergedRows) -> jax.Array:
+        seen.append(m.rows)
+        return m.o
+
+    jax.jit(traced)(merged)
     assert seen == [T]
     sw = jnp.zeros((H * 64, 128), jnp.bfloat16)
     fn = jax.jit(functools.partial(moe_layer_rows, config=cfg, interpret=INTERPRET),
