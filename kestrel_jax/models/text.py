@@ -553,7 +553,9 @@ class TextModel(nnx.Module):
                 project=not (out_joined or h_one is not None or side_proj),
                 partials=side_proj and ops.merge_in_up_wanted())
             # split-KV partials (`ops.merge_in_up_wanted`): the up GEMM's launch merges them for the
-            # projection's side product; where it does not, they are merged here
+            # projection's side product; where it does not, the merge here feeds the projection below
+            # (where it does, nothing reads this merge and XLA drops it: the H200 step listings of the
+            # forty-eighth session show no merge fusion left)
             parts: tuple[jax.Array, jax.Array] | None = None
             if isinstance(a_out, tuple):
                 parts, a = a_out, ops.merge_partials(a_out, t, n.dtype)

@@ -270,7 +270,8 @@ def _heads(model: LM, hidden: jax.Array, sp: SamplingParams, backend: str, out_r
     # [B, V] in the model's dtype: the sampler and the comparisons below widen them to f32 exactly
     # (every bf16 value is an f32 value), so XLA runs no convert pass of the 51,200 logits of its own
     # (1.3-1.4 us per step on an H200, forty-seventh session; the sampling kernels read bf16 ~0.5 us
-    # slower there, their tile width being the f32 one: about -1 us per step in all).
+    # slower there, which no tile width changed in the forty-eighth session's sweep: about -1 us per
+    # step in all).
     logits = model.text.model_logits(hidden)
     out = sample(logits, sp, return_logprobs=True, backend=backend)  # type: ignore[arg-type]
     if model.cfg.is_md3:
