@@ -9,7 +9,9 @@ model all get them, and a bad setting is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kestrel_jax.models.config import tiny_config
+from kestrel_jax.models.config import MoondreamConfig, tiny_config
 from kestrel_jax.models.layers import gelu_tanh
 from kestrel_jax.models.moondream import random_model
 from kestrel_jax.models.text import MLP
@@ -27,10 +29,19 @@ from kestrel_jax.serving import batch as bt
 from kestrel_jax.serving.runner import Runner, RunnerConfig
 
 PAGE = 16
+# Text layers of the models below: tiny_config's four, less the layers that only repeat others (the
+# steps' programs, their compile time and the interpreted kernels' traces grow with the layers): two
+# dense layers for MD2, two dense and one MoE layer (MoE from layer 2, as in tiny_config) for MD3.
+LAYERS = {"md2": 2, "md3": 3}
+
+
+def _config(family: Literal["md2", "md3"]) -> MoondreamConfig:
+    cfg = tiny_config(family, vision_layers=2)
+    return dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, n_layers=LAYERS[family])).validate()
 
 
 def _steps(family: Literal["md2", "md3"], fused: str, bucket: int = 2) -> tuple[list[np.ndarray], Runner]:
-    model = random_model(tiny_config(family, vision_layers=2), dtype=jnp.bfloat16, seed=3)
+    model = random_model(_config(family), dtype=jnp.bfloat16, seed=3)
     r = Runner(model, RunnerConfig(num_pages=16, kv_dtype="bf16", max_seq_len=128, page_size=PAGE,
                                    vision_buckets=(2,), fused_dense_decode=fused), out_rows=max(8, bucket))
     p = r.max_pages_per_seq
@@ -51,6 +62,56 @@ def _steps(family: Literal["md2", "md3"], fused: str, bucket: int = 2) -> tuple[
 def _separate(family: Literal["md2", "md3"]) -> tuple[list[np.ndarray], Runner]:
     """The steps over the separate weights (the reference of the tests below)."""
     return _steps(family, "off")
+
+
+def _switches() -> tuple[tuple[str, str], ...]:
+    """The KESTREL_JAX_* switches set now (they pick kernels and products at trace time)."""
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("KESTREL_JAX_")))
+
+
+@functools.cache
+def _joined_steps(family: Literal["md2", "md3"], bucket: int, switches: tuple[tuple[str, str], ...]
+                  ) -> tuple[list[np.ndarray], Runner, list[int]]:
+    """`_steps(family, "on", bucket)` under `switches` (the environment's, as `_switches()` gives
+    them) with nothing patched: XLA's joined products, the reference several tests compare a
+    kernel path against (run once per file, not once per test). Also returns the rows of each
+    joined output product traced (`Block.dense_decode_out`)."""
+    from kestrel_jax.models.text import Block
+
+    assert switches == _switches()
+    assert not _patched(), "the cached reference runs unpatched ops"
+    seen: list[int] = []
+    original = Block.dense_decode_out
+
+    def counted(self: Block, o: jax.Array, h: jax.Array) -> jax.Array:
+        seen.append(o.shape[0])
+        return original(self, o, h)
+
+    Block.dense_decode_out = counted  # type: ignore[method-assign]
+    try:
+        out, runner = _steps(family, "on", bucket)
+    finally:
+        Block.dense_decode_out = original  # type: ignore[method-assign]
+    return out, runner, seen
+
+
+_OPS = {name: getattr(ops, name) for name in ("small_linear", "decode_qkv", "decode_dense_layer_norm")}
+
+
+def _patched() -> bool:
+    """Whether a test routed one of the ops below through an interpreted kernel (`_route_through`)."""
+    return any(getattr(ops, name) is not fn for name, fn in _OPS.items())
+
+
+def _decode_refuses(family: Literal["md2", "md3"], bucket: int, match: str) -> None:
+    """A decode step of a fresh runner (as `_steps` makes it; no prefill before it: the refusal is
+    the decode step's, at trace time) raises ValueError matching `match`."""
+    model = random_model(_config(family), dtype=jnp.bfloat16, seed=3)
+    r = Runner(model, RunnerConfig(num_pages=16, kv_dtype="bf16", max_seq_len=128, page_size=PAGE,
+                                   vision_buckets=(2,), fused_dense_decode="on"), out_rows=max(8, bucket))
+    dec = bt.text_decode([(2, 8, 5, -1)], bucket=bucket, pages=r.max_pages_per_seq, page_size=PAGE)
+    with pytest.raises(ValueError, match=match):
+        r.decode(*dec, None)
 
 
 def _route_through(monkeypatch: pytest.MonkeyPatch, op: str, module: Any, kernel: str,
@@ -114,7 +175,7 @@ def _assert_same_tokens(got: list[np.ndarray], ref: list[np.ndarray]) -> None:
 
 
 def _dense_layers(family: str) -> int:
-    return 4 if family == "md2" else 2  # tiny MD3: MoE from layer 2
+    return LAYERS[family] if family == "md2" else 2  # MD3: MoE from layer 2
 
 
 @pytest.mark.parametrize("family", ["md2", "md3"])
@@ -157,8 +218,7 @@ def test_decode_through_joined_output_weights(family: Literal["md2", "md3"], mon
     """With the output projection + fc2 product as well (the default): the same sampled tokens,
     logprobs, region outputs and KV within bf16 rounding of the separate products' sum."""
     ref, r_off = _separate(family)
-    seen = _count_joined_output_products(monkeypatch)
-    got, r_on = _steps(family, "on")
+    got, r_on, seen = _joined_steps(family, 2, _switches())
     dense = _dense_layers(family)
     assert seen and len(seen) % dense == 0 and set(seen) == {2}  # the 2-row steps' dense layers
     _assert_same_tokens(got, ref)
@@ -168,7 +228,7 @@ def test_decode_through_joined_output_weights(family: Literal["md2", "md3"], mon
 
 
 def test_joined_weights_are_the_two_side_by_side():
-    model = random_model(tiny_config("md3", vision_layers=2), dtype=jnp.bfloat16, seed=3)
+    model = random_model(_config("md3"), dtype=jnp.bfloat16, seed=3)
     assert model.text.fuse_dense_decode() > 0
     blocks = model.text.blocks
     assert all(b.dense_w is None for b in blocks if not isinstance(b.mlp, MLP))  # MoE layers: none
@@ -195,7 +255,7 @@ def test_joined_weights_are_the_two_side_by_side():
 
 def test_joined_output_product_is_projection_plus_fc2(monkeypatch: pytest.MonkeyPatch):
     """Block.dense_decode_out in float32: proj(o) + fc2(GELU_tanh(h)); none with the switch off."""
-    model = random_model(tiny_config("md2", vision_layers=2), dtype=jnp.float32, seed=4)
+    model = random_model(_config("md2"), dtype=jnp.float32, seed=4)
     b = model.text.blocks[1]
     assert isinstance(b.mlp, MLP) and b.attn.proj.bias is not None and b.mlp.fc2.bias is not None
     keys = jax.random.split(jax.random.key(int(np.random.default_rng().integers(1 << 30))), 4)
@@ -218,7 +278,7 @@ def test_decode_qkv_kernel_reads_the_joined_product(monkeypatch: pytest.MonkeyPa
     its sin/cos and the KV write differ in the last bits), the sampled tokens equal."""
     from kestrel_jax.pallas import qkv_epilogue as qe
 
-    ref, _ = _steps("md2", "on")
+    ref, _, _ = _joined_steps("md2", 2, _switches())
     widths: list[int] = []
     kernel = qe.decode_qkv_kernel
 
@@ -229,8 +289,8 @@ def test_decode_qkv_kernel_reads_the_joined_product(monkeypatch: pytest.MonkeyPa
     _route_through(monkeypatch, "decode_qkv", qe, "decode_qkv_kernel", interpreted)
     monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_WIDE", "1")
     got, _ = _steps("md2", "on")
-    # the 2-row decode step's four dense layers (per trace): always the joined product's width
-    assert widths and len(widths) % 4 == 0 and set(widths) == {3 * 256 + 512}
+    # the 2-row decode step's dense layers (per trace): always the joined product's width
+    assert widths and len(widths) % _dense_layers("md2") == 0 and set(widths) == {3 * 256 + 512}
     _assert_same_tokens(got, ref)
 
 
@@ -269,7 +329,8 @@ def test_one_row_joined_input_product(family: Literal["md2", "md3"], monkeypatch
         monkeypatch.setenv("KESTREL_JAX_DENSE_IN_ONE_ROW", "1")
     _route_through(monkeypatch, "decode_qkv", qe, "decode_qkv_kernel", interpreted)
     got, _ = _steps(family, "on", 1)
-    assert rows_in.count(1) and rows_in.count(1) % _dense_layers(family) == 0
+    # (every layer asks, once per trace; MD3's MoE layer gets None)
+    assert rows_in.count(1) and rows_in.count(1) % LAYERS[family] == 0
     # the epilogue reads the joined product in place (MD3's with tau over its QKV columns); the MoE
     # layers' QKV products (MD3) are their own
     assert widths and (3 * 256 + 512) in widths
@@ -287,7 +348,7 @@ def test_joined_products_through_the_decode_gemm_kernel(family: Literal["md2", "
     sampled tokens, the outputs and KV within bf16 rounding of XLA's products (the kernel's f32
     sums run in another order). A split count that does not divide the product's K steps is
     refused at trace time."""
-    ref, _ = _steps(family, "on", bucket)  # XLA's joined products
+    ref, _, _ = _joined_steps(family, bucket, _switches())  # XLA's joined products
     calls = _gemv_through_kernel(monkeypatch)
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_IN", "2")  # K = 256: 4 steps of 64
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_OUT", "3")  # K = 256 + 512: 12 steps
@@ -298,13 +359,11 @@ def test_joined_products_through_the_decode_gemm_kernel(family: Literal["md2", "
     assert set(calls) == {(bucket, 256, 2, 2, wide)} | ({(bucket, 768, 3, 2, True)} if wide else set())
     _assert_same_tokens(got, ref)
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_IN", "3")  # does not divide 4 steps
-    with pytest.raises(ValueError, match="splits must divide the 4 K steps"):
-        _steps(family, "on", bucket)
+    _decode_refuses(family, bucket, "splits must divide the 4 K steps")
     if wide:
         monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_IN", "2")
         monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_OUT", "5")  # does not divide 12 steps
-        with pytest.raises(ValueError, match="splits must divide the 12 K steps"):
-            _steps(family, "on", bucket)
+        _decode_refuses(family, bucket, "splits must divide the 12 K steps")
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_STAGES", "0")
     with pytest.raises(ValueError, match="KESTREL_JAX_GEMV_DENSE_STAGES must be an integer"):
         ops.dense_decode_gemv()
@@ -317,7 +376,7 @@ def test_output_product_through_the_kernel_by_default(monkeypatch: pytest.Monkey
     not divide the product's K steps; a value set in the environment stays as asked."""
     for name in ("KESTREL_JAX_GEMV_DENSE_IN", "KESTREL_JAX_GEMV_DENSE_OUT", "KESTREL_JAX_GEMV_DENSE_STAGES"):
         monkeypatch.delenv(name, raising=False)
-    ref, _ = _steps("md2", "on", 64)
+    ref, _, _ = _joined_steps("md2", 64, _switches())
     calls = _gemv_through_kernel(monkeypatch)
     got, _ = _steps("md2", "on", 64)
     assert set(calls) == {(64, 768, 4, 8, True)}
@@ -340,12 +399,9 @@ def test_one_row_output_product_over_the_joined_weights(family: Literal["md2", "
     for name in ("KESTREL_JAX_DENSE_OUT_ONE_ROW", "KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("KESTREL_JAX_DENSE_OUT_ONE_ROW", "0")
-    ref, _ = _steps(family, "on", 1)
     seen = _count_joined_output_products(monkeypatch)
-    again, _ = _steps(family, "on", 1)
+    ref, _ = _steps(family, "on", 1)
     assert seen == []  # switched off: the separate products
-    for x, y in zip(again, ref, strict=True):
-        np.testing.assert_array_equal(x, y)
     monkeypatch.delenv("KESTREL_JAX_DENSE_OUT_ONE_ROW")
     monkeypatch.setenv("KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW", "0")
     got, _ = _steps(family, "on", 1)
@@ -410,12 +466,12 @@ def test_projection_gemm_tuning_switches_reach_the_kernel(monkeypatch: pytest.Mo
     for name in ("KESTREL_JAX_GEMV_PROJ_SPLITS", "KESTREL_JAX_GEMV_PROJ_STAGES"):
         monkeypatch.delenv(name, raising=False)
     assert ops.proj_gemv_tuning() == (None, 4)
-    ref, _ = _steps("md3", "on", 1)
+    ref, _, _ = _joined_steps("md3", 1, _switches())
     calls = _gemv_through_kernel(monkeypatch)
     monkeypatch.setenv("KESTREL_JAX_GEMV_PROJ_SPLITS", "2")  # K = 256: 4 steps of 64
     monkeypatch.setenv("KESTREL_JAX_GEMV_PROJ_STAGES", "3")
     got, _ = _steps("md3", "on", 1)
-    assert (1, 256, 2, 3, False) in calls  # the two MoE layers' projections (dense ones: the joined product)
+    assert (1, 256, 2, 3, False) in calls  # the MoE layer's projection (dense ones: the joined product)
     _assert_same_tokens(got, ref)
     monkeypatch.setenv("KESTREL_JAX_GEMV_PROJ_STAGES", "0")
     with pytest.raises(ValueError, match="KESTREL_JAX_GEMV_PROJ_STAGES must be an integer"):
@@ -427,7 +483,7 @@ def test_runners_started_at_once_on_one_model_all_get_them():
     unjoins it in turn (a lock), so every runner's params hold the joined weights."""
     from concurrent.futures import ThreadPoolExecutor
 
-    model = random_model(tiny_config("md2", vision_layers=2), dtype=jnp.bfloat16, seed=3)
+    model = random_model(_config("md2"), dtype=jnp.bfloat16, seed=3)
     cfg = RunnerConfig(num_pages=16, kv_dtype="bf16", max_seq_len=128, page_size=PAGE, vision_buckets=(2,),
                        fused_dense_decode="on")
     with ThreadPoolExecutor(4) as pool:
@@ -437,7 +493,7 @@ def test_runners_started_at_once_on_one_model_all_get_them():
 
 
 def test_bad_setting_is_refused():
-    model = random_model(tiny_config("md2", vision_layers=2), dtype=jnp.bfloat16, seed=3)
+    model = random_model(_config("md2"), dtype=jnp.bfloat16, seed=3)
     with pytest.raises(ValueError, match="fused_dense_decode must be auto, on or off"):
         Runner(model, RunnerConfig(num_pages=16, max_seq_len=128, page_size=PAGE, vision_buckets=(2,),
                                    fused_dense_decode="yes"), out_rows=8)
