@@ -164,6 +164,7 @@ class Attention(nnx.Module):
         u_wide: jax.Array | None = None,
         project: bool = True,
         partials: bool = False,
+        pre: tuple[jax.Array, jax.Array, TauDots | None] | None = None,
     ) -> tuple[jax.Array | tuple[jax.Array, jax.Array], jax.Array, jax.Array, jax.Array | DenseRoute | None]:
         """-> (output, k_pages, v_pages, router logits, routing tables or None). With `router` (the
         MoE layer's, which reads the same normalised input), decode on a GPU computes its logits in
@@ -177,14 +178,17 @@ class Attention(nnx.Module):
         columns of (`ops.decode_qkv` may read that in place of the slice). `partials` (decode, with
         `project` off): split-KV attention's unmerged partials (o, lse) come back in place of the
         output where the kernel path has them (`ops.decode_attention_partials`), for a later launch
-        to merge."""
+        to merge. `pre`: (QKV rows, router rows, tau dots or None) the layer's LayerNorm launch already
+        formed (`qkv_with_ln`), in place of this layer's own QKV + router product."""
         cfg = self.cfg
         t = batch.positions.shape[0]
         hd, h, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
         decode = batch.cu_q_lens is None and self.decode_gemm_kernel
         logits: jax.Array | None = None
         dots: TauDots | None = None
-        if u is None:
+        if pre is not None:
+            u, logits, dots = pre
+        elif u is None:
             u, logits, dots = self._qkv(x, t, decode, router)
         tau = self.tau.weights() if self.tau is not None else None
         rot, theta = cfg.rotary_dim, cfg.rope_theta
@@ -272,6 +276,21 @@ class Attention(nnx.Module):
             if mask & 16:
                 targets += ((experts.down_w, routed.meta_down),)
         return prefetch, targets
+
+    def qkv_with_ln(self, x: jax.Array, ln: LayerNorm, router: Linear, experts: ExpertWeights,
+                    ) -> tuple[tuple[jax.Array, jax.Array, TauDots | None], jax.Array] | None:
+        """A decode MoE layer's LayerNorm of the residual stream x and this attention's QKV + router
+        products in one launch (`ops.decode_ln_qkv_router`): ((QKV rows, router rows, tau dots or
+        None) for `__call__`'s `pre`, the normalised rows), all padded to the row tile; None where
+        that launch does not apply (then the LayerNorm and `_qkv` run as they did)."""
+        if not self.decode_gemm_kernel:
+            return None
+        qkv_b = self.qkv.bias[...] if self.qkv.bias is not None else None
+        out = ops.decode_ln_qkv_router(
+            x, ln.scale[...], ln.bias[...], self.qkv.kernel[...], qkv_b, router.kernel[...],
+            router.bias[...] if router.bias is not None else None, experts, eps=ln.eps, max_rows=qkv_kernel_rows(),
+            tau=self.tau.weights() if self.tau is not None else None)
+        return None if out is None else (out[:3], out[3])
 
     @staticmethod
     def _linear(layer: Linear, x: jax.Array, kernel_rows: int, rows: int | None = None,
@@ -503,10 +522,17 @@ class TextModel(nnx.Module):
             moe = isinstance(block.mlp, MoE)
             n16, n16_next = n16_next, None  # the MoE's f16 operand rows, when a LayerNorm kernel formed them
             ln_kernel = aux is None and batch.cu_q_lens is None and t <= qkv_kernel_rows()
+            pre: tuple[jax.Array, jax.Array, TauDots | None] | None = None  # QKV + router formed with the LayerNorm
             if n_next is None and moe and ln_kernel:
                 assert isinstance(block.mlp, MoE)
-                ln_rows = ops.decode_moe_layer_norm(x, block.ln.scale[...], block.ln.bias[...], block.mlp.experts(),
-                                                    eps=block.ln.eps, pad_rows=pad_rows)
+                # opt-in (`ops.ln_in_rows_wanted`): the LayerNorm inside the QKV + router rows kernel
+                with_ln = block.attn.qkv_with_ln(x, block.ln, block.mlp.router, block.mlp.experts())
+                if with_ln is not None:
+                    pre, n_next = with_ln
+                    x = jax.lax.optimization_barrier(x)  # as below
+                ln_rows = None if with_ln is not None else ops.decode_moe_layer_norm(
+                    x, block.ln.scale[...], block.ln.bias[...], block.mlp.experts(), eps=block.ln.eps,
+                    pad_rows=pad_rows)
                 if ln_rows is not None:
                     n_next, n16 = ln_rows
                     # x is materialised here anyway (the kernel reads it): the barrier keeps XLA from
@@ -551,7 +577,7 @@ class TextModel(nnx.Module):
                 experts=block.mlp.experts() if isinstance(block.mlp, MoE) else None,
                 u=None if dense_in is None else dense_in[0], u_wide=None if dense_in is None else dense_in[2],
                 project=not (out_joined or h_one is not None or side_proj),
-                partials=side_proj and ops.merge_in_up_wanted())
+                partials=side_proj and ops.merge_in_up_wanted(), pre=pre)
             # split-KV partials (`ops.merge_in_up_wanted`): the up GEMM's launch merges them for the
             # projection's side product; where it does not, the merge here feeds the projection below
             # (where it does, nothing reads this merge and XLA drops it: the H200 step listings of the

@@ -290,6 +290,8 @@ def gemv_rows(
     b2: jax.Array | None = None,  # [N2] bf16
     *,
     tau_w: tuple[jax.Array, jax.Array] | None = None,  # (wq, wv) [H, N1] bf16, 2 H = 64: MD3's tau dots
+    ln: tuple[jax.Array, jax.Array] | None = None,  # (scale, bias) [K] bf16: x is the LayerNorm's input
+    ln_eps: float = 1e-5,
     stages: int = ROWS_STAGES,
     interpret: bool = False,
     detect_races: bool = False,
@@ -307,7 +309,14 @@ def gemv_rows(
     of [wq; wv] (one more wgmma), f32. Appended output: dots [N1 / 64, 2 H, Mp] f32, whose sum
     over the first axis is g . wq[h] (rows h < H) and g . wv[h - H] (`tau_dots_ref`). The QKV
     epilogue then reads 2 x N1 / 64 floats per head instead of the whole row and both weight rows
-    (`qkv_epilogue`'s dots mode)."""
+    (`qkv_epilogue`'s dots mode).
+
+    With `ln` = (scale, bias) x is the LayerNorm's input (eps `ln_eps`; the residual stream, one
+    row, `ln_rows_problem`) and every CTA normalises it itself (`ln_rows_ref`'s numerics: float32
+    statistics E[x], E[x^2] in one pass, rounded to bf16; rows >= 1 zero) into resident x tiles
+    while its weight ring fills: the LayerNorm needs no launch of its own. The normalised rows,
+    padded to Mp, are appended to the outputs (after the tau dots), written by CTA 0, for the other
+    readers of the layer's normalised input (the MoE's expert GEMMs)."""
     ws = (w1,) if w2 is None else (w1, w2)
     bs = (b1,) if w2 is None else (b1, b2)
     for ww, bb in zip(ws, bs, strict=True):
@@ -318,15 +327,20 @@ def gemv_rows(
     M, K = x.shape
     N1 = w1.shape[1]
     problem = None if tau_w is None else tau_dots_problem(tau_w[0], tau_w[1], N1)
+    if problem is None and ln is not None:
+        problem = ln_rows_problem(x, ln[0], ln[1])
     if problem is not None:
         raise ValueError(f"gemv_rows: {problem}")
     mp = -(-M // 8) * 8
-    if mp != M:
+    if mp != M and ln is None:
         x = jnp.pad(x, ((0, mp - M), (0, 0)))
     steps = K // BLOCK_K
-    per_stage = (BLOCK_K * BLOCK_N + mp * BLOCK_K) * 2
+    has_ln = ln is not None
+    # with `ln` the x tiles are formed in the kernel and stay resident: the ring carries weights only
+    per_stage = (BLOCK_K * BLOCK_N + (0 if has_ln else mp * BLOCK_K)) * 2
     tau_smem = 0 if tau_w is None else TAU_ROWS * BLOCK_N * 2 + mp * BLOCK_N * 2 + TAU_ROWS * mp * 4 + 64
-    n_stages = max(1, min(stages, steps, (_SMEM_LIMIT - mp * BLOCK_N * 2 - 2048 - tau_smem) // per_stage))
+    ln_smem = 0 if not has_ln else (steps * mp * BLOCK_K + K) * 2
+    n_stages = max(1, min(stages, steps, (_SMEM_LIMIT - mp * BLOCK_N * 2 - 2048 - tau_smem - ln_smem) // per_stage))
     n_blocks = sum(ww.shape[1] for ww in ws) // BLOCK_N
     w_refs_n, b_present = len(ws), [bb is not None for bb in bs]
     has_tau = tau_w is not None
@@ -337,13 +351,17 @@ def gemv_rows(
         rest = list(refs[w_refs_n:])
         b_refs = [rest.pop(0) if present else None for present in b_present]
         wq_ref, wv_ref = (rest.pop(0), rest.pop(0)) if has_tau else (None, None)
+        sc_ref, sh_ref = (rest.pop(0), rest.pop(0)) if has_ln else (None, None)
         o_refs = [rest.pop(0) for _ in ws]
         d_ref = rest.pop(0) if has_tau else None
+        n_ref = rest.pop(0) if has_ln else None
         w_buf, x_buf, o_smem, bars = rest[:4]
+        rest = rest[4:]
+        n_row = rest.pop(0) if has_ln else None
         nb = lax.axis_index("n")
         n0 = pl.multiple_of(nb * BLOCK_N, BLOCK_N)
         if has_tau:
-            t_smem, g_smem, d_smem, t_bar = rest[4:]
+            t_smem, g_smem, d_smem, t_bar = rest
             assert wq_ref is not None and wv_ref is not None
 
             @pl.when(n0 < N1)
@@ -363,10 +381,48 @@ def gemv_rows(
             for m in range(w_refs_n):
                 on_matrix(m, lambda col, m=m: plgpu.copy_gmem_to_smem(
                     w_refs[m].at[rows, pl.ds(col, BLOCK_N)], w_buf.at[slot], bars.at[slot]))
-            plgpu.copy_gmem_to_smem(x_ref.at[:, rows], x_buf.at[slot], bars.at[slot])
+            if not has_ln:
+                plgpu.copy_gmem_to_smem(x_ref.at[:, rows], x_buf.at[slot], bars.at[slot])
+
+        def normalise():
+            """x's row normalised into row 0 of the resident x tiles (the other rows zero); CTA 0 also
+            writes them out. x, scale and bias are read from GMEM in 16-byte vectors (the row is 2
+            per thread at D = 2048), the statistics reduced over the warpgroup, and the normalised
+            row bounced through SMEM into the tiles (a 64-column slice each, in the layout that
+            stores into the swizzled operand tiles, `_XROWS`). Session 49 on an H100: reading the
+            operands as 64-column slices instead cost 12 us per call (128 dependent 4-byte loads per
+            thread), and through a TMA copy the SMEM got a swizzle the plain loads did not undo."""
+            assert sc_ref is not None and sh_ref is not None and n_ref is not None and n_row is not None
+            strided = plgpu.Layout.WG_STRIDED((K,), _ln_vec(K))
+
+            def whole(ref):
+                return plgpu.load(ref, layout=strided).astype(jnp.float32)
+
+            xv = whole(x_ref.at[0])
+            mean = jnp.sum(xv) / K
+            var = jnp.maximum(jnp.sum(xv * xv) / K - mean * mean, 0.0)
+            n = (xv - mean) * lax.rsqrt(var + ln_eps) * whole(sc_ref) + whole(sh_ref)
+            n_row[...] = n.astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            row = plgpu.broadcasted_iota(jnp.int32, (mp, BLOCK_K), 0, layout=_XROWS)
+            for i in range(steps):
+                v = plgpu.load(n_row.at[pl.ds(i * BLOCK_K, BLOCK_K)], layout=_XROWS.reduce(0), optimized=False)
+                t = lax.broadcast_in_dim(v, (mp, BLOCK_K), (1,))
+                x_buf.at[i][...] = jnp.where(row == 0, t, jnp.zeros_like(t))
+            plgpu.commit_smem()
+
+            @pl.when(nb == 0)
+            def _write():
+                for i in range(steps):
+                    plgpu.copy_smem_to_gmem(x_buf.at[i], n_ref.at[:, pl.ds(i * BLOCK_K, BLOCK_K)])
 
         def scope(acc_ref):
-            _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages)
+            if has_ln:  # the weight ring fills while the rows are normalised
+                _fill(fetch, n_stages)
+                normalise()
+                _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages, resident=True)
+            else:
+                _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages)
             y = acc_ref[...].astype(jnp.bfloat16)
 
             for m in range(w_refs_n):
@@ -406,10 +462,13 @@ def gemv_rows(
     out_type = [jax.ShapeDtypeStruct((mp, ww.shape[1]), jnp.bfloat16) for ww in ws]
     scratch: list[Any] = [
         plgpu.SMEM((n_stages, BLOCK_K, BLOCK_N), x.dtype, transforms=_TRANSFORMS),
-        plgpu.SMEM((n_stages, mp, BLOCK_K), x.dtype, transforms=_TRANSFORMS),
+        # x tiles: the ring's, or with `ln` every step's (formed in the kernel, resident)
+        plgpu.SMEM((steps if has_ln else n_stages, mp, BLOCK_K), x.dtype, transforms=_TRANSFORMS),
         plgpu.SMEM((mp, BLOCK_N), jnp.bfloat16, transforms=_OUT_TRANSFORMS),
-        plgpu.Barrier(num_arrivals=2, num_barriers=n_stages),
+        plgpu.Barrier(num_arrivals=1 if has_ln else 2, num_barriers=n_stages),
     ]
+    if has_ln:
+        scratch.append(plgpu.SMEM((K,), jnp.bfloat16))  # the normalised row, on its way into the tiles
     if has_tau:
         out_type.append(jax.ShapeDtypeStruct((N1 // BLOCK_N, TAU_ROWS, mp), jnp.float32))
         scratch += [
@@ -418,6 +477,8 @@ def gemv_rows(
             plgpu.SMEM((TAU_ROWS, mp), jnp.float32),
             plgpu.Barrier(num_arrivals=2, num_barriers=1),
         ]
+    if has_ln:
+        out_type.append(jax.ShapeDtypeStruct((mp, K), jnp.bfloat16))
     kern = plgpu.kernel(
         body,
         out_type=tuple(out_type),
@@ -429,7 +490,45 @@ def gemv_rows(
         interpret=_interpret_params(interpret, detect_races),
     )
     args = [x, *ws, *[bb for bb in bs if bb is not None], *(tau_w or ())]
+    if has_ln:
+        assert ln is not None
+        args += [ln[0], ln[1]]
     return tuple(kern(*args))
+
+
+LN_VEC = 8  # elements per thread per load of the LayerNorm's operands (16 bytes of bf16)
+
+
+def _ln_vec(k: int) -> int:
+    """Elements per load of a [k] row over a warpgroup (k a multiple of 128): up to `LN_VEC`."""
+    v = LN_VEC
+    while (k // 128) % v:
+        v //= 2
+    return v
+
+
+def ln_rows_problem(x: jax.Array | jax.ShapeDtypeStruct, scale: jax.Array | jax.ShapeDtypeStruct,
+                    bias: jax.Array | jax.ShapeDtypeStruct) -> str | None:
+    """Why `gemv_rows` cannot normalise x itself with this scale and bias (None: it can)."""
+    M, K = x.shape
+    if M != 1:
+        return f"the LayerNorm in the rows kernel takes one row, got {M}"
+    if K % 128:
+        return f"the LayerNorm in the rows kernel takes widths that are multiples of 128, got {K}"
+    if scale.shape != (K,) or bias.shape != (K,):
+        return f"LayerNorm scale {scale.shape} / bias {bias.shape} must be [{K}]"
+    if any(jnp.dtype(a.dtype) != jnp.dtype(jnp.bfloat16) for a in (x, scale, bias)):
+        return (f"the LayerNorm in the rows kernel takes bf16 x, scale and bias, got {x.dtype}, {scale.dtype}, "
+                f"{bias.dtype}")
+    return None
+
+
+def ln_rows_ref(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:
+    """The normalised rows `gemv_rows(ln=...)` forms and appends: `layers.layer_norm` of x, rows
+    padded with zeros to the row tile of 8."""
+    from kestrel_jax.models.layers import layer_norm
+
+    return jnp.pad(layer_norm(x, scale, bias, eps), ((0, -(-x.shape[0] // 8) * 8 - x.shape[0]), (0, 0)))
 
 
 TAU_ROWS = 64  # rows of [wq; wv]: MD3's 2 x 32 heads, one wgmma M

@@ -420,6 +420,53 @@ def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax
     return y1, y2, None
 
 
+def ln_in_rows_wanted() -> bool:
+    """Whether a one-row decode MoE layer normalises its input inside the QKV + router
+    rows kernel (`decode_ln_qkv_router`) instead of in the LayerNorm kernel's launch before it:
+    KESTREL_JAX_LN_IN_ROWS=1, read at trace time. Off: measured slower (H100, forty-ninth session,
+    MD3 batch-1 step): the LayerNorm launch goes (1.65 us x 20) but the rows kernel grows from
+    11.4 to 13.9 us, step 1,499 -> 1,515-1,519 us (+1.1-1.3%); a deeper weight ring (16, 22 stages)
+    did not hide the in-kernel LayerNorm's latency. Forward on against off: identical at one row."""
+    return flag("KESTREL_JAX_LN_IN_ROWS", False)
+
+
+def decode_ln_qkv_router(x: jax.Array, scale: jax.Array, bias: jax.Array, w1: jax.Array, b1: jax.Array | None,
+                         w2: jax.Array, b2: jax.Array | None, experts: ExpertWeights, *, eps: float, max_rows: int,
+                         tau: Any = None) -> tuple[jax.Array, jax.Array, Any, jax.Array] | None:
+    """A decode MoE layer's LayerNorm and its QKV + router products in one launch: `gemv_mgpu.gemv_rows`
+    with `ln`, every CTA normalising x (the residual stream, [1, D]) itself while its weight
+    ring fills. -> (QKV rows, router rows, tau dots or None, the normalised rows), each padded to
+    the row tile of 8 as `small_linear_pair(padded_ok=True)` and `decode_moe_layer_norm` hand them
+    over; None where either of those would not take this path (off the kernel path, the rows
+    kernel or the LayerNorm kernel switched off, shapes they refuse), where the expert GEMMs want
+    an f16 copy of the rows (W8A16), or with `ln_in_rows_wanted()` off."""
+    if not (ln_in_rows_wanted() and gemv_rows_wanted() and flag("KESTREL_JAX_LN_KERNEL", True)):
+        return None
+    if not _gemv_usable(x, max_rows, w1, w2):
+        return None
+    from kestrel_jax.pallas import gemv_mgpu as kern
+    from kestrel_jax.pallas import moe_mgpu
+
+    if kern.ln_rows_problem(x, scale, bias) is not None:  # (one row)
+        return None
+    if moe_mgpu.moe_kernel_supported(x, experts, 1) and moe_mgpu.f16_rows_wanted(x.shape[0], experts):
+        return None
+    w1c, w2c = w1.astype(x.dtype), w2.astype(x.dtype)
+    if not all(b is None or (b.shape == (w.shape[1],) and jnp.dtype(b.dtype) == jnp.dtype(jnp.bfloat16))
+               for b, w in ((b1, w1c), (b2, w2c))):
+        return None
+    ln = (scale, bias)
+    run = _jitted(kern.gemv_rows, ("stages", "ln_eps"))
+    if tau is not None and tau_dots_wanted() and kern.tau_dots_problem(tau.wq, tau.wv, w1c.shape[1]) is None:
+        from kestrel_jax.pallas.qkv_epilogue import TauDots
+
+        y1, y2, dots, n = run(x, w1c, b1, w2c, b2, tau_w=(tau.wq, tau.wv), ln=ln, ln_eps=float(eps),
+                              stages=rows_gemv_stages())
+        return y1, y2, TauDots(dots, tau.alpha), n
+    y1, y2, n = run(x, w1c, b1, w2c, b2, ln=ln, ln_eps=float(eps), stages=rows_gemv_stages())
+    return y1, y2, None, n
+
+
 def rows_gemv_stages() -> int:
     """Ring stages of `gemv_mgpu.gemv_rows` (an MoE layer's decode QKV + router product):
     KESTREL_JAX_GEMV_ROWS_STAGES, default the kernel's ROWS_STAGES (8), read at trace time, for A/B

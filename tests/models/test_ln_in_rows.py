@@ -1,0 +1,65 @@
+"""The model's plumbing of KESTREL_JAX_LN_IN_ROWS: a decode MoE layer's LayerNorm inside its QKV +
+router rows kernel (`Attention.qkv_with_ln`, `ops.decode_ln_qkv_router`). The GPU kernels are the
+stand-ins of tests/models/test_decode_fusion.py; the rows kernel's own stand-in here normalises
+with `gemv_mgpu.ln_rows_ref` (the kernel itself: tests/pallas/test_gemv_ln_in_rows.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_decode_fusion import _bf16_decode_case, _gemv_rows, stand_ins  # noqa: F401 (a fixture)
+
+from kestrel_jax.pallas import gemv_mgpu, ops, qkv_epilogue
+
+
+def test_layer_norm_in_the_rows_kernel_switch(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """With the switch on at one row, every MoE layer hands its residual stream and LayerNorm
+    weights to the rows kernel instead of running the LayerNorm kernel (dense layers keep theirs),
+    and the rows and normalised rows that come back (padding rows NaN in the products, zero in the
+    normalised rows, as the kernel's contract allows) give the reference path's hidden states
+    within bf16 rounding; off (the default) the rows kernel gets the LayerNorm kernel's normalised
+    rows padded to 8. (More rows take the LayerNorm kernel either way: `ops.decode_ln_qkv_router`'s
+    dispatch test.)"""
+    calls: list[tuple[int, bool]] = []
+
+    def rows(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=1e-5, **_):
+        calls.append((x.shape[0], ln is not None))
+        if ln is None:
+            return _gemv_rows(x, w1, b1, w2, b2)
+        n = gemv_mgpu.ln_rows_ref(x, ln[0], ln[1], ln_eps)
+        return (*_gemv_rows(n[:x.shape[0]], w1, b1, w2, b2), n)
+
+    monkeypatch.setattr(gemv_mgpu, "gemv_rows", rows)
+    monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")  # the QKV epilogue (interpreted) reads the padded rows
+    for name in ("decode_qkv_kernel", "decode_qkv_route_kernel"):
+        real = getattr(qkv_epilogue, name)
+        monkeypatch.setattr(qkv_epilogue, name, lambda *a, _real=real, **kw: _real(*a, **kw, interpret=True))
+    model, x1, batch1, cache = _bf16_decode_case(3)
+    cfg = model.cfg
+    with ops.use_backend("reference"):
+        want = np.asarray(model(x1, batch1, cache)[0].astype(jnp.float32))
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    dense_ln = ["layernorm"] * (cfg.n_layers - moe_layers)  # dense layers' one-row LayerNorm
+    for switch in ("1", None):
+        if switch is None:
+            monkeypatch.delenv("KESTREL_JAX_LN_IN_ROWS", raising=False)
+        else:
+            monkeypatch.setenv("KESTREL_JAX_LN_IN_ROWS", switch)
+        calls.clear()
+        stand_ins.clear()
+        ops._jitted.cache_clear()
+        with ops.use_backend("kernel"):
+            got = np.asarray(model(x1, batch1, cache)[0].astype(jnp.float32))
+        # traced once (the MoE layers share one jitted call): the residual stream's row with the
+        # LayerNorm's weights, or the LayerNorm kernel's rows padded to 8
+        on = switch == "1"
+        assert calls == ([(1, True)] if on else [(8, False)]), switch
+        assert stand_ins == dense_ln + ([] if on else ["layernorm"] * moe_layers), switch
+        assert np.isfinite(got).all()
+        assert np.abs(got - want).max() <= 2.0**-6 * np.abs(want).max(), switch
+    monkeypatch.setenv("KESTREL_JAX_LN_IN_ROWS", "yes")
+    ops._jitted.cache_clear()
+    with ops.use_backend("kernel"), pytest.raises(ValueError, match="KESTREL_JAX_LN_IN_ROWS"):
+        jax.eval_shape(lambda: model(x1, batch1, cache))

@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""GPU check of the decode GEMM's rows kernel with the LayerNorm inside (`gemv_mgpu.gemv_rows(ln=...)`,
+KESTREL_JAX_LN_IN_ROWS) at an MoE layer's shapes (QKV [2048, 6144] + router [2048, 64] bf16, MD3's
+tau dots over the QKV row): on fresh random residual rows (a mean offset and a spread) the
+normalised row it appends must be `ln_rows_ref`'s within one bf16 rounding, and the QKV rows,
+router rows and tau dots must equal, bit for bit, the rows kernel's fed those normalised rows
+(exit status 1 otherwise). `--small` runs the interpreted kernel at test sizes on the CPU (a
+smoke run).
+
+  PYTHONPATH=. python3 tools/check_ln_in_rows.py --draws 5 --out ln_in_rows.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kestrel_jax.pallas import gemv_mgpu as g  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draws", type=int, default=5, help="fresh inputs")
+    ap.add_argument("--small", action="store_true", help="test sizes, interpreted (CPU)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    K, N1, N2 = (512, 192, 64) if a.small else (2048, 6144, 64)
+    H = g.TAU_ROWS // 2
+    rng = np.random.default_rng(a.seed)
+
+    def bf16(shape, std):
+        return jnp.asarray(rng.standard_normal(shape) * std, jnp.bfloat16)
+
+    w1, b1 = bf16((K, N1), 1 / math.sqrt(K)), bf16((N1,), 0.1)
+    w2, b2 = bf16((K, N2), 1 / math.sqrt(K)), bf16((N2,), 0.1)
+    wq, wv = bf16((H, N1), 0.05), bf16((H, N1), 0.05)
+    scale = jnp.asarray(rng.uniform(0.5, 1.5, K), jnp.bfloat16)
+    bias = bf16((K,), 0.1)
+    run = functools.partial(g.gemv_rows, tau_w=(wq, wv), interpret=a.small)
+    with_ln = jax.jit(functools.partial(run, ln=(scale, bias), ln_eps=1e-5))
+    plain = jax.jit(run)
+    res: dict = {"device": jax.devices()[0].device_kind, "small": a.small, "cases": []}
+    for d in range(a.draws):
+        x = jnp.asarray(rng.standard_normal((1, K)) * rng.uniform(0.5, 4.0) + rng.uniform(-2, 2), jnp.bfloat16)
+        *ys, n = with_ln(x, w1, b1, w2, b2)
+        ref = plain(n[:1], w1, b1, w2, b2)
+        got = np.asarray(n.astype(jnp.float32))
+        want = np.asarray(g.ln_rows_ref(x, scale, bias, 1e-5).astype(jnp.float32))
+        tol = 2.0**-8 * np.maximum(np.abs(want), 2.0**-6 * np.abs(want).max())
+        case = {"draw": d,
+                "ln_within_one_rounding": bool((np.abs(got - want) <= tol).all()),
+                "ln_elements_differing": int((got != want).sum()),
+                "padding_rows_zero": bool(not got[1:].any()),
+                "products_equal": all(bool(np.array_equal(np.asarray(y.astype(jnp.float32)),
+                                                          np.asarray(r.astype(jnp.float32))))
+                                      for y, r in zip(ys, ref, strict=True)),
+                "finite": bool(all(np.isfinite(np.asarray(y.astype(jnp.float32))).all() for y in ys))}
+        res["cases"].append(case)
+        print(json.dumps(case), flush=True)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    keys = ("ln_within_one_rounding", "padding_rows_zero", "products_equal", "finite")
+    return 1 if any(not all(c[k] for k in keys) for c in res["cases"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
