@@ -38,6 +38,10 @@ from kestrel_jax.pallas import paged_attention_prefill_mgpu as pp
 FP8 = jnp.float8_e4m3fn
 BF16 = jnp.bfloat16
 SM_SCALE = 0.125
+# The references under jit, as the engine's CPU steps run them (op by op, each test's new shapes
+# compiled dozens of small programs: ~25% of this file's time).
+_decode_ref = jax.jit(pa.decode_attention_ref, static_argnames="sm_scale")
+_prefill_ref = jax.jit(pa.prefill_attention_ref, static_argnames="sm_scale")
 
 
 def _make_pool(rng, num_pages, n_kv, page, dtype, kv_lens, max_pages, n_seqs):
@@ -51,16 +55,22 @@ def _make_pool(rng, num_pages, n_kv, page, dtype, kv_lens, max_pages, n_seqs):
     pools = []
     for scale in scales:
         x = jnp.asarray(rng.standard_normal((num_pages, n_kv, page, 64)) * 3.0, jnp.float32)
-        stored = pa.quantize_kv(x, jnp.float32(scale), dtype)
-        nan = jnp.asarray(np.nan, jnp.float32).astype(dtype)
-        pools.append(jnp.where(jnp.asarray(owned)[:, None, :, None], stored, nan))
+        pools.append(_stored(x, jnp.float32(scale), jnp.asarray(owned), dtype))
     return pools[0], pools[1], jnp.asarray(table), jnp.float32(scales[0]), jnp.float32(scales[1])
+
+
+@functools.partial(jax.jit, static_argnames="dtype")
+def _stored(x: jax.Array, scale: jax.Array, owned: jax.Array, dtype: Any) -> jax.Array:
+    """x quantised into the pool's dtype where a sequence owns the slot, NaN elsewhere (one program
+    per pool shape; kernels and references read the same stored values)."""
+    nan = jnp.asarray(np.nan, jnp.float32).astype(dtype)
+    return jnp.where(owned[:, None, :, None], pa.quantize_kv(x, scale, dtype), nan)
 
 
 def _vmax(v_pages, table, kv_lens, v_scale) -> float:
     page = v_pages.shape[2]
-    vals = [np.abs(as_f32(pa.dequantize_kv(v_pages[table[b, t // page], :, t % page], v_scale))).max()
-            for b in range(len(kv_lens)) for t in range(int(kv_lens[b]))]
+    v = np.abs(as_f32(pa.dequantize_kv(v_pages, v_scale)))  # elementwise: each slot's values as alone
+    vals = [v[table[b, t // page], :, t % page].max() for b in range(len(kv_lens)) for t in range(int(kv_lens[b]))]
     return float(max(vals)) if vals else 1.0
 
 
@@ -106,7 +116,7 @@ def test_references_match_float64_oracle():
     kv_lens = np.array([1, 7, 8, 9, 19], np.int32)
     k_pages, v_pages, table, ks, vs = _make_pool(rng, 20, n_kv, page, FP8, kv_lens, 3, 5)
     q = jnp.asarray(rng.standard_normal((5, n_kv * g, 64)), jnp.float32)
-    dec = pa.decode_attention_ref(q, k_pages, v_pages, jnp.asarray(kv_lens), table, ks, vs, sm_scale=SM_SCALE)
+    dec = _decode_ref(q, k_pages, v_pages, jnp.asarray(kv_lens), table, ks, vs, sm_scale=SM_SCALE)
     rows = [(b, b, int(n) - 1, int(n), 0) for b, n in enumerate(kv_lens)]
     np.testing.assert_allclose(as_f32(dec), _oracle(q, k_pages, v_pages, np.asarray(table), ks, vs, rows),
                                rtol=1e-5, atol=1e-5)
@@ -118,7 +128,7 @@ def test_references_match_float64_oracle():
     cu = np.r_[0, np.cumsum([n for n, _, _ in segs])].astype(np.int32)
     q = jnp.asarray(rng.standard_normal((int(cu[-1]) + 2, n_kv * g, 64)), jnp.float32)  # 2 padding rows
     pre = np.array([p for _, _, p in segs], np.int32)
-    out = pa.prefill_attention_ref(q, k_pages, v_pages, jnp.asarray(cu), jnp.asarray(kvl), table,
+    out = _prefill_ref(q, k_pages, v_pages, jnp.asarray(cu), jnp.asarray(kvl), table,
                                    jnp.asarray(pre), ks, vs, sm_scale=SM_SCALE)
     rows = [(int(cu[b]) + i, b, c + i, n + c, p) for b, (n, c, p) in enumerate(segs) for i in range(n)]
     np.testing.assert_allclose(as_f32(out), _oracle(q, k_pages, v_pages, np.asarray(table), ks, vs, rows),
@@ -191,7 +201,7 @@ def test_decode_kernel_interpreted(dtype, page, splits, group, n_kv, tile_rows):
     f = jax.jit(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, num_splits=splits,
                                   tile_rows=tile_rows, interpret=True))
     out = f(q, k_pages, v_pages, lens, table, ks, vs)
-    ref = pa.decode_attention_ref(q, k_pages, v_pages, lens, table, ks, vs, sm_scale=SM_SCALE)
+    ref = _decode_ref(q, k_pages, v_pages, lens, table, ks, vs, sm_scale=SM_SCALE)
     assert out.shape == q.shape and out.dtype == q.dtype
     _check(out, ref, _vmax(v_pages, np.asarray(table), kv_lens, vs), atol=2.0**-10, what="decode")
     assert not np.any(as_f32(out)[-1]), "inactive row (kv_len 0) must be zero"
@@ -308,7 +318,7 @@ def test_prefill_kernel_interpreted(dtype, page, group, segs, pad, consumers, ra
     out = f(*args)
     if races:
         assert not pm.interpret_races_found(), "race detected between warpgroups"
-    ref = pa.prefill_attention_ref(*args, sm_scale=SM_SCALE)
+    ref = _prefill_ref(*args, sm_scale=SM_SCALE)
     assert out.shape == q.shape and out.dtype == q.dtype
     atol = 2.0**-10 if dtype == FP8 else 2.0**-8
     _check(out, ref, _vmax(v_pages, np.asarray(table), kvl, vs), atol=atol, what="prefill")
@@ -365,7 +375,7 @@ def test_decode_kernel_default_plan_interpreted(monkeypatch: pytest.MonkeyPatch)
     out = jax.jit(functools.partial(pm.decode_attention_kernel, sm_scale=SM_SCALE, interpret=True))(
         q, k_pages, v_pages, lens, table, ks, vs)
     assert chosen == [(16, 8)]
-    ref = pa.decode_attention_ref(q, k_pages, v_pages, lens, table, ks, vs, sm_scale=SM_SCALE)
+    ref = _decode_ref(q, k_pages, v_pages, lens, table, ks, vs, sm_scale=SM_SCALE)
     _check(out, ref, _vmax(v_pages, np.asarray(table), kv_lens, vs), atol=2.0**-10, what="decode")
     assert not np.any(as_f32(out)[-1]), "inactive row (kv_len 0) must be zero"
 
@@ -579,6 +589,6 @@ def test_prefill_default_schedule_interpreted():
     args = (q, k_pages, v_pages, jnp.asarray(cu), jnp.asarray(kvl), table,
             jnp.asarray([p for _, _, p in segs], jnp.int32), ks, vs)
     out = jax.jit(functools.partial(pp.prefill_attention_kernel, sm_scale=SM_SCALE, interpret=True))(*args)
-    ref = pa.prefill_attention_ref(*args, sm_scale=SM_SCALE)
+    ref = _prefill_ref(*args, sm_scale=SM_SCALE)
     _check(out, ref, _vmax(v_pages, np.asarray(table), kvl, vs), atol=2.0**-10, what="prefill")
     assert not np.any(as_f32(out)[T:]), "padding rows must be zero"
