@@ -4,6 +4,7 @@ loads them instead of tracing and lowering, with the same outputs; a broken file
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,23 @@ def model() -> MoondreamModel:
 def plain(model: MoondreamModel) -> list[np.ndarray]:
     """`_run` on a runner without the export cache (plain jit): what every runner below must give."""
     return _run(Runner(model, _config(None)))
+
+
+@pytest.fixture(scope="module")
+def exported(model: MoondreamModel, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[np.ndarray]]:
+    """A cache folder after a first runner's `_run` with the export cache (its three steps exported,
+    their programs in the compilation cache beside them), and that run's outputs. The tests below
+    that began with such a run start from a copy of the folder instead (`_from_exported`)."""
+    cache = tmp_path_factory.mktemp("exported")
+    first = Runner(model, _config(cache))
+    got = _run(first)
+    assert first.export_counts == {"loaded": 0, "exported": 3, "fallback": 0}  # prefill, decode1, decode2
+    return cache, got
+
+
+def _from_exported(exported: tuple[Path, list[np.ndarray]], dst: Path) -> None:
+    """`dst` as the first run left its cache folder: the exports and compiled programs, copied."""
+    shutil.copytree(exported[0], dst, dirs_exist_ok=True)
 
 
 def _config(cache: Path | None, **kw: object) -> RunnerConfig:
@@ -67,12 +85,11 @@ def _run(runner: Runner) -> list[np.ndarray]:
 
 
 def test_second_runner_loads_the_exported_steps(model: MoondreamModel, plain: list[np.ndarray],
-                                                tmp_path: Path) -> None:
-    first = Runner(model, _config(tmp_path))
-    got = _run(first)
-    assert first.export_counts == {"loaded": 0, "exported": 3, "fallback": 0}  # prefill, decode1, decode2
-    files = sorted((tmp_path / "kestrel_jax_export").glob("*.jaxexport"))
+                                                exported: tuple[Path, list[np.ndarray]], tmp_path: Path) -> None:
+    _, got = exported  # the first runner's outputs; it exported its three steps (the fixture checks)
+    files = sorted((exported[0] / "kestrel_jax_export").glob("*.jaxexport"))
     assert len(files) == 3
+    _from_exported(exported, tmp_path)
     second = Runner(model, _config(tmp_path))
     again = _run(second)
     assert second.export_counts == {"loaded": 3, "exported": 0, "fallback": 0}
@@ -86,9 +103,10 @@ def test_second_runner_loads_the_exported_steps(model: MoondreamModel, plain: li
     assert off.export_counts == {"loaded": 0, "exported": 0, "fallback": 0}
 
 
-def test_a_damaged_export_falls_back_to_tracing(model: MoondreamModel, tmp_path: Path,
-                                                caplog: pytest.LogCaptureFixture) -> None:
-    plain = _run(Runner(model, _config(tmp_path)))
+def test_a_damaged_export_falls_back_to_tracing(model: MoondreamModel, exported: tuple[Path, list[np.ndarray]],
+                                                tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _from_exported(exported, tmp_path)
+    plain = exported[1]
     for f in (tmp_path / "kestrel_jax_export").glob("*.jaxexport"):
         f.write_bytes(b"not an export")
     runner = Runner(model, _config(tmp_path))
@@ -111,13 +129,15 @@ def test_recompile_guard_sees_exported_steps(model: MoondreamModel, tmp_path: Pa
         runner.prefill(tok_ints, tok_floats, seq_ints, seq_floats, jnp.zeros((1, 728, 256), jnp.float32))
 
 
-def test_a_loaded_program_that_fails_to_run_falls_back(model: MoondreamModel, tmp_path: Path,
+def test_a_loaded_program_that_fails_to_run_falls_back(model: MoondreamModel,
+                                                       exported: tuple[Path, list[np.ndarray]], tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     # The first call of a loaded export compiles it; if that raises (a backend refusing the saved
     # program), the step runs as a plain jit, inputs intact, same outputs.
     from kestrel_jax.serving import export_cache
 
-    plain = _run(Runner(model, _config(tmp_path)))
+    _from_exported(exported, tmp_path)
+    plain = exported[1]
     real_jit = export_cache.jax.jit
 
     def broken_jit(fn, **kw):  # jit(exp.call) -> a function that fails like a refused compile
@@ -141,12 +161,12 @@ def _exports(cache: Path) -> set[str]:
     return {f.name for f in (cache / "kestrel_jax_export").glob("*.jaxexport")}
 
 
-def test_exports_are_shared_by_configurations_that_do_not_shape_the_steps(model: MoondreamModel,
-                                                                         tmp_path: Path) -> None:
+def test_exports_are_shared_by_configurations_that_do_not_shape_the_steps(
+        model: MoondreamModel, exported: tuple[Path, list[np.ndarray]], tmp_path: Path) -> None:
     # W2 A/B runs alternated vision buckets 1 and 2: each run deleted the other's exports and traced
     # every step again. Settings outside the text steps now share them; settings that shape the steps
     # keep their own files side by side.
-    _run(Runner(model, _config(tmp_path)))
+    _from_exported(exported, tmp_path)
     first = _exports(tmp_path)
     other = Runner(model, _config(tmp_path, kv_memory_fraction=0.5, vision_buckets=(1, 2), vision_attention="xla"))
     _run(other)
@@ -167,11 +187,11 @@ def test_exports_are_shared_by_configurations_that_do_not_shape_the_steps(model:
     assert again.export_counts == {"loaded": 3, "exported": 0, "fallback": 0}
 
 
-def test_exports_of_older_code_are_replaced(model: MoondreamModel, tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_exports_of_older_code_are_replaced(model: MoondreamModel, exported: tuple[Path, list[np.ndarray]],
+                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kestrel_jax.serving import runner as runner_mod
 
-    _run(Runner(model, _config(tmp_path)))
+    _from_exported(exported, tmp_path)
     first = _exports(tmp_path)
     monkeypatch.setattr(runner_mod, "source_hash", lambda: "edited sources")
     newer = Runner(model, _config(tmp_path))
