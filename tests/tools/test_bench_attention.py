@@ -21,11 +21,19 @@ def _main(monkeypatch: pytest.MonkeyPatch, *args: str) -> None:
     bench_attention.main()
 
 
-def test_cpu_smoke_run_checks_every_kernel_against_its_reference(monkeypatch: pytest.MonkeyPatch,
-                                                                  tmp_path: Path) -> None:
-    out = tmp_path / "attention.json"
-    _main(monkeypatch, "--out", str(out))
-    res = json.loads(out.read_text())
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One --cpu-smoke run with --decode-cases 1x24,3x17 (two decode cases in place of the smoke
+    grid's one), whose output both tests below read: each ran the whole smoke run (its prefill and
+    write cases alike) for itself."""
+    out = tmp_path_factory.mktemp("smoke") / "attention.json"
+    with pytest.MonkeyPatch.context() as mp:
+        _main(mp, "--decode-cases", "1x24,3x17", "--out", str(out))
+    return json.loads(out.read_text())
+
+
+def test_cpu_smoke_run_checks_every_kernel_against_its_reference(smoke: dict) -> None:
+    res = smoke
     assert res["info"]["mode"] == "cpu-smoke"
     ops = sorted({c["op"] for c in res["cases"]})
     assert ops == ["decode", "prefill", "write"], ops
@@ -79,12 +87,10 @@ def test_tune_runs_only_the_decode_variants_asked_for(monkeypatch: pytest.Monkey
         assert "error" not in res and res["nan"] == 0 and res["max_rel_err"] < 2.0**-6, impls
 
 
-def test_decode_cases_pick_the_part_of_the_grid_to_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_decode_cases_pick_the_part_of_the_grid_to_run(smoke: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without --tune, --decode-cases replaces the decode grid (the full B x KV grid takes more than
     one device call); the prefill and write cases still run. A malformed list is refused."""
-    out = tmp_path / "grid.json"
-    _main(monkeypatch, "--decode-cases", "1x24,3x17", "--out", str(out))
-    cases = json.loads(out.read_text())["cases"]
+    cases = smoke["cases"]
     assert [(c["B"], c["KV"]) for c in cases if c["op"] == "decode"] == [(1, 24), (3, 17)]
     assert {c["op"] for c in cases} == {"decode", "prefill", "write"}
     for c in cases:
