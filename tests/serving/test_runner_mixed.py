@@ -18,9 +18,16 @@ from kestrel_jax.serving.runner import Runner, RunnerConfig
 PAGE = 16
 
 
+# Text layers: tiny_config's four less those that only repeat others (every step below compiles them
+# all): two dense layers for MD2; two dense and one MoE layer (MoE from layer 2) for MD3.
+LAYERS = {"md2": 2, "md3": 3}
+
+
 @pytest.fixture(scope="module", params=["md3", "md2"])
 def model(request: pytest.FixtureRequest) -> MoondreamModel:
-    return random_model(tiny_config(request.param, vision_layers=2), dtype=jnp.float32, seed=11)
+    cfg = tiny_config(request.param, vision_layers=2)
+    cfg = dataclasses.replace(cfg, text=dataclasses.replace(cfg.text, n_layers=LAYERS[request.param])).validate()
+    return random_model(cfg, dtype=jnp.float32, seed=11)
 
 
 def _runner(model: MoondreamModel) -> Runner:
