@@ -19,7 +19,8 @@ from kestrel_jax.serving.runner import Runner, RunnerConfig
 
 def _prefill_and_decode(split: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[np.ndarray], str, str]:
     monkeypatch.setattr(ops, "split_dense_prefill_gemms", lambda: split)
-    model = random_model(tiny_config("md2"), dtype=jnp.float32, seed=5)
+    # (two vision layers instead of 27: no step here runs the encoder; its weights only cost start-up)
+    model = random_model(tiny_config("md2", vision_layers=2), dtype=jnp.float32, seed=5)
     r = Runner(model, RunnerConfig(num_pages=16, kv_dtype="f32", max_seq_len=256, page_size=64, vision_buckets=(2,)))
     p = r.max_pages_per_seq
     pre = bt.text_prefill([(2, list(range(3, 40))), (5, list(range(100, 121)))], tokens=64, max_seqs=2, pages=p,
