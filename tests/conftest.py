@@ -49,34 +49,44 @@ SHARED = {"serving/test_engine.py": _ENGINE_GROUP,
 # cache), slowest first: longest first keeps the two workers' totals close (replaying three
 # session-16 runs' file times: 40-58 s less wall time than the order before; measured after the
 # change, the workers ended 11 s apart). The others follow in collection order. A worker takes the
-# next file when it is done with one.
+# next file when it is done with one. Ordered by the file times of a full run on 2026-12-06 (two
+# workers), less what the test-time trims made since took off each file alone.
 SLOW_FIRST = (
     "pallas/test_moe.py",
-    "models/test_fused_dense_decode.py",  # ~180 s (session 47): unlisted, it could run alone at the end
-    "serving/test_engine.py",
+    "serving/test_engine.py",  # with test_soak.py and test_server.py: one unit of work (SHARED)
     "serving/test_soak.py",  # before test_server.py, whose last test shuts the shared engine down
     "serving/test_server.py",
-    "models/test_parity.py",
-    "serving/test_multi_device.py",  # one test: ~26 s alone, ~40 s beside another worker (session 39)
-    "serving/test_region_gate_engine.py",  # one test: ~29 s alone (session 39)
-    "serving/test_runner_mixed.py",
-    "pallas/test_paged_attention.py",
-    "serving/test_export_cache.py",
+    "models/test_fused_dense_decode.py",
     "test_cli.py",
-    "serving/test_engine_paths.py",
-    "pallas/test_sampling.py",
-    "serving/test_vision_batches.py",
-    "tools/test_benchmark.py",
-    "tools/test_bench_attention.py",  # ~16 s: the interpreted kernels at tiny shapes (session 40)
-    "models/test_loader.py",
-    "test_kv_scales.py",
-    "models/test_decode_fusion.py",
-    "models/test_generate.py",
+    "pallas/test_paged_attention.py",
+    "models/test_parity.py",
+    "serving/test_runner_mixed.py",
     "pallas/test_qkv_epilogue.py",
+    "serving/test_export_cache.py",
+    "serving/test_multi_device.py",  # one test: ~26 s alone, ~40 s beside another worker (session 39)
+    "models/test_decode_fusion.py",
+    "test_kv_scales.py",
+    "serving/test_region_gate_engine.py",  # one test: ~29 s alone (session 39)
+    "serving/test_engine_paths.py",
+    "serving/test_vision_batches.py",
+    "tools/test_bench_attention.py",
+    "pallas/test_gemv.py",
+    "tools/test_benchmark.py",
+    "serving/test_segment.py",
+    "pallas/test_sampling.py",
+    "models/test_loader.py",
+    "models/test_ln_in_rows.py",
+    "pallas/test_gemv_ln_in_rows.py",
     "serving/test_vision_thread.py",
+    "models/test_generate.py",
+    "serving/test_put_inputs.py",
     "models/test_device_crops.py",
+    "models/test_prefill_qkv_path.py",
+    "pallas/test_linear_gelu.py",
+    "serving/test_defer_unready_images.py",
+    "serving/test_admit_before_wait.py",
+    "models/test_region_heads.py",
     "serving/test_runner_vision.py",
-    "models/test_dense_prefill_split.py",
 )
 TESTS = REPO / "tests"
 
