@@ -45,48 +45,49 @@ _ENGINE_GROUP = "serving/test_engine.py+test_server.py+test_soak.py"
 SHARED = {"serving/test_engine.py": _ENGINE_GROUP,
           "serving/test_server.py": _ENGINE_GROUP,
           "serving/test_soak.py": _ENGINE_GROUP}
-# The slowest files (20 s or more of summed test time each on a 2-core CPU, with the shared compile
+# The slowest files (12 s or more of summed test time each on a 2-core CPU, with the shared compile
 # cache), slowest first: longest first keeps the two workers' totals close (replaying three
 # session-16 runs' file times: 40-58 s less wall time than the order before; measured after the
 # change, the workers ended 11 s apart). The others follow in collection order. A worker takes the
-# next file when it is done with one. Ordered by the file times of a full run on 2026-12-06 (two
-# workers), less what the test-time trims made since took off each file alone.
+# next file when it is done with one. Ordered by a full run's file times (2026-12-06, after the
+# test-time trims: 1,828 s summed, 932 s wall; seconds below).
 SLOW_FIRST = (
-    "pallas/test_moe.py",
-    "serving/test_engine.py",  # with test_soak.py and test_server.py: one unit of work (SHARED)
+    "pallas/test_moe.py",  # 236
+    "models/test_fused_dense_decode.py",  # 170
+    "serving/test_engine.py",  # 105; with test_soak.py and test_server.py one unit of work (SHARED): 138
     "serving/test_soak.py",  # before test_server.py, whose last test shuts the shared engine down
     "serving/test_server.py",
-    "models/test_fused_dense_decode.py",
-    "test_cli.py",
-    "pallas/test_paged_attention.py",
-    "models/test_parity.py",
-    "serving/test_runner_mixed.py",
-    "pallas/test_qkv_epilogue.py",
-    "serving/test_export_cache.py",
-    "serving/test_multi_device.py",  # one test: ~26 s alone, ~40 s beside another worker (session 39)
-    "models/test_decode_fusion.py",
-    "test_kv_scales.py",
-    "serving/test_region_gate_engine.py",  # one test: ~29 s alone (session 39)
-    "serving/test_engine_paths.py",
-    "serving/test_vision_batches.py",
-    "tools/test_bench_attention.py",
-    "pallas/test_gemv.py",
-    "tools/test_benchmark.py",
-    "serving/test_segment.py",
-    "pallas/test_sampling.py",
-    "models/test_loader.py",
-    "models/test_ln_in_rows.py",
-    "pallas/test_gemv_ln_in_rows.py",
-    "serving/test_vision_thread.py",
-    "models/test_generate.py",
-    "serving/test_put_inputs.py",
-    "models/test_device_crops.py",
-    "models/test_prefill_qkv_path.py",
-    "pallas/test_linear_gelu.py",
-    "serving/test_defer_unready_images.py",
-    "serving/test_admit_before_wait.py",
-    "models/test_region_heads.py",
-    "serving/test_runner_vision.py",
+    "test_cli.py",  # 128
+    "pallas/test_paged_attention.py",  # 91
+    "models/test_parity.py",  # 88
+    "serving/test_runner_mixed.py",  # 72
+    "serving/test_segment.py",  # 59
+    "pallas/test_qkv_epilogue.py",  # 57
+    "models/test_decode_fusion.py",  # 53
+    "serving/test_export_cache.py",  # 52
+    "test_kv_scales.py",  # 48
+    "pallas/test_sampling.py",  # 42
+    "pallas/test_gemv.py",  # 38
+    "tools/test_benchmark.py",  # 37
+    "tools/test_bench_attention.py",  # 37
+    "serving/test_multi_device.py",  # 37 (one test: ~28 s alone)
+    "serving/test_engine_paths.py",  # 32
+    "pallas/test_linear_gelu.py",  # 32
+    "models/test_prefill_qkv_path.py",  # 30
+    "serving/test_vision_batches.py",  # 25
+    "serving/test_region_gate_engine.py",  # 25 (one test)
+    "serving/test_put_inputs.py",  # 24
+    "serving/test_defer_unready_images.py",  # 20
+    "models/test_generate.py",  # 20
+    "models/test_loader.py",  # 18
+    "models/test_region_heads.py",  # 18
+    "pallas/test_layer_norm_blocks.py",  # 17
+    "serving/test_admit_before_wait.py",  # 16
+    "models/test_device_crops.py",  # 15
+    "tools/test_bench_vision_batch.py",  # 15
+    "pallas/test_gemv_ln_in_rows.py",  # 14
+    "tools/test_check_decode_fusion.py",  # 14
+    "serving/test_vision_thread.py",  # 13
 )
 TESTS = REPO / "tests"
 
