@@ -202,7 +202,10 @@ def test_engine_with_a_scales_file_answers_as_the_reference_fp8_path(
         kv_scales.apply(model, saved)
 
 
-def test_calibrate_kv_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_calibrate_kv_command(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    # the demo model it generates goes to a folder of this test's, not the user's ~/.cache/kestrel_jax
+    monkeypatch.setenv("KESTREL_JAX_CACHE", str(tmp_path / "cache"))
     bad = tmp_path / "broken.png"
     bad.write_bytes(b"not an image")
     out = tmp_path / "kv.json"
