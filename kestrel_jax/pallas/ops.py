@@ -405,17 +405,8 @@ def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax
     from kestrel_jax.pallas import gemv_mgpu as kern
 
     w1c, w2c = w1.astype(x.dtype), w2.astype(x.dtype)
-    if padded_ok and gate is None and gemv_rows_wanted() and all(
-            b is None or (b.shape == (w.shape[1],) and jnp.dtype(b.dtype) == jnp.dtype(jnp.bfloat16))
-            for b, w in ((b1, w1c), (b2, w2c))):
-        if tau is not None and tau_dots_wanted() and kern.tau_dots_problem(tau.wq, tau.wv, w1c.shape[1]) is None:
-            from kestrel_jax.pallas.qkv_epilogue import TauDots
-
-            y1, y2, dots = _jitted(kern.gemv_rows, ("stages",))(x, w1c, b1, w2c, b2, tau_w=(tau.wq, tau.wv),
-                                                               stages=rows_gemv_stages())
-            return y1, y2, TauDots(dots, tau.alpha)
-        y1, y2 = _jitted(kern.gemv_rows, ("stages",))(x, w1c, b1, w2c, b2, stages=rows_gemv_stages())
-        return y1, y2, None
+    if padded_ok and gate is None and gemv_rows_wanted() and _rows_biases_ok(w1c, b1, w2c, b2):
+        return _rows_kernel(x, w1c, b1, w2c, b2, tau)[:3]
     y1, y2 = _jitted(kern.gemv_pair, ("rows",))(x, w1c, b1, w2c, b2, rows=rows, gate=gate)
     return y1, y2, None
 
@@ -452,19 +443,32 @@ def decode_ln_qkv_router(x: jax.Array, scale: jax.Array, bias: jax.Array, w1: ja
     if moe_mgpu.moe_kernel_supported(x, experts, 1) and moe_mgpu.f16_rows_wanted(x.shape[0], experts):
         return None
     w1c, w2c = w1.astype(x.dtype), w2.astype(x.dtype)
-    if not all(b is None or (b.shape == (w.shape[1],) and jnp.dtype(b.dtype) == jnp.dtype(jnp.bfloat16))
-               for b, w in ((b1, w1c), (b2, w2c))):
+    if not _rows_biases_ok(w1c, b1, w2c, b2):
         return None
-    ln = (scale, bias)
+    y1, y2, dots, n = _rows_kernel(x, w1c, b1, w2c, b2, tau, ln=(scale, bias), ln_eps=float(eps))
+    return y1, y2, dots, n
+
+
+def _rows_biases_ok(w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None) -> bool:
+    """Whether `gemv_mgpu.gemv_rows` takes these biases (none, or bf16 over each product's columns)."""
+    return all(b is None or (b.shape == (w.shape[1],) and jnp.dtype(b.dtype) == jnp.dtype(jnp.bfloat16))
+               for b, w in ((b1, w1), (b2, w2)))
+
+
+def _rows_kernel(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None, tau: Any,
+                 **ln: Any) -> tuple[Any, ...]:
+    """`gemv_mgpu.gemv_rows` over the pair (with MD3's tau dots where `tau` and `tau_dots_wanted()`
+    allow, and `ln`'s keywords if given) -> (rows 1, rows 2, `TauDots` or None, *appended outputs)."""
+    from kestrel_jax.pallas import gemv_mgpu as kern
+
     run = _jitted(kern.gemv_rows, ("stages", "ln_eps"))
-    if tau is not None and tau_dots_wanted() and kern.tau_dots_problem(tau.wq, tau.wv, w1c.shape[1]) is None:
+    if tau is not None and tau_dots_wanted() and kern.tau_dots_problem(tau.wq, tau.wv, w1.shape[1]) is None:
         from kestrel_jax.pallas.qkv_epilogue import TauDots
 
-        y1, y2, dots, n = run(x, w1c, b1, w2c, b2, tau_w=(tau.wq, tau.wv), ln=ln, ln_eps=float(eps),
-                              stages=rows_gemv_stages())
-        return y1, y2, TauDots(dots, tau.alpha), n
-    y1, y2, n = run(x, w1c, b1, w2c, b2, ln=ln, ln_eps=float(eps), stages=rows_gemv_stages())
-    return y1, y2, None, n
+        y1, y2, dots, *rest = run(x, w1, b1, w2, b2, tau_w=(tau.wq, tau.wv), stages=rows_gemv_stages(), **ln)
+        return (y1, y2, TauDots(dots, tau.alpha), *rest)
+    y1, y2, *rest = run(x, w1, b1, w2, b2, stages=rows_gemv_stages(), **ln)
+    return (y1, y2, None, *rest)
 
 
 def rows_gemv_stages() -> int:
