@@ -25,16 +25,6 @@ import sys
 
 DEFAULTS: dict[str, str] = {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"}
 OPT_OUT = "KESTREL_JAX_XLA_DEFAULTS"
-# With the opt-in region conditional (`ops.region_cond_wanted`, KESTREL_JAX_REGION_COND=1 in the
-# environment when kestrel_jax is imported) XLA must record conditionals into its command buffers
-# (CUDA graph conditional nodes); without it a `lax.cond` copies its predicate to the host mid-step.
-REGION_COND = "KESTREL_JAX_REGION_COND"
-COND_FLAGS: dict[str, str] = {"xla_gpu_enable_command_buffer": "+CONDITIONAL"}
-
-
-def wanted(env: dict[str, str] | os._Environ[str]) -> dict[str, str]:
-    """The flags `apply` adds for this environment: DEFAULTS, and COND_FLAGS where REGION_COND is 1."""
-    return {**DEFAULTS, **(COND_FLAGS if env.get(REGION_COND) == "1" else {})}
 
 _state: dict[str, str] = {}  # flag -> "added" | "user" (XLA_FLAGS named it) | "late" | "off"
 
@@ -48,8 +38,8 @@ def apply(environ: dict[str, str] | os._Environ[str] | None = None, backend_star
         backend_started = _backend_started()
     out: dict[str, str] = {}
     flags = env.get("XLA_FLAGS", "")
-    for name, value in wanted(env).items():
-        if flag_value(name, flags) is not None:  # the user's setting, or ours from an earlier call
+    for name, value in DEFAULTS.items():
+        if _flag_value(name, flags) is not None:  # the user's setting, or ours from an earlier call
             out[name] = "added" if _state.get(name) == "added" and environ is None else "user"
         elif not _enabled(env):
             out[name] = "off"
@@ -78,10 +68,10 @@ def applied() -> dict[str, str]:
 
 def command_buffers_skip_temp() -> bool:
     """Whether XLA_FLAGS asks for SKIP_TEMP now (the backend reads it once, when it starts)."""
-    return flag_value("xla_gpu_command_buffer_update_mode") == "SKIP_TEMP"
+    return _flag_value("xla_gpu_command_buffer_update_mode") == "SKIP_TEMP"
 
 
-def flag_value(name: str, flags: str | None = None) -> str | None:
+def _flag_value(name: str, flags: str | None = None) -> str | None:
     """The value `flags` (default: XLA_FLAGS now) gives the flag, or None if it does not name it."""
     for tok in (os.environ.get("XLA_FLAGS", "") if flags is None else flags).split():
         key, _, value = tok.lstrip("-").partition("=")

@@ -12,7 +12,6 @@ import pytest
 from kestrel_jax import xla_defaults
 
 FLAG = "xla_gpu_command_buffer_update_mode"
-_OURS = ("XLA_FLAGS", xla_defaults.OPT_OUT, xla_defaults.REGION_COND)  # kept out of the child processes
 
 
 def test_adds_the_flag_before_the_backend_starts() -> None:
@@ -41,20 +40,8 @@ def test_keeps_the_users_setting_the_opt_out_and_a_started_backend() -> None:
     assert env["XLA_FLAGS"] == ""
 
 
-def test_the_region_conditional_adds_conditional_command_buffers() -> None:
-    cb = "xla_gpu_enable_command_buffer"
-    env = {xla_defaults.REGION_COND: "1"}
-    assert xla_defaults.apply(env, backend_started=False) == {FLAG: "added", cb: "added"}
-    assert env["XLA_FLAGS"] == f"--{FLAG}=SKIP_TEMP --{cb}=+CONDITIONAL"
-    env = {xla_defaults.REGION_COND: "1", "XLA_FLAGS": f"--{cb}=FUSION"}  # the user's list stays
-    assert xla_defaults.apply(env, backend_started=False) == {FLAG: "added", cb: "user"}
-    assert env["XLA_FLAGS"] == f"--{cb}=FUSION --{FLAG}=SKIP_TEMP"
-    env = {xla_defaults.REGION_COND: "0"}
-    assert xla_defaults.apply(env, backend_started=False) == {FLAG: "added"}
-
-
 def _import_in_child(extra_env: dict[str, str]) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in _OURS}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", xla_defaults.OPT_OUT)}
     env.update(extra_env)
     code = ("import os, kestrel_jax\nfrom kestrel_jax import xla_defaults\n"
             "print(xla_defaults.applied(), repr(os.environ.get('XLA_FLAGS')),\n"
@@ -71,7 +58,7 @@ def test_importing_the_package_applies_them() -> None:
 
 
 def test_late_import_is_reported() -> None:
-    env = {k: v for k, v in os.environ.items() if k not in _OURS}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", xla_defaults.OPT_OUT)}
     code = ("import jax\njax.devices()\nimport kestrel_jax\nfrom kestrel_jax import xla_defaults\n"
             "print(xla_defaults.applied())")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,

@@ -367,17 +367,6 @@ def region_gate_wanted() -> bool:
     return flag("KESTREL_JAX_REGION_GATE", True)
 
 
-def region_cond_wanted() -> bool:
-    """Whether the steps run the region heads and encoders under a `lax.cond` on the host's "any
-    row needs them" column (`batch.D_REGION` / `T_REGION`), so that a step of text rows only skips
-    their launches as well as their weight streams (`region_gate_wanted` keeps the launches: MD3's
-    batch-1 step spends ~20 us in them and their argmax, pad and select fusions on an H200). Only
-    with XLA's CONDITIONAL command buffers (`--xla_gpu_enable_command_buffer=...,CONDITIONAL`) does
-    the predicate stay on the device; without them XLA copies it to the host mid-step. Opt-in:
-    KESTREL_JAX_REGION_COND=1 (read at trace time)."""
-    return flag("KESTREL_JAX_REGION_COND", False)
-
-
 def heads_barrier_wanted() -> bool:
     """Whether the region heads' logits from the decode GEMM kernel pass an optimization barrier
     before their argmax (`region._materialised`). On by default on the kernel path (H100,

@@ -31,7 +31,6 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
@@ -234,34 +233,14 @@ def _region_gate(ints: jax.Array, col: int) -> ops.Gate | None:
     return ops.gate(ints, 0, col) if ops.region_gate_wanted() else None
 
 
-def _region_pred(ints: jax.Array, col: int) -> jax.Array | None:
-    """The same column as a `lax.cond` predicate (`ops.region_cond_wanted`, opt-in), or None."""
-    return ints[0, col] != 0 if ops.region_cond_wanted() else None
-
-
-def _when_region(pred: jax.Array | None, fn: Callable[..., Any], *args: jax.Array) -> Any:
-    """fn(*args), or with `pred` a `lax.cond` that runs it only where pred holds and otherwise gives
-    zeros of its shapes (values no row of the step reads: `batch.needs_region`)."""
-    if pred is None:
-        return fn(*args)
-    shapes = jax.eval_shape(fn, *args)
-    return jax.lax.cond(pred, fn, lambda *_: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), *args)
-
-
 def _embed(model: LM, kind: jax.Array, token: jax.Array, value: jax.Array,
-           image_row: jax.Array | None, images: jax.Array | None, gate: ops.Gate | None = None,
-           pred: jax.Array | None = None) -> jax.Array:
-    """Per-row input embedding: wte[token], E_coord(value[0]), E_size(value) or an image row. `pred`
-    (`_region_pred`): the region encoders run only in steps where it holds."""
+           image_row: jax.Array | None, images: jax.Array | None, gate: ops.Gate | None = None) -> jax.Array:
+    """Per-row input embedding: wte[token], E_coord(value[0]), E_size(value) or an image row."""
     dtype = model.dtype
     x = model.text.embed(jnp.clip(token, 0, model.cfg.text.vocab_size - 1), dtype)
     rows = region_kernel_rows()
-
-    def encoders(v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return (model.region.encode_coordinate(v[:, :1], dtype, kernel_rows=rows, gate=gate),
-                model.region.encode_size(v, dtype, kernel_rows=rows, gate=gate))
-
-    coord, size = _when_region(pred, encoders, value)
+    coord = model.region.encode_coordinate(value[:, :1], dtype, kernel_rows=rows, gate=gate)
+    size = model.region.encode_size(value, dtype, kernel_rows=rows, gate=gate)
     x = jnp.where((kind == IN_COORD)[:, None], coord, x)
     x = jnp.where((kind == IN_SIZE)[:, None], size, x)
     if images is not None and image_row is not None:
@@ -280,16 +259,13 @@ def _sampling(ints: jax.Array, floats: jax.Array, top_k: int, seed: int, step: i
 
 
 def _heads(model: LM, hidden: jax.Array, sp: SamplingParams, backend: str, out_rows: int,
-           gate: ops.Gate | None = None, pred: jax.Array | None = None) -> jax.Array:
+           gate: ops.Gate | None = None) -> jax.Array:
     """hidden [B, D] (pre post_ln) -> packed outputs [out_rows, 6] (see StepOutputs.packed).
 
     The region heads run for every row and every step. A `lax.cond` on "does any row need
     them" would make XLA copy the predicate to the host and wait for it in the middle of the
     step, stalling the dispatch of everything after it; the heads cost ~1% of a decode step. With
-    `gate` their decode GEMMs skip their weight streams in steps whose rows need none of them.
-    With `pred` (`ops.region_cond_wanted`, opt-in) the heads, their argmaxes and the continuation
-    decision run under that `lax.cond` after all: XLA's CONDITIONAL command buffers (a CUDA graph
-    conditional node) keep the predicate on the device."""
+    `gate` their decode GEMMs skip their weight streams in steps whose rows need none of them."""
     tk = model.cfg.tokenizer
     # [B, V] in the model's dtype: the sampler and the comparisons below widen them to f32 exactly
     # (every bf16 value is an f32 value), so XLA runs no convert pass of the 51,200 logits of its own
@@ -298,20 +274,16 @@ def _heads(model: LM, hidden: jax.Array, sp: SamplingParams, backend: str, out_r
     # step in all).
     logits = model.text.model_logits(hidden)
     out = sample(logits, sp, return_logprobs=True, backend=backend)  # type: ignore[arg-type]
+    if model.cfg.is_md3:
+        nxt = jnp.where(logits[:, tk.coord_id] >= logits[:, tk.eos_id], tk.coord_id, tk.eos_id)
+    else:
+        nxt = jnp.argmax(logits, axis=-1)
     b = hidden.shape[0]
-
-    def region(h: jax.Array, lg: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        if model.cfg.is_md3:
-            nxt = jnp.where(lg[:, tk.coord_id] >= lg[:, tk.eos_id], tk.coord_id, tk.eos_id)
-        else:
-            nxt = jnp.argmax(lg, axis=-1)
-        coord_logits, size_logits = model.region.decode_heads(h, kernel_rows=region_kernel_rows(), gate=gate)
-        return (coord_bin_to_value(jnp.argmax(coord_logits, axis=-1)),
-                size_bin_to_value(jnp.argmax(size_logits, axis=-1)), nxt.astype(jnp.int32))
-
-    coord, size, nxt = _when_region(pred, region, hidden, logits)
+    coord_logits, size_logits = model.region.decode_heads(hidden, kernel_rows=region_kernel_rows(), gate=gate)
+    coord = coord_bin_to_value(jnp.argmax(coord_logits, axis=-1))
+    size = size_bin_to_value(jnp.argmax(size_logits, axis=-1))
     assert out.logprobs is not None
-    packed = StepOutputs(out.tokens, out.logprobs, coord, size, nxt).packed()
+    packed = StepOutputs(out.tokens, out.logprobs, coord, size, nxt.astype(jnp.int32)).packed()
     return jnp.pad(packed, ((0, out_rows - b), (0, 0)))
 
 
@@ -333,8 +305,7 @@ def _copy_pages(cache: KVCache, copies: jax.Array, backend: str = "auto") -> KVC
 
 
 def _decode_inputs(model: LM, ints: jax.Array, floats: jax.Array, prev: jax.Array,
-                   src: jax.Array, gate: ops.Gate | None = None,
-                   pred: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                   src: jax.Array, gate: ops.Gate | None = None) -> tuple[jax.Array, jax.Array]:
     """Decode rows (batch.py layout) -> (input embeddings [B, D], suppressed ids [B, N_SUP]); rows
     with src >= 0 take their input from row src of `prev`."""
     tk = model.cfg.tokenizer
@@ -358,7 +329,7 @@ def _decode_inputs(model: LM, ints: jax.Array, floats: jax.Array, prev: jax.Arra
     # sample is the answer's first, with nothing suppressed
     first_answer = use_prev & reasoning & (p_tok == tk.answer_id)
     sup = jnp.where(first_answer[:, None], -1, ints[:, bt.D_SUP: bt.D_SUP + bt.N_SUP])
-    return _embed(model, kind, token, value, None, None, gate, pred), sup
+    return _embed(model, kind, token, value, None, None, gate), sup
 
 
 def _decode_sampling(ints: jax.Array, floats: jax.Array, sup: jax.Array,
@@ -370,12 +341,11 @@ def _decode_once(model: LM, cache: KVCache, ints: jax.Array, floats: jax.Array, 
                  slots: jax.Array, positions: jax.Array, kv_lens: jax.Array, step_offset: jax.Array | int,
                  backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
     """One decode iteration; rows with src >= 0 take their input from row src of `prev`."""
-    gate, pred = _region_gate(ints, bt.D_REGION), _region_pred(ints, bt.D_REGION)
-    x, sup = _decode_inputs(model, ints, floats, prev, src, gate, pred)
+    gate = _region_gate(ints, bt.D_REGION)
+    x, sup = _decode_inputs(model, ints, floats, prev, src, gate)
     batch = AttentionBatch(positions, slots, kv_lens, ints[:, bt.DI:], num_valid=ints[0, bt.D_NUM_VALID])
     hidden, cache, _ = model.text(x, batch, cache)
-    return cache, _heads(model, hidden, _decode_sampling(ints, floats, sup, step_offset), backend, out_rows, gate,
-                         pred)
+    return cache, _heads(model, hidden, _decode_sampling(ints, floats, sup, step_offset), backend, out_rows, gate)
 
 
 def _decode_step(parts: _Parts, params: list[jax.Array], cache: KVCache, ints: jax.Array, floats: jax.Array,
@@ -447,17 +417,16 @@ def _prefill_or_mixed(model: LM, cache: KVCache, tok_ints: jax.Array, tok_floats
         tok_ints, tok_floats, seq_ints, seq_floats, *rest = _pinned(tok_ints, tok_floats, seq_ints, seq_floats,
                                                                       *(decode or ()))
         decode = (rest[0], rest[1], rest[2]) if rest else None
-        # a mixed step's covers its decode rows too
-        gate, pred = _region_gate(tok_ints, bt.T_REGION), _region_pred(tok_ints, bt.T_REGION)
+        gate = _region_gate(tok_ints, bt.T_REGION)  # a mixed step's covers its decode rows too
         x = _embed(model, tok_ints[:, bt.T_KIND], tok_ints[:, bt.T_TOKEN], tok_floats, tok_ints[:, bt.T_IMG_ROW],
-                   images, gate, pred)
+                   images, gate)
         cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), seq_ints[:, bt.S_CU_END]])
         positions, slots, num_valid = tok_ints[:, bt.T_POS], tok_ints[:, bt.T_SLOT], tok_ints[0, bt.T_NUM_VALID]
         rows, sp, nd = None, _sampling(seq_ints, seq_floats, bt.S_TOP_K, bt.S_SEED, bt.S_STEP, bt.S_SUP, 0, 1), 0
         if decode is not None:
             ints, floats, prev = decode
             nd = ints.shape[0]
-            xd, sup = _decode_inputs(model, ints, floats, prev, ints[:, bt.D_SRC], gate, pred)
+            xd, sup = _decode_inputs(model, ints, floats, prev, ints[:, bt.D_SRC], gate)
             x = jnp.concatenate([xd, x])
             positions = jnp.concatenate([ints[:, bt.D_POS], positions])
             slots = jnp.concatenate([ints[:, bt.D_SLOT], slots])
@@ -470,7 +439,7 @@ def _prefill_or_mixed(model: LM, cache: KVCache, tok_ints: jax.Array, tok_floats
         last = hidden[nd + jnp.clip(seq_ints[:, bt.S_LOGITS_ROW], 0, tok_ints.shape[0] - 1)]  # [B, D]
         if nd:
             last = jnp.concatenate([hidden[:nd], last])
-        return cache, _heads(model, last, sp, backend, out_rows, gate, pred)
+        return cache, _heads(model, last, sp, backend, out_rows, gate)
 
 
 def _vision_step(graphdef: Any, treedef: Any, dtype: Any, attn: str | None, params: list[jax.Array],
@@ -588,10 +557,6 @@ class Runner:
             (log.warning if how == "late" else log.info)(
                 "XLA updates each step's command buffer at every call whose temporaries moved (SKIP_TEMP not "
                 "in effect: %s; see kestrel_jax/xla_defaults.py): step launches cost more host time", why)
-        if getattr(self.device, "platform", "cpu") == "gpu" and ops.region_cond_wanted() and "CONDITIONAL" not in \
-                (xla_defaults.flag_value("xla_gpu_enable_command_buffer") or ""):
-            log.warning("%s=1 without CONDITIONAL command buffers (XLA_FLAGS): each step's region conditional "
-                        "copies its predicate to the host mid-step", xla_defaults.REGION_COND)
         pool = init_kv_pool(t.n_layers, self.num_pages, self.page_size, t.n_kv_heads, t.head_dim, self.kv_dtype)
         # [L] arrays: each layer's scale is sliced inside the step (and handed to the kernels
         # through `own_buffer`, since Mosaic kernels require 256-byte aligned operands).
