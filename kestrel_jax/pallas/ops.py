@@ -781,7 +781,10 @@ def decode_qkv_attention(u: jax.Array, positions: jax.Array, slots: jax.Array, k
         return None
     from kestrel_jax.pallas import qkv_attention_triton as kern
 
-    kw: dict[str, Any] = dict(n_heads=n_heads, rotary_dim=rotary_dim, theta=theta, sm_scale=sm_scale)
+    kw: dict[str, Any] = dict(n_heads=n_heads, rotary_dim=rotary_dim, theta=theta, sm_scale=sm_scale,
+                              splits=integer("KESTREL_JAX_QKV_ATTENTION_SPLITS", 0, high=64) or None,
+                              num_warps=integer("KESTREL_JAX_QKV_ATTENTION_WARPS", kern.DEFAULT_WARPS, low=1,
+                                                high=16))
     if wide is not None and flag("KESTREL_JAX_DECODE_QKV_WIDE", u.shape[0] == 1) and kern.qkv_attention_problem(
             wide, k_pages, page_table, n_heads=n_heads, rotary_dim=rotary_dim, u_cols=u.shape[1]) is None:
         return kern.decode_qkv_attention_kernel(wide, positions, slots, k_pages, v_pages, k_scale, v_scale, kv_lens,
