@@ -195,16 +195,6 @@ class Attention(nnx.Module):
         # Decode on a GPU: tau, rotary and the KV write in one kernel (captures need the jnp path).
         fused = None
         routed: jax.Array | DenseRoute | None = logits
-        if batch.cu_q_lens is None and aux is None and tau is None and route_top_k is None and logits is None:
-            # opt-in (`ops.qkv_attention_wanted`): rotary, the KV write and attention in one launch
-            qa = ops.decode_qkv_attention(u, batch.positions, batch.slots, k_pages, v_pages, k_scale, v_scale,
-                                          batch.kv_lens, batch.page_table, n_heads=h, rotary_dim=rot, theta=theta,
-                                          sm_scale=hd**-0.5, wide=u_wide)
-            if qa is not None:
-                o, k_pages, v_pages = qa
-                if not project:
-                    return o.reshape(t, h * hd), k_pages, v_pages, routed
-                return self._project(o.reshape(t, h * hd), decode or dense_proj_kernel()), k_pages, v_pages, routed
         if batch.cu_q_lens is None and aux is None:
             if route_top_k is not None and logits is not None:
                 out = ops.decode_qkv_routed(u, batch.positions, batch.slots, k_pages, v_pages, k_scale, v_scale, tau,

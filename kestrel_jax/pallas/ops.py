@@ -750,51 +750,6 @@ def decode_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: ja
     return None if out is None else out[:3]
 
 
-# Decode rows up to which `decode_qkv_attention` takes a step (past them the Mosaic attention kernel's
-# TMA ring and its wider grid are the better stream).
-QKV_ATTENTION_MAX_ROWS = 8
-
-
-def qkv_attention_wanted() -> bool:
-    """Whether a decode step's layers without tau or routing (MD2's every layer) run the QKV epilogue
-    and split-KV attention as one Pallas Triton launch (`qkv_attention_triton`) instead of the
-    epilogue kernel and the Mosaic attention kernel (H200, forty-seventh session, MD2 at one row:
-    1.9 + 5.1 us per layer, mostly fixed cost). KESTREL_JAX_QKV_ATTENTION=1, read at trace time:
-    opt-in until measured on a GPU."""
-    return flag("KESTREL_JAX_QKV_ATTENTION", False)
-
-
-def decode_qkv_attention(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: jax.Array,
-                         v_pages: jax.Array, k_scale: jax.Array, v_scale: jax.Array, kv_lens: jax.Array,
-                         page_table: jax.Array, *, n_heads: int, rotary_dim: int, theta: float, sm_scale: float,
-                         wide: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array] | None:
-    """(attention's output [M, H, Dh], k_pages, v_pages) from a decode step's QKV rows (no tau) in
-    one launch, rotary, the KV write and attention (`qkv_attention_triton`), where
-    `qkv_attention_wanted()`, the kernel path is on, M <= QKV_ATTENTION_MAX_ROWS and the kernel takes
-    the shapes; None otherwise (the caller runs `decode_qkv` and `decode_attention`). `wide`: the
-    joined QKV + fc1 product u was sliced from, read in place as `decode_qkv` reads it (same switch).
-    The kernel's split partials are merged by XLA (`merge_splits`), which fuses the merge into the
-    output's consumer. Precondition, as the engine's page accounting keeps it: no row's new slot lies
-    in a page another row of the step reads (a written page is its sequence's own last page)."""
-    rows = positions.shape[0]
-    if not (_want_kernel() and qkv_attention_wanted()) or rows > QKV_ATTENTION_MAX_ROWS:
-        return None
-    from kestrel_jax.pallas import qkv_attention_triton as kern
-
-    kw: dict[str, Any] = dict(n_heads=n_heads, rotary_dim=rotary_dim, theta=theta, sm_scale=sm_scale,
-                              splits=integer("KESTREL_JAX_QKV_ATTENTION_SPLITS", 0, high=64) or None,
-                              num_warps=integer("KESTREL_JAX_QKV_ATTENTION_WARPS", kern.DEFAULT_WARPS, low=1,
-                                                high=16))
-    if wide is not None and flag("KESTREL_JAX_DECODE_QKV_WIDE", u.shape[0] == 1) and kern.qkv_attention_problem(
-            wide, k_pages, page_table, n_heads=n_heads, rotary_dim=rotary_dim, u_cols=u.shape[1]) is None:
-        return kern.decode_qkv_attention_kernel(wide, positions, slots, k_pages, v_pages, k_scale, v_scale, kv_lens,
-                                                page_table, u_cols=u.shape[1], **kw)
-    if kern.qkv_attention_problem(u, k_pages, page_table, n_heads=n_heads, rotary_dim=rotary_dim) is not None:
-        return None
-    return kern.decode_qkv_attention_kernel(u, positions, slots, k_pages, v_pages, k_scale, v_scale, kv_lens,
-                                            page_table, **kw)
-
-
 def prefill_qkv(u: jax.Array, positions: jax.Array, slots: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                 k_scale: jax.Array, v_scale: jax.Array, tau: Any, *, n_heads: int, rotary_dim: int, theta: float,
                 split: int = 0) -> tuple[jax.Array, ...] | None:
