@@ -265,6 +265,15 @@ def test_residual_layer_norm_switch(stand_ins: list[str], monkeypatch: pytest.Mo
         jax.eval_shape(lambda: model(jnp.ones((1, cfg.dim), jnp.float32), batch, cache))
 
 
+def interpret_epilogue(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The QKV epilogue's Triton kernels (with and without the routing program) run interpreted."""
+    from kestrel_jax.pallas import qkv_epilogue
+
+    for name in ("decode_qkv_kernel", "decode_qkv_route_kernel"):
+        real = getattr(qkv_epilogue, name)
+        monkeypatch.setattr(qkv_epilogue, name, lambda *a, _real=real, **kw: _real(*a, **kw, interpret=True))
+
+
 def _bf16_decode_case(seed: int) -> tuple:
     """The tiny MD3 text model in bf16, one decode row at position 100 over a filled random cache."""
     model = random_model(tiny_config("md3"), dtype=jnp.bfloat16, std=0.05).text
@@ -287,7 +296,6 @@ def test_padded_qkv_rows_reach_the_epilogue_and_router_unsliced(stand_ins: list[
     outputs come padded to the row tile and go to the QKV epilogue kernel (interpreted here) as
     they are. A stand-in fills the padding rows with NaN: the hidden states stay finite and match
     the reference path within bf16 rounding; with `KESTREL_JAX_GEMV_ROWS=0` it is not called."""
-    from kestrel_jax.pallas import qkv_epilogue
 
     monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
     calls: list[tuple[int, ...]] = []
@@ -298,9 +306,7 @@ def test_padded_qkv_rows_reach_the_epilogue_and_router_unsliced(stand_ins: list[
         return out
 
     monkeypatch.setattr(gemv_mgpu, "gemv_rows", rows)
-    for name in ("decode_qkv_kernel", "decode_qkv_route_kernel"):
-        real = getattr(qkv_epilogue, name)
-        monkeypatch.setattr(qkv_epilogue, name, lambda *a, _real=real, **kw: _real(*a, **kw, interpret=True))
+    interpret_epilogue(monkeypatch)
     model, x, batch, cache = _bf16_decode_case(7)
     with ops.use_backend("reference"):
         want = np.asarray(model(x, batch, cache)[0].astype(jnp.float32))
@@ -380,7 +386,7 @@ def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[
     gets (the tables it is handed, else `route_tables` on the logits, interpreted), so the hidden
     states agree bit for bit with the switch off only if the epilogue's tables are the tables
     program's and reach the right layer; the stand-in records which it got."""
-    from kestrel_jax.pallas import moe_route_triton, qkv_epilogue
+    from kestrel_jax.pallas import moe_route_triton
 
     monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
     got_route: list[bool] = []
@@ -413,9 +419,7 @@ def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[
 
     monkeypatch.setattr(gemv_mgpu, "gemv_rows", gemv_rows)
     monkeypatch.setattr(ops, "moe_layer_rows", rows)
-    for name in ("decode_qkv_kernel", "decode_qkv_route_kernel"):
-        real = getattr(qkv_epilogue, name)
-        monkeypatch.setattr(qkv_epilogue, name, lambda *a, _real=real, **kw: _real(*a, **kw, interpret=True))
+    interpret_epilogue(monkeypatch)
     model, x, batch, cache = _bf16_decode_case(11)
     cfg = model.cfg
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))

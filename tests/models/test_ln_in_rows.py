@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_decode_fusion import _bf16_decode_case, _gemv_rows, stand_ins  # noqa: F401 (a fixture)
+from test_decode_fusion import _bf16_decode_case, _gemv_rows, interpret_epilogue, stand_ins  # noqa: F401 (a fixture)
 
-from kestrel_jax.pallas import gemv_mgpu, ops, qkv_epilogue
+from kestrel_jax.pallas import gemv_mgpu, ops
 
 
 def test_layer_norm_in_the_rows_kernel_switch(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
@@ -33,9 +33,7 @@ def test_layer_norm_in_the_rows_kernel_switch(stand_ins: list[str], monkeypatch:
 
     monkeypatch.setattr(gemv_mgpu, "gemv_rows", rows)
     monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")  # the QKV epilogue (interpreted) reads the padded rows
-    for name in ("decode_qkv_kernel", "decode_qkv_route_kernel"):
-        real = getattr(qkv_epilogue, name)
-        monkeypatch.setattr(qkv_epilogue, name, lambda *a, _real=real, **kw: _real(*a, **kw, interpret=True))
+    interpret_epilogue(monkeypatch)
     model, x1, batch1, cache = _bf16_decode_case(3)
     cfg = model.cfg
     with ops.use_backend("reference"):
