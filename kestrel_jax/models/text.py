@@ -529,12 +529,12 @@ class TextModel(nnx.Module):
                 with_ln = block.attn.qkv_with_ln(x, block.ln, block.mlp.router, block.mlp.experts())
                 if with_ln is not None:
                     pre, n_next = with_ln
-                    x = jax.lax.optimization_barrier(x)  # as below
-                ln_rows = None if with_ln is not None else ops.decode_moe_layer_norm(
-                    x, block.ln.scale[...], block.ln.bias[...], block.mlp.experts(), eps=block.ln.eps,
-                    pad_rows=pad_rows)
-                if ln_rows is not None:
-                    n_next, n16 = ln_rows
+                else:
+                    ln_rows = ops.decode_moe_layer_norm(x, block.ln.scale[...], block.ln.bias[...],
+                                                        block.mlp.experts(), eps=block.ln.eps, pad_rows=pad_rows)
+                    if ln_rows is not None:
+                        n_next, n16 = ln_rows
+                if n_next is not None:
                     # x is materialised here anyway (the kernel reads it): the barrier keeps XLA from
                     # recomputing earlier layers' residual adds inside this layer's (H100: with the
                     # kernel and no barrier, each residual fusion took ~1.5 us longer).
