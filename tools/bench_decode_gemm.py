@@ -63,7 +63,32 @@ GEMV_VARIANTS = {"gemv": 1.0, "gemv_splits/2": 0.5, "gemv_splits*2": 2.0}
 # label -> TMA ring depth of the rows kernel (`gemv_mgpu.gemv_rows`: no split, finished bf16 rows)
 GEMV_ROWS_VARIANTS = {"gemv_rows": gemv_mgpu.ROWS_STAGES, "gemv_rows_st4": 4, "gemv_rows_st6": 6,
                       "gemv_rows_st12": 12, "gemv_rows_st16": 16}
-ALL_VARIANTS = [*VARIANTS, *GEMV_VARIANTS, *GEMV_ROWS_VARIANTS]
+# FP8 (e4m3) weights with a per-output-column f32 scale, through XLA: "w8a16" upcasts the weight
+# inside the product (XLA fuses the convert into its GEMM's operand read), "w8a8" quantises the rows
+# per row (absmax) and multiplies e4m3 by e4m3 with f32 accumulation (cuBLASLt's FP8 GEMM where XLA
+# rewrites the pattern). Bytes streamed: K * N * 1.
+FP8_VARIANTS = ("xla_w8a16", "xla_w8a8")
+ALL_VARIANTS = [*VARIANTS, *GEMV_VARIANTS, *GEMV_ROWS_VARIANTS, *FP8_VARIANTS]
+
+
+def _fp8_weights(ws: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[L, K, N] -> (e4m3 [L, K, N], f32 scale [L, N]): per-output-column absmax."""
+    wf = ws.astype(jnp.float32)
+    s = jnp.maximum(jnp.abs(wf).max(axis=1), 1e-12) / 448.0
+    return (wf / s[:, None, :]).astype(jnp.float8_e4m3fn), s
+
+
+def _w8a16(x: jax.Array, w8: jax.Array, s: jax.Array) -> jax.Array:
+    y = jnp.dot(x, w8.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * s).astype(x.dtype)
+
+
+def _w8a8(x: jax.Array, w8: jax.Array, s: jax.Array) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    xs = jnp.maximum(jnp.abs(xf).max(axis=1, keepdims=True), 1e-12) / 448.0
+    xq = (xf / xs).astype(jnp.float8_e4m3fn)
+    y = jnp.dot(xq, w8, preferred_element_type=jnp.float32)
+    return (y * xs * s).astype(x.dtype)
 
 
 def measure(f, args, iters: int) -> tuple[float, dict[str, float], int]:
@@ -110,6 +135,7 @@ def main() -> None:
         K, N = SHAPES[name]
         n_layers = min(args.layers, max(2, int(6e9 // (K * N * 2))))  # <= ~6 GB of weights
         ws = jax.random.normal(jax.random.key(2), (n_layers, K, N), jnp.bfloat16) * 0.02
+        w8: tuple[jax.Array, jax.Array] | None = None
         for m in args.rows:
             x = jax.random.normal(jax.random.key(3), (m, K), jnp.bfloat16)
             for label in args.variants.split(","):
@@ -118,7 +144,16 @@ def main() -> None:
                     continue
                 row: dict[str, Any] = {"gemm": name, "M": m, "K": K, "N": N, "variant": label, "layers": n_layers}
                 try:
-                    if label in GEMV_ROWS_VARIANTS:
+                    wbytes = K * N * 2
+                    call_args: tuple[Any, ...] = (x, ws)
+                    if label in FP8_VARIANTS:
+                        if w8 is None:
+                            w8 = _fp8_weights(ws)
+                        fn = _w8a16 if label == "xla_w8a16" else _w8a8
+                        f = jax.jit(lambda x, w, s, fn=fn: [fn(x, w[i], s[i]) for i in range(w.shape[0])])
+                        call_args = (x, *w8)
+                        wbytes = K * N
+                    elif label in GEMV_ROWS_VARIANTS:
                         st = GEMV_ROWS_VARIANTS[label]
                         row["stages"] = st
                         # outputs stay padded to 8 rows, as the model takes them (no slice kernel)
@@ -134,12 +169,12 @@ def main() -> None:
                         f = jax.jit(lambda x, w: [x @ w[i] for i in range(w.shape[0])],
                                     compiler_options=VARIANTS[label] or None)
                     ref = (x.astype(jnp.float32) @ ws[0].astype(jnp.float32))
-                    out0 = f(x, ws)[0][:m]
+                    out0 = f(*call_args)[0][:m]
                     row["max_rel_err"] = float(jnp.abs(out0.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
-                    us, kernels, launches = measure(f, (x, ws), args.iters)
+                    us, kernels, launches = measure(f, call_args, args.iters)
                     per = us / n_layers
-                    row.update(us=round(per, 2), GBps=round(K * N * 2 / per / 1e3, 1),
-                               of_copy=round(K * N * 2 / per / 1e3 / info["copy_GBps"], 3),
+                    row.update(us=round(per, 2), GBps=round(wbytes / per / 1e3, 1),
+                               of_copy=round(wbytes / per / 1e3 / info["copy_GBps"], 3),
                                kernels_per_gemm=round(launches / n_layers, 2),
                                kernels={k: v for k, v in list(kernels.items())[:4]})
                 except Exception as e:  # noqa: BLE001 - record and continue
@@ -150,7 +185,7 @@ def main() -> None:
                     f"{row['us']:8.2f} us  {row['GBps']:7.1f} GB/s ({row['of_copy']:.0%})  err {row['max_rel_err']:.1e}"
                     f"  kernels/GEMM {row['kernels_per_gemm']}" if "us" in row else row.get("error", "")),
                     flush=True)
-        del ws
+        del ws, w8
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"info": info, "results": results, "wall_s": round(time.time() - t0, 1)}, fh, indent=1)
