@@ -18,6 +18,7 @@ of the program per call, launch gaps excluded), divided by the number of GEMMs.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -67,7 +68,11 @@ GEMV_ROWS_VARIANTS = {"gemv_rows": gemv_mgpu.ROWS_STAGES, "gemv_rows_st4": 4, "g
 # inside the product (XLA fuses the convert into its GEMM's operand read), "w8a8" quantises the rows
 # per row (absmax) and multiplies e4m3 by e4m3 with f32 accumulation (cuBLASLt's FP8 GEMM where XLA
 # rewrites the pattern). Bytes streamed: K * N * 1.
-FP8_VARIANTS = ("xla_w8a16", "xla_w8a8")
+# "mgpu_w8a8" / "mgpu_w8a16": the same weights (stored [N, K], K contiguous) through the MoE's
+# Mosaic grouped GEMM (`moe_mgpu._grouped_gemm`) with one expert and one block of rows: W8A8 with
+# the rows quantised inside the kernel (<= 8 rows; more: quantised by XLA first), or W8A16 (weight
+# tiles upcast in SMEM).
+FP8_VARIANTS = ("xla_w8a16", "xla_w8a8", "mgpu_w8a8", "mgpu_w8a16")
 ALL_VARIANTS = [*VARIANTS, *GEMV_VARIANTS, *GEMV_ROWS_VARIANTS, *FP8_VARIANTS]
 
 
@@ -81,6 +86,31 @@ def _fp8_weights(ws: jax.Array) -> tuple[jax.Array, jax.Array]:
 def _w8a16(x: jax.Array, w8: jax.Array, s: jax.Array) -> jax.Array:
     y = jnp.dot(x, w8.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * s).astype(x.dtype)
+
+
+def _mgpu(x: jax.Array, w8t: jax.Array, s: jax.Array, a8: bool, interpret: object = None) -> jax.Array:
+    """x [M, K] bf16, w8t [N, K] e4m3, s [N] f32 -> [Mp, N] bf16 (rows padded to 8)."""
+    from kestrel_jax.pallas import moe, moe_mgpu
+
+    m, _ = x.shape
+    nt = -(-m // 8) * 8
+    xr = jnp.pad(x, ((0, nt - m), (0, 0)))
+    one = jnp.ones((1,), jnp.int32)
+    meta = moe_mgpu._meta(jnp.zeros((1,), jnp.int32), jnp.zeros((1,), jnp.int32), one)
+    n = w8t.shape[0]
+    gemm = functools.partial(
+        moe_mgpu._grouped_gemm, glu=False, block_tokens=nt, num_out_rows=nt,
+        num_ctas=moe_mgpu._device_sms() if interpret is None else 4, max_stages=8,
+        row_tiles=2 if n % 128 == 0 and n // 128 >= 132 else 1, interpret=interpret)
+    if a8 and nt <= 8:
+        y = gemm(meta, w8t[None], s[None], xr, None, quantize_b=True, shared_rows=True)
+    elif a8:
+        xq, xs = moe.quantize_rows(xr)
+        y = gemm(meta, w8t[None], s[None], xq, xs)
+    else:
+        y = gemm(meta, w8t[None], s[None], xr, None)
+    assert not isinstance(y, tuple)
+    return y
 
 
 def _w8a8(x: jax.Array, w8: jax.Array, s: jax.Array) -> jax.Array:
@@ -136,6 +166,7 @@ def main() -> None:
         n_layers = min(args.layers, max(2, int(6e9 // (K * N * 2))))  # <= ~6 GB of weights
         ws = jax.random.normal(jax.random.key(2), (n_layers, K, N), jnp.bfloat16) * 0.02
         w8: tuple[jax.Array, jax.Array] | None = None
+        w8t: jax.Array | None = None  # [L, N, K] e4m3 for the Mosaic kernel
         for m in args.rows:
             x = jax.random.normal(jax.random.key(3), (m, K), jnp.bfloat16)
             for label in args.variants.split(","):
@@ -149,9 +180,16 @@ def main() -> None:
                     if label in FP8_VARIANTS:
                         if w8 is None:
                             w8 = _fp8_weights(ws)
-                        fn = _w8a16 if label == "xla_w8a16" else _w8a8
-                        f = jax.jit(lambda x, w, s, fn=fn: [fn(x, w[i], s[i]) for i in range(w.shape[0])])
-                        call_args = (x, *w8)
+                        if label.startswith("mgpu"):
+                            if w8t is None:
+                                w8t = jnp.swapaxes(w8[0], 1, 2)
+                            a8 = label == "mgpu_w8a8"
+                            f = jax.jit(lambda x, w, s, a8=a8: [_mgpu(x, w[i], s[i], a8) for i in range(w.shape[0])])
+                            call_args = (x, w8t, w8[1])
+                        else:
+                            fn = _w8a16 if label == "xla_w8a16" else _w8a8
+                            f = jax.jit(lambda x, w, s, fn=fn: [fn(x, w[i], s[i]) for i in range(w.shape[0])])
+                            call_args = (x, *w8)
                         wbytes = K * N
                     elif label in GEMV_ROWS_VARIANTS:
                         st = GEMV_ROWS_VARIANTS[label]
@@ -185,7 +223,7 @@ def main() -> None:
                     f"{row['us']:8.2f} us  {row['GBps']:7.1f} GB/s ({row['of_copy']:.0%})  err {row['max_rel_err']:.1e}"
                     f"  kernels/GEMM {row['kernels_per_gemm']}" if "us" in row else row.get("error", "")),
                     flush=True)
-        del ws, w8
+        del ws, w8, w8t
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"info": info, "results": results, "wall_s": round(time.time() - t0, 1)}, fh, indent=1)
