@@ -555,10 +555,10 @@ class TextModel(nnx.Module):
             # a dense layer's decode step: QKV and fc1 in one product over weights joined at load time
             # (XLA merges the two products anyway, joining the weights at run time inside its GEMM).
             # At one row the QKV epilogue reads its columns in place (without that the products' slices
-            # became copies of their own: H200, session 35, batch-1 step +22.8 us); by default only in
-            # layers without tau (MD2's: -3.1%; MD3's four measured -0.3%), `ops.dense_in_one_row`.
-            joined = batch.cu_q_lens is None and aux is None and (
-                t > 1 or ops.dense_in_one_row(tau=block.attn.tau is not None))
+            # became copies of their own: H200, session 35, batch-1 step +22.8 us); on by default
+            # (MD2's layers: step -3.1%; MD3's four, tau over the QKV columns: W1 +0.9%),
+            # `ops.dense_in_one_row`.
+            joined = batch.cu_q_lens is None and aux is None and (t > 1 or ops.dense_in_one_row())
             dense_in = block.dense_decode_in(n[:t]) if joined else None
             # (at one row as `ops.dense_out_one_row` asks, whichever way the input product was formed)
             out_joined = dense_in is not None and block.dense_out_w is not None and (t > 1 or ops.dense_out_one_row())

@@ -342,19 +342,20 @@ def dense_out_one_row() -> bool:
     return flag("KESTREL_JAX_DENSE_OUT_ONE_ROW", True)
 
 
-def dense_in_one_row(tau: bool) -> bool:
+def dense_in_one_row() -> bool:
     """Whether a one-row decode step forms a dense layer's QKV and fc1 as the one product over the
     weights joined at load time (`Block.dense_decode_in`), as steps of more rows do, instead of
     XLA's product over the two weights concatenated at run time: KESTREL_JAX_DENSE_IN_ONE_ROW, read
-    at trace time; default on for layers without tau (MD2's) and off for MD3's dense layers (tau).
-    The QKV epilogue reads the QKV columns, bias included, out of that product in place
-    (`decode_qkv`'s wide read, on at one row; the thirty-fifth session's joined product at one row
-    without it cost +22.8 us, its slices becoming copies). H200, forty-seventh session: MD2 batch-1
-    step 1,409.0 -> 1,365.9 us (-3.1%, 24 launches fewer: XLA's 1.5 us QKV bias add per layer), W1
-    913.1 -> 944.1 tok/s (one pair); MD3 with =1 (tau over the QKV columns of the wide product)
-    1,278.5 -> 1,274.7 us (-0.3%, 4 launches fewer), so off there; the forwards and logits at
-    batch 1 unchanged either way (max difference 0.0)."""
-    return flag("KESTREL_JAX_DENSE_IN_ONE_ROW", not tau)
+    at trace time; default on (=0 turns it off). The QKV epilogue reads the QKV columns, bias
+    included, out of that product in place (`decode_qkv`'s wide read, on at one row, MD3's tau over
+    the QKV columns; the thirty-fifth session's joined product at one row without it cost +22.8 us,
+    its slices becoming copies). H200, forty-seventh session: MD2 batch-1 step 1,409.0 -> 1,365.9 us
+    (-3.1%, 24 launches fewer: XLA's 1.5 us QKV bias add per layer), W1 913.1 -> 944.1 tok/s (one
+    pair); MD3's four dense layers step -0.3% (4 launches fewer), and on an H100 (fifty-first
+    session, one machine, W1 A B A B in processes of their own) MD3 W1 788.8 / 794.1 off against
+    797.7 / 799.0 on (+0.9%), so on for MD3 too since then; the forwards and logits at batch 1
+    unchanged either way (max difference 0.0)."""
+    return flag("KESTREL_JAX_DENSE_IN_ONE_ROW", True)
 
 
 def region_gate_wanted() -> bool:

@@ -199,12 +199,12 @@ def test_decode_through_joined_weights_equals_separate(family: Literal["md2", "m
     got, r_on = _steps(family, "on")
     for x, y in zip(got, ref, strict=True):
         np.testing.assert_array_equal(x, y)
-    # the 2-row decode step's dense layers took the joined product; a 1-row step only where the QKV
-    # epilogue reads it in place by default, MD2's layers (no tau; `ops.dense_in_one_row`)
+    # the 2-row decode step's dense layers took the joined product; a 1-row step too, its QKV
+    # epilogue reading it in place (`ops.dense_in_one_row`, on by default)
     traced = len(seen)
     assert traced and set(seen) == {2}
     r_on.decode(*bt.text_decode([(2, 20, 7, -1)], bucket=1, pages=r_on.max_pages_per_seq, page_size=PAGE), None)
-    assert seen[traced:] == ([1] * _dense_layers(family) if family == "md2" else [])
+    assert seen[traced:] == [1] * _dense_layers(family)
     per_layer = 2 * 256 * (3 * 256 + 512) + 2 * (3 * 256 + 512)  # bf16 [D, QKV + F] and its bias
     dense = _dense_layers(family)
     assert r_on.joined_dense_bytes == dense * per_layer and r_off.joined_dense_bytes == 0
@@ -298,10 +298,9 @@ def test_decode_qkv_kernel_reads_the_joined_product(monkeypatch: pytest.MonkeyPa
 def test_one_row_joined_input_product(family: Literal["md2", "md3"], monkeypatch: pytest.MonkeyPatch):
     """KESTREL_JAX_DENSE_IN_ONE_ROW: a one-row decode step also forms each dense layer's QKV and fc1
     as the one product over the joined weights (`Block.dense_decode_in` at one row, no fc1 of its
-    own), by default where the layer has no tau (MD2's), whose QKV epilogue kernel (interpreted)
-    then reads its columns in place (the wide read, on at one row); MD3's dense layers (tau) take
-    it only when asked for (=1). The same tokens, outputs and KV within bf16 rounding of the
-    one-row step without it (=0), which never calls it."""
+    own), by default, whose QKV epilogue kernel (interpreted) then reads its columns in place (the
+    wide read, on at one row; MD3's dense layers with tau over those columns). The same tokens,
+    outputs and KV within bf16 rounding of the one-row step without it (=0), which never calls it."""
     from kestrel_jax.models.text import Block
     from kestrel_jax.pallas import qkv_epilogue as qe
 
@@ -324,9 +323,7 @@ def test_one_row_joined_input_product(family: Literal["md2", "md3"], monkeypatch
         return kernel(u, *args, interpret=True, **kwargs)
 
     monkeypatch.delenv("KESTREL_JAX_DENSE_IN_ONE_ROW")
-    assert ops.dense_in_one_row(tau=False) and not ops.dense_in_one_row(tau=True)  # the defaults
-    if family == "md3":  # its dense layers have tau: asked for
-        monkeypatch.setenv("KESTREL_JAX_DENSE_IN_ONE_ROW", "1")
+    assert ops.dense_in_one_row()  # the default
     _route_through(monkeypatch, "decode_qkv", qe, "decode_qkv_kernel", interpreted)
     got, _ = _steps(family, "on", 1)
     # (every layer asks, once per trace; MD3's MoE layer gets None)
