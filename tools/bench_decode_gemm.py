@@ -64,10 +64,10 @@ GEMV_VARIANTS = {"gemv": 1.0, "gemv_splits/2": 0.5, "gemv_splits*2": 2.0}
 # label -> TMA ring depth of the rows kernel (`gemv_mgpu.gemv_rows`: no split, finished bf16 rows)
 GEMV_ROWS_VARIANTS = {"gemv_rows": gemv_mgpu.ROWS_STAGES, "gemv_rows_st4": 4, "gemv_rows_st6": 6,
                       "gemv_rows_st12": 12, "gemv_rows_st16": 16}
-# FP8 (e4m3) weights with a per-output-column f32 scale, through XLA: "w8a16" upcasts the weight
-# inside the product (XLA fuses the convert into its GEMM's operand read), "w8a8" quantises the rows
-# per row (absmax) and multiplies e4m3 by e4m3 with f32 accumulation (cuBLASLt's FP8 GEMM where XLA
-# rewrites the pattern). Bytes streamed: K * N * 1.
+# FP8 (e4m3) weights with a per-output-column f32 scale, through XLA: "xla_w8a16" upcasts the
+# weight inside the product, "xla_w8a8" quantises the rows per row (absmax) and multiplies e4m3 by
+# e4m3 with f32 accumulation. Bytes streamed: K * N * 1. (H100, session 51: XLA fused neither into a
+# weight-streaming GEMM at these sizes, 11-21% of copy; BENCHMARKS.md.)
 # "mgpu_w8a8" / "mgpu_w8a16": the same weights (stored [N, K], K contiguous) through the MoE's
 # Mosaic grouped GEMM (`moe_mgpu._grouped_gemm`) with one expert and one block of rows: W8A8 with
 # the rows quantised inside the kernel (<= 8 rows; more: quantised by XLA first), or W8A16 (weight
