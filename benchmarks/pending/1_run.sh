@@ -1,4 +1,6 @@
 # Prepared in session 48 (2026-12-03) for the next session's first call (H200, carry [".peer"]):
+# Still wanted after sessions 49-51 (H100s only): it now also gives the first H200 W1 with MD3's
+# joined dense input at one row (session 51's default, +0.9% on an H100).
 # (1) MD3 W1 with session 48's default (the MoE up GEMM merges split-KV attention's partials,
 # measured 912.7 -> 931.1 tok/s in one pair) beside Kestrel 0.4.2's MD3 and MD2 in one call, so the
 # batch-1 ratios come from one machine again; (2) MD2 W2 at 64 clients beside Kestrel MD2 (session
