@@ -34,7 +34,7 @@ def test_fp8_weights_round_trip(weights):
     np.testing.assert_allclose(np.abs(w8.astype(jnp.float32)).max(axis=1), 448.0)
 
 
-@pytest.mark.parametrize("m", [1, 8, 13])
+@pytest.mark.parametrize("m", [1, 13])  # one block of 8 rows, two with padding
 def test_fp8_products(weights, m: int):
     """Each variant against the float emulation of its own arithmetic (within bf16 rounding of the
     output), and against the bf16 product within the FP8 error the bench prints (~2-4e-2)."""
