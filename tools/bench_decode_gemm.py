@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a checkout, installed or not
 
-from kestrel_jax.pallas import gemv_mgpu  # noqa: E402
+from kestrel_jax.pallas import gemv_mgpu, moe, moe_mgpu  # noqa: E402
 
 # name -> (K, N): MD3 decoder GEMMs at D = 2048 (MOONDREAM.md §3-4)
 SHAPES = {
@@ -76,11 +76,11 @@ FP8_VARIANTS = ("xla_w8a16", "xla_w8a8", "mgpu_w8a8", "mgpu_w8a16")
 ALL_VARIANTS = [*VARIANTS, *GEMV_VARIANTS, *GEMV_ROWS_VARIANTS, *FP8_VARIANTS]
 
 
-def _fp8_weights(ws: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """[L, K, N] -> (e4m3 [L, K, N], f32 scale [L, N]): per-output-column absmax."""
-    wf = ws.astype(jnp.float32)
-    s = jnp.maximum(jnp.abs(wf).max(axis=1), 1e-12) / 448.0
-    return (wf / s[:, None, :]).astype(jnp.float8_e4m3fn), s
+def _fp8_weights(ws: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """[L, K, N] -> (e4m3 [L, K, N], f32 scale [L, N], the same e4m3 as [L, N, K]): per-output-column
+    absmax, as `moe.quantize_experts` stores expert weights (one output row per column here)."""
+    w8t, s = moe.quantize_experts(jnp.swapaxes(ws, 1, 2))
+    return jnp.swapaxes(w8t, 1, 2), s, w8t
 
 
 def _w8a16(x: jax.Array, w8: jax.Array, s: jax.Array) -> jax.Array:
@@ -90,8 +90,6 @@ def _w8a16(x: jax.Array, w8: jax.Array, s: jax.Array) -> jax.Array:
 
 def _mgpu(x: jax.Array, w8t: jax.Array, s: jax.Array, a8: bool, interpret: object = None) -> jax.Array:
     """x [M, K] bf16, w8t [N, K] e4m3, s [N] f32 -> [Mp, N] bf16 (rows padded to 8)."""
-    from kestrel_jax.pallas import moe, moe_mgpu
-
     m, _ = x.shape
     nt = -(-m // 8) * 8
     xr = jnp.pad(x, ((0, nt - m), (0, 0)))
@@ -114,11 +112,9 @@ def _mgpu(x: jax.Array, w8t: jax.Array, s: jax.Array, a8: bool, interpret: objec
 
 
 def _w8a8(x: jax.Array, w8: jax.Array, s: jax.Array) -> jax.Array:
-    xf = x.astype(jnp.float32)
-    xs = jnp.maximum(jnp.abs(xf).max(axis=1, keepdims=True), 1e-12) / 448.0
-    xq = (xf / xs).astype(jnp.float8_e4m3fn)
+    xq, xs = moe.quantize_rows(x)
     y = jnp.dot(xq, w8, preferred_element_type=jnp.float32)
-    return (y * xs * s).astype(x.dtype)
+    return (y * xs[:, None] * s).astype(x.dtype)
 
 
 def measure(f, args, iters: int) -> tuple[float, dict[str, float], int]:
@@ -165,8 +161,7 @@ def main() -> None:
         K, N = SHAPES[name]
         n_layers = min(args.layers, max(2, int(6e9 // (K * N * 2))))  # <= ~6 GB of weights
         ws = jax.random.normal(jax.random.key(2), (n_layers, K, N), jnp.bfloat16) * 0.02
-        w8: tuple[jax.Array, jax.Array] | None = None
-        w8t: jax.Array | None = None  # [L, N, K] e4m3 for the Mosaic kernel
+        w8: tuple[jax.Array, jax.Array, jax.Array] | None = None  # ([L, K, N] e4m3, scales, [L, N, K] e4m3)
         for m in args.rows:
             x = jax.random.normal(jax.random.key(3), (m, K), jnp.bfloat16)
             for label in args.variants.split(","):
@@ -181,15 +176,13 @@ def main() -> None:
                         if w8 is None:
                             w8 = _fp8_weights(ws)
                         if label.startswith("mgpu"):
-                            if w8t is None:
-                                w8t = jnp.swapaxes(w8[0], 1, 2)
                             a8 = label == "mgpu_w8a8"
                             f = jax.jit(lambda x, w, s, a8=a8: [_mgpu(x, w[i], s[i], a8) for i in range(w.shape[0])])
-                            call_args = (x, w8t, w8[1])
+                            call_args = (x, w8[2], w8[1])
                         else:
                             fn = _w8a16 if label == "xla_w8a16" else _w8a8
                             f = jax.jit(lambda x, w, s, fn=fn: [fn(x, w[i], s[i]) for i in range(w.shape[0])])
-                            call_args = (x, *w8)
+                            call_args = (x, w8[0], w8[1])
                         wbytes = K * N
                     elif label in GEMV_ROWS_VARIANTS:
                         st = GEMV_ROWS_VARIANTS[label]
@@ -223,7 +216,7 @@ def main() -> None:
                     f"{row['us']:8.2f} us  {row['GBps']:7.1f} GB/s ({row['of_copy']:.0%})  err {row['max_rel_err']:.1e}"
                     f"  kernels/GEMM {row['kernels_per_gemm']}" if "us" in row else row.get("error", "")),
                     flush=True)
-        del ws, w8, w8t
+        del ws, w8
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"info": info, "results": results, "wall_s": round(time.time() - t0, 1)}, fh, indent=1)
