@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draws", type=int, default=5, help="fresh inputs")
     ap.add_argument("--small", action="store_true", help="test sizes, interpreted (CPU)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ahead", action="store_true",
+                    help="every x tile formed before the first MMA (`ln_tiles_ahead`), not step by step")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     K, N1, N2 = (512, 192, 64) if a.small else (2048, 6144, 64)
@@ -48,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     scale = jnp.asarray(rng.uniform(0.5, 1.5, K), jnp.bfloat16)
     bias = bf16((K,), 0.1)
     run = functools.partial(g.gemv_rows, tau_w=(wq, wv), interpret=a.small)
-    with_ln = jax.jit(functools.partial(run, ln=(scale, bias), ln_eps=1e-5))
+    with_ln = jax.jit(functools.partial(run, ln=(scale, bias), ln_eps=1e-5, ln_tiles_ahead=a.ahead))
     plain = jax.jit(run)
-    res: dict = {"device": jax.devices()[0].device_kind, "small": a.small, "cases": []}
+    res: dict = {"device": jax.devices()[0].device_kind, "small": a.small, "ahead": a.ahead, "cases": []}
     for d in range(a.draws):
         x = jnp.asarray(rng.standard_normal((1, K)) * rng.uniform(0.5, 4.0) + rng.uniform(-2, 2), jnp.bfloat16)
         *ys, n = with_ln(x, w1, b1, w2, b2)

@@ -412,14 +412,23 @@ def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax
     return y1, y2, None
 
 
-def ln_in_rows_wanted() -> bool:
+def ln_in_rows_mode() -> str:
     """Whether a one-row decode MoE layer normalises its input inside the QKV + router
     rows kernel (`decode_ln_qkv_router`) instead of in the LayerNorm kernel's launch before it:
-    KESTREL_JAX_LN_IN_ROWS=1, read at trace time. Off: measured slower (H100, forty-ninth session,
-    MD3 batch-1 step): the LayerNorm launch goes (1.65 us x 20) but the rows kernel grows from
-    11.4 to 13.9 us, step 1,499 -> 1,515-1,519 us (+1.1-1.3%); a deeper weight ring (16, 22 stages)
-    did not hide the in-kernel LayerNorm's latency. Forward on against off: identical at one row."""
-    return flag("KESTREL_JAX_LN_IN_ROWS", False)
+    KESTREL_JAX_LN_IN_ROWS, read at trace time: 0 (default) no; 1 yes, each step of the kernel's K
+    loop forming its x tile from the normalised row while it waits for its weight tile; `ahead` yes,
+    every x tile formed before the first MMA. `ahead` was the forty-ninth session's build (H100,
+    MD3 batch-1 step): the LayerNorm launch went (1.65 us x 20) but the rows kernel grew from 11.4
+    to 13.9 us, step 1,499 -> 1,515-1,519 us (+1.1-1.3%); a deeper weight ring (16, 22 stages) did
+    not hide it. 1 (fifty-second session) moves the 32 tile stores into the loop; not measured on a
+    GPU yet. Forward on against off: identical at one row (the same normalised tiles reach the
+    same MMAs)."""
+    return choice("KESTREL_JAX_LN_IN_ROWS", "0", ("0", "1", "ahead"))
+
+
+def ln_in_rows_wanted() -> bool:
+    """`ln_in_rows_mode()` other than 0."""
+    return ln_in_rows_mode() != "0"
 
 
 def decode_ln_qkv_router(x: jax.Array, scale: jax.Array, bias: jax.Array, w1: jax.Array, b1: jax.Array | None,
@@ -446,7 +455,8 @@ def decode_ln_qkv_router(x: jax.Array, scale: jax.Array, bias: jax.Array, w1: ja
     w1c, w2c = w1.astype(x.dtype), w2.astype(x.dtype)
     if not _rows_biases_ok(w1c, b1, w2c, b2):
         return None
-    y1, y2, dots, n = _rows_kernel(x, w1c, b1, w2c, b2, tau, ln=(scale, bias), ln_eps=float(eps))
+    y1, y2, dots, n = _rows_kernel(x, w1c, b1, w2c, b2, tau, ln=(scale, bias), ln_eps=float(eps),
+                                   ln_tiles_ahead=ln_in_rows_mode() == "ahead")
     return y1, y2, dots, n
 
 
@@ -462,7 +472,7 @@ def _rows_kernel(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Arra
     allow, and `ln`'s keywords if given) -> (rows 1, rows 2, `TauDots` or None, *appended outputs)."""
     from kestrel_jax.pallas import gemv_mgpu as kern
 
-    run = _jitted(kern.gemv_rows, ("stages", "ln_eps"))
+    run = _jitted(kern.gemv_rows, ("stages", "ln_eps", "ln_tiles_ahead"))
     if tau is not None and tau_dots_wanted() and kern.tau_dots_problem(tau.wq, tau.wv, w1.shape[1]) is None:
         from kestrel_jax.pallas.qkv_epilogue import TauDots
 

@@ -33,16 +33,18 @@ def _operands(rng: np.random.Generator, M: int, K: int, n1: int, n2: int | None)
     return x, scale, bias, ws, bs
 
 
-@pytest.mark.parametrize("K,N2", [(384, 64), (2048, None)])
-def test_rows_kernel_normalises_its_input_as_the_layer_norm(K: int, N2: int | None):
+@pytest.mark.parametrize("K,N2,ahead", [(384, 64, False), (2048, None, False), (384, 64, True)])
+def test_rows_kernel_normalises_its_input_as_the_layer_norm(K: int, N2: int | None, ahead: bool):
     """Every CTA normalises x itself: the appended rows are `ln_rows_ref`'s within one bf16 rounding
     (the f32 sums run in another order), padded with exact zeros to 8; the products are the rows
-    kernel's on those normalised rows, bit for bit (the same x tiles reach the same MMAs)."""
+    kernel's on those normalised rows, bit for bit (the same x tiles reach the same MMAs), whether
+    each step forms its x tile (the default) or every tile is formed ahead (`ln_tiles_ahead`)."""
     rng = fresh_rng()
     M = 1
     x, scale, bias, ws, bs = _operands(rng, M, K, 192, N2)
     args = (x, ws[0], bs[0]) if N2 is None else (x, ws[0], bs[0], ws[1], bs[1])
-    *ys, n = jax.jit(functools.partial(g.gemv_rows, stages=3, interpret=True, ln=(scale, bias), ln_eps=1e-5))(*args)
+    *ys, n = jax.jit(functools.partial(g.gemv_rows, stages=3, interpret=True, ln=(scale, bias), ln_eps=1e-5,
+                                       ln_tiles_ahead=ahead))(*args)
     assert n.shape == (8, K) and n.dtype == BF16 and len(ys) == len(ws)
     want = as_f32(g.ln_rows_ref(x, scale, bias, 1e-5))
     got = as_f32(n)
@@ -90,13 +92,14 @@ def test_rows_kernel_refuses_a_layer_norm_it_cannot_form(shape, dtypes, match):
 
 def test_decode_ln_qkv_router_dispatch(monkeypatch: pytest.MonkeyPatch):
     """`ops.decode_ln_qkv_router` takes the rows kernel with the LayerNorm only where asked
-    (KESTREL_JAX_LN_IN_ROWS=1), on the kernel path, for shapes it takes (one row), with the rows kernel and the
-    LayerNorm kernel on, and not where the expert GEMMs want f16 rows; then it hands back the
-    kernel's outputs as (QKV rows, router rows, dots, normalised rows)."""
+    (KESTREL_JAX_LN_IN_ROWS=1, or `ahead` for the tiles formed before the first MMA), on the kernel
+    path, for shapes it takes (one row), with the rows kernel and the LayerNorm kernel on, and not
+    where the expert GEMMs want f16 rows; then it hands back the kernel's outputs as (QKV rows,
+    router rows, dots, normalised rows)."""
     seen: list[tuple] = []
 
-    def fake(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=None, tau_w=None, stages=None):
-        seen.append((x.shape, ln is not None, ln_eps, tau_w is not None, stages))
+    def fake(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=None, tau_w=None, stages=None, ln_tiles_ahead=None):
+        seen.append((x.shape, ln is not None, ln_eps, tau_w is not None, stages, ln_tiles_ahead))
         pad = 8 - x.shape[0]
         return (jnp.pad(x @ w1, ((0, pad), (0, 0))), jnp.pad(x @ w2, ((0, pad), (0, 0))),
                 jnp.pad(x, ((0, pad), (0, 0))))
@@ -123,7 +126,11 @@ def test_decode_ln_qkv_router_dispatch(monkeypatch: pytest.MonkeyPatch):
         out = call()
         assert out is not None and [o.shape for o in out if o is not None] == [(8, 192), (8, 64), (8, K)]
         assert out[2] is None
-        assert seen == [((1, K), True, 1e-6, False, ops.rows_gemv_stages())]
+        assert seen == [((1, K), True, 1e-6, False, ops.rows_gemv_stages(), False)]
+        monkeypatch.setenv("KESTREL_JAX_LN_IN_ROWS", "ahead")  # the x tiles formed before the first MMA
+        assert call() is not None and seen[-1][-1] is True
+        seen.pop()
+        monkeypatch.setenv("KESTREL_JAX_LN_IN_ROWS", "1")
         assert call(x=jnp.ones((2, K), BF16)) is None  # one row only
         assert call(scale=jnp.ones((K,), jnp.float32)) is None  # a scale the kernel refuses
         for name in ("KESTREL_JAX_GEMV_ROWS", "KESTREL_JAX_LN_KERNEL"):
@@ -138,15 +145,17 @@ def test_decode_ln_qkv_router_dispatch(monkeypatch: pytest.MonkeyPatch):
 
 def test_rows_kernel_with_layer_norm_lowers_at_an_moe_layers_shapes():
     """Mosaic GPU lowering for an H100 (layout inference, SMEM, TMA legality) of an MoE layer's QKV +
-    router product with its LayerNorm, at one row, with and without MD3's tau dots."""
+    router product with its LayerNorm, at one row, with and without MD3's tau dots, the x tiles
+    formed step by step and ahead."""
     device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
     pair = (_SDS((2048, 6144), BF16), _SDS((6144,), BF16), _SDS((2048, 64), BF16), _SDS((64,), BF16))
     tw = (_SDS((32, 6144), BF16), _SDS((32, 6144), BF16))
     ln = (_SDS((2048,), BF16), _SDS((2048,), BF16))
-    for M, tau in ((1, True), (1, False)):
-        def f(x, w1, b1, w2, b2, wq, wv, sc, sh, tau=tau):
-            return g.gemv_rows(x, w1, b1, w2, b2, tau_w=(wq, wv) if tau else None, ln=(sc, sh), ln_eps=1e-5)
+    for M, tau, ahead in ((1, True, False), (1, False, False), (1, True, True)):
+        def f(x, w1, b1, w2, b2, wq, wv, sc, sh, tau=tau, ahead=ahead):
+            return g.gemv_rows(x, w1, b1, w2, b2, tau_w=(wq, wv) if tau else None, ln=(sc, sh), ln_eps=1e-5,
+                               ln_tiles_ahead=ahead)
 
         with jax.sharding.use_abstract_mesh(mesh):
             text = jax.jit(f).trace(_SDS((M, 2048), BF16), *pair, *tw, *ln).lower(
