@@ -410,6 +410,22 @@ class Block(nnx.Module):
         split = self.attn.qkv.kernel.shape[1]
         return y[:, :split], y[:, split:], y
 
+    def dense_in_with_ln(self, x: jax.Array) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array] | None:
+        """A dense layer's one-row decode LayerNorm of the residual stream x and its joined QKV +
+        fc1 product in one launch (`ops.decode_ln_dense_in`, opt-in): ((QKV product, fc1 product,
+        the joined product) as `dense_decode_in` gives them, the normalised rows); the QKV slice and
+        the fc1 slice of row 0, the joined product padded to 8 rows (the QKV epilogue reads row 0's
+        QKV columns in place). None where that launch does not apply."""
+        if self.dense_w is None or self.dense_b is None:
+            return None
+        out = ops.decode_ln_dense_in(x, self.ln.scale[...], self.ln.bias[...], self.dense_w[...], self.dense_b[...],
+                                     eps=self.ln.eps)
+        if out is None:
+            return None
+        y, n = out
+        split = self.attn.qkv.kernel.shape[1]
+        return (y[:1, :split], y[:1, split:], y), n
+
     def dense_decode_out(self, o: jax.Array, h: jax.Array) -> jax.Array:
         """A dense layer's decode output projection of attention's output `o` plus its MLP's
         fc2(GELU_tanh(h)) (h: the fc1 product), as one product over `dense_out_w` ([proj; fc2]
@@ -523,6 +539,7 @@ class TextModel(nnx.Module):
             n16, n16_next = n16_next, None  # the MoE's f16 operand rows, when a LayerNorm kernel formed them
             ln_kernel = aux is None and batch.cu_q_lens is None and t <= qkv_kernel_rows()
             pre: tuple[jax.Array, jax.Array, TauDots | None] | None = None  # QKV + router formed with the LayerNorm
+            dense_pre: tuple[jax.Array, jax.Array, jax.Array] | None = None  # a dense layer's, likewise
             if n_next is None and moe and ln_kernel:
                 assert isinstance(block.mlp, MoE)
                 # opt-in (`ops.ln_in_rows_wanted`): the LayerNorm inside the QKV + router rows kernel
@@ -539,8 +556,14 @@ class TextModel(nnx.Module):
                     # recomputing earlier layers' residual adds inside this layer's (H100: with the
                     # kernel and no barrier, each residual fusion took ~1.5 us longer).
                     x = jax.lax.optimization_barrier(x)
-            elif n_next is None and ln_kernel and t == 1 and not moe:  # opt-in: a dense layer's, in one launch
-                n_next = ops.decode_dense_layer_norm(x, block.ln.scale[...], block.ln.bias[...], eps=block.ln.eps)
+            elif n_next is None and ln_kernel and t == 1 and not moe:  # a dense layer's, in one launch
+                # opt-in (`ops.dense_ln_in_rows_wanted`): inside the rows kernel of the joined QKV + fc1 product
+                dense_ln = block.dense_in_with_ln(x) if ops.dense_in_one_row() else None
+                if dense_ln is not None:
+                    dense_pre, n_next = dense_ln
+                else:
+                    n_next = ops.decode_dense_layer_norm(x, block.ln.scale[...], block.ln.bias[...],
+                                                         eps=block.ln.eps)
                 if n_next is not None:
                     x = jax.lax.optimization_barrier(x)  # as above
             if n_next is None and block_ln:  # the first block of a prefill or mixed step
@@ -559,7 +582,7 @@ class TextModel(nnx.Module):
             # (MD2's layers: step -3.1%; MD3's four, tau over the QKV columns: W1 +0.9%),
             # `ops.dense_in_one_row`.
             joined = batch.cu_q_lens is None and aux is None and (t > 1 or ops.dense_in_one_row())
-            dense_in = block.dense_decode_in(n[:t]) if joined else None
+            dense_in = dense_pre if dense_pre is not None else block.dense_decode_in(n[:t]) if joined else None
             # (at one row as `ops.dense_out_one_row` asks, whichever way the input product was formed)
             out_joined = dense_in is not None and block.dense_out_w is not None and (t > 1 or ops.dense_out_one_row())
             # one row: the output projection and fc2 still as one product over the joined weights,

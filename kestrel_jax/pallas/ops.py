@@ -460,6 +460,38 @@ def decode_ln_qkv_router(x: jax.Array, scale: jax.Array, bias: jax.Array, w1: ja
     return y1, y2, dots, n
 
 
+def dense_ln_in_rows_wanted() -> bool:
+    """Whether a one-row decode step normalises a dense layer's input inside the rows kernel of its
+    joined QKV + fc1 product (`decode_ln_dense_in`) instead of in the one-row LayerNorm launch before
+    XLA's GEMM: KESTREL_JAX_DENSE_LN_IN_ROWS=1, read at trace time (default 0; the tiles formed as
+    `ln_in_rows_mode` says, in the loop unless it is `ahead`). Not measured on a GPU yet (fifty-second
+    session). Forward on against off: the same normalised row, the product from another GEMM (the
+    rows kernel's f32 sums in its own order against XLA's)."""
+    return flag("KESTREL_JAX_DENSE_LN_IN_ROWS", False)
+
+
+def decode_ln_dense_in(x: jax.Array, scale: jax.Array, bias: jax.Array, w: jax.Array, b: jax.Array | None, *,
+                       eps: float) -> tuple[jax.Array, jax.Array] | None:
+    """A dense layer's one-row decode LayerNorm and its joined QKV + fc1 product (`Block.dense_w`,
+    `dense_b`) in one launch: `gemv_mgpu.gemv_rows` with `ln`, every CTA normalising x (the residual
+    stream, [1, D]) itself. -> (the product's rows, the normalised rows), both padded to the row tile
+    of 8 (the QKV epilogue reads the QKV columns of row 0 in place); None off the kernel path, with
+    `dense_ln_in_rows_wanted()` or the rows kernel off, or for shapes the kernel refuses."""
+    if not (dense_ln_in_rows_wanted() and gemv_rows_wanted()):
+        return None
+    if x.shape[0] != 1 or not _gemv_usable(x, 1, w):
+        return None
+    from kestrel_jax.pallas import gemv_mgpu as kern
+
+    wc = w.astype(x.dtype)
+    if kern.ln_rows_problem(x, scale, bias) is not None or not _rows_biases_ok(wc, b, wc, None):
+        return None
+    run = _jitted(kern.gemv_rows, ("stages", "ln_eps", "ln_tiles_ahead"))
+    y, n = run(x, wc, b, stages=rows_gemv_stages(), ln=(scale, bias), ln_eps=float(eps),
+               ln_tiles_ahead=ln_in_rows_mode() == "ahead")
+    return y, n
+
+
 def _rows_biases_ok(w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None) -> bool:
     """Whether `gemv_mgpu.gemv_rows` takes these biases (none, or bf16 over each product's columns)."""
     return all(b is None or (b.shape == (w.shape[1],) and jnp.dtype(b.dtype) == jnp.dtype(jnp.bfloat16))

@@ -61,3 +61,50 @@ def test_layer_norm_in_the_rows_kernel_switch(stand_ins: list[str], monkeypatch:
     ops._jitted.cache_clear()
     with ops.use_backend("kernel"), pytest.raises(ValueError, match="KESTREL_JAX_LN_IN_ROWS"):
         jax.eval_shape(lambda: model(x1, batch1, cache))
+
+
+def test_dense_layer_norm_in_the_rows_kernel_switch(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """KESTREL_JAX_DENSE_LN_IN_ROWS=1 at one row: each dense layer with joined weights hands its
+    residual stream, LayerNorm weights and joined QKV + fc1 weight to the rows kernel instead of
+    running the one-row LayerNorm kernel and XLA's product; the QKV epilogue (interpreted) reads
+    row 0's QKV columns of the padded product in place (its padding rows NaN here) and the hidden
+    states match the reference path within bf16 rounding. Off (the default) the rows kernel never
+    sees the joined weight; without joined weights the switch changes nothing."""
+    calls: list[tuple[int, int, bool]] = []
+
+    def rows(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=1e-5, **_):
+        calls.append((x.shape[0], w1.shape[1], ln is not None))
+        if ln is None:
+            return _gemv_rows(x, w1, b1, w2, b2)
+        n = gemv_mgpu.ln_rows_ref(x, ln[0], ln[1], ln_eps)
+        return (*_gemv_rows(n[:x.shape[0]], w1, b1, w2, b2), n)
+
+    monkeypatch.setattr(gemv_mgpu, "gemv_rows", rows)
+    monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
+    interpret_epilogue(monkeypatch)
+    model, x1, batch1, cache = _bf16_decode_case(5)
+    cfg = model.cfg
+    with ops.use_backend("reference"):
+        want = np.asarray(model(x1, batch1, cache)[0].astype(jnp.float32))
+    dense = cfg.n_layers - sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    joined = cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + cfg.ff_dim
+    assert dense >= 1
+    for fused, switch in ((True, "1"), (True, None), (False, "1")):
+        model.fuse_dense_decode(fused)
+        if switch is None:
+            monkeypatch.delenv("KESTREL_JAX_DENSE_LN_IN_ROWS", raising=False)
+        else:
+            monkeypatch.setenv("KESTREL_JAX_DENSE_LN_IN_ROWS", switch)
+        calls.clear()
+        stand_ins.clear()
+        ops._jitted.cache_clear()
+        with ops.use_backend("kernel"):
+            got = np.asarray(model(x1, batch1, cache)[0].astype(jnp.float32))
+        on = fused and switch == "1"
+        assert ((1, joined, True) in calls) == on, (fused, switch)
+        assert all(c[1] != joined for c in calls if not on), (fused, switch)
+        assert stand_ins.count("layernorm") == sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers)) + (
+            0 if on else dense), (fused, switch)
+        assert np.isfinite(got).all()
+        assert np.abs(got - want).max() <= 2.0**-6 * np.abs(want).max(), (fused, switch)
+    model.fuse_dense_decode(False)

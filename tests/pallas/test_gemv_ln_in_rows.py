@@ -161,3 +161,60 @@ def test_rows_kernel_with_layer_norm_lowers_at_an_moe_layers_shapes():
             text = jax.jit(f).trace(_SDS((M, 2048), BF16), *pair, *tw, *ln).lower(
                 lowering_platforms=("cuda",)).as_text()
         assert "kestrel_gemv_rows" in text
+
+
+def test_decode_ln_dense_in_dispatch(monkeypatch: pytest.MonkeyPatch):
+    """`ops.decode_ln_dense_in` takes the rows kernel with the LayerNorm over a dense layer's joined
+    weight only where asked (KESTREL_JAX_DENSE_LN_IN_ROWS=1), on the kernel path, at one row, with
+    the rows kernel on, for a LayerNorm the kernel takes; the tiles' order follows
+    KESTREL_JAX_LN_IN_ROWS (`ahead`); it hands back (product rows, normalised rows)."""
+    seen: list[tuple] = []
+
+    def fake(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=None, tau_w=None, stages=None, ln_tiles_ahead=None):
+        seen.append((x.shape, w1.shape, w2 is None, ln is not None, ln_eps, ln_tiles_ahead))
+        return jnp.pad(x @ w1, ((0, 7), (0, 0))), jnp.pad(x, ((0, 7), (0, 0)))
+
+    monkeypatch.setattr(g, "gemv_rows", fake)
+    monkeypatch.setattr(g, "gemv_supported", lambda x, w: True)
+    ops._jitted.cache_clear()
+    K, N = 1024, 448
+    x, scale, bias = jnp.ones((1, K), BF16), jnp.ones((K,), BF16), jnp.zeros((K,), BF16)
+    w, b = jnp.ones((K, N), BF16), jnp.zeros((N,), BF16)
+
+    def call(x=x, scale=scale):
+        return ops.decode_ln_dense_in(x, scale, bias, w, b, eps=1e-6)
+
+    monkeypatch.delenv("KESTREL_JAX_DENSE_LN_IN_ROWS", raising=False)
+    with ops.use_backend("kernel"):
+        assert call() is None  # off by default
+    monkeypatch.setenv("KESTREL_JAX_DENSE_LN_IN_ROWS", "1")
+    with ops.use_backend("reference"):
+        assert call() is None
+    with ops.use_backend("kernel"):
+        out = call()
+        assert out is not None and [o.shape for o in out] == [(8, N), (8, K)]
+        assert seen == [((1, K), (K, N), True, True, 1e-6, False)]
+        monkeypatch.setenv("KESTREL_JAX_LN_IN_ROWS", "ahead")
+        assert call() is not None and seen[-1][-1] is True
+        monkeypatch.delenv("KESTREL_JAX_LN_IN_ROWS")
+        n_seen = len(seen)
+        assert call(x=jnp.ones((2, K), BF16)) is None  # one row only
+        assert call(scale=jnp.ones((K,), jnp.float32)) is None  # a scale the kernel refuses
+        monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS", "0")
+        assert call() is None
+        assert len(seen) == n_seen
+
+
+def test_rows_kernel_with_layer_norm_lowers_at_dense_layers_shapes():
+    """Mosaic GPU lowering for an H100 of a dense layer's joined QKV + fc1 product with its
+    LayerNorm at one row (224 CTAs of 64 columns: two waves on 132 SMs)."""
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+
+    def f(x, w, b, sc, sh):
+        return g.gemv_rows(x, w, b, ln=(sc, sh), ln_eps=1e-5)
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(f).trace(_SDS((1, 2048), BF16), _SDS((2048, 14336), BF16), _SDS((14336,), BF16),
+                                _SDS((2048,), BF16), _SDS((2048,), BF16)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "kestrel_gemv_rows" in text
