@@ -4,7 +4,8 @@ KESTREL_JAX_LN_IN_ROWS) at an MoE layer's shapes (QKV [2048, 6144] + router [204
 tau dots over the QKV row): on fresh random residual rows (a mean offset and a spread) the
 normalised row it appends must be `ln_rows_ref`'s within one bf16 rounding, and the QKV rows,
 router rows and tau dots must equal, bit for bit, the rows kernel's fed those normalised rows
-(exit status 1 otherwise). `--small` runs the interpreted kernel at test sizes on the CPU (a
+(exit status 1 otherwise). `--dense`: a dense layer's joined QKV + fc1 product instead (one
+product, no tau dots). `--small` runs the interpreted kernel at test sizes on the CPU (a
 smoke run).
 
   PYTHONPATH=. python3 tools/check_ln_in_rows.py --draws 5 --out ln_in_rows.json
@@ -35,9 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ahead", action="store_true",
                     help="every x tile formed before the first MMA (`ln_tiles_ahead`), not step by step")
+    ap.add_argument("--dense", action="store_true",
+                    help="a dense layer's joined QKV + fc1 product ([2048, 14336], one product, no tau dots)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     K, N1, N2 = (512, 192, 64) if a.small else (2048, 6144, 64)
+    if a.dense:
+        N1 = 448 if a.small else 14336
     H = g.TAU_ROWS // 2
     rng = np.random.default_rng(a.seed)
 
@@ -49,14 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     wq, wv = bf16((H, N1), 0.05), bf16((H, N1), 0.05)
     scale = jnp.asarray(rng.uniform(0.5, 1.5, K), jnp.bfloat16)
     bias = bf16((K,), 0.1)
-    run = functools.partial(g.gemv_rows, tau_w=(wq, wv), interpret=a.small)
+    run = functools.partial(g.gemv_rows, tau_w=None if a.dense else (wq, wv), interpret=a.small)
     with_ln = jax.jit(functools.partial(run, ln=(scale, bias), ln_eps=1e-5, ln_tiles_ahead=a.ahead))
     plain = jax.jit(run)
-    res: dict = {"device": jax.devices()[0].device_kind, "small": a.small, "ahead": a.ahead, "cases": []}
+    pair = (w1, b1) if a.dense else (w1, b1, w2, b2)
+    res: dict = {"device": jax.devices()[0].device_kind, "small": a.small, "ahead": a.ahead, "dense": a.dense,
+                 "cases": []}
     for d in range(a.draws):
         x = jnp.asarray(rng.standard_normal((1, K)) * rng.uniform(0.5, 4.0) + rng.uniform(-2, 2), jnp.bfloat16)
-        *ys, n = with_ln(x, w1, b1, w2, b2)
-        ref = plain(n[:1], w1, b1, w2, b2)
+        *ys, n = with_ln(x, *pair)
+        ref = plain(n[:1], *pair)
         got = np.asarray(n.astype(jnp.float32))
         want = np.asarray(g.ln_rows_ref(x, scale, bias, 1e-5).astype(jnp.float32))
         tol = 2.0**-8 * np.maximum(np.abs(want), 2.0**-6 * np.abs(want).max())
