@@ -1,5 +1,7 @@
 """The model's plumbing of KESTREL_JAX_LN_IN_ROWS: a decode MoE layer's LayerNorm inside its QKV +
-router rows kernel (`Attention.qkv_with_ln`, `ops.decode_ln_qkv_router`). The GPU kernels are the
+router rows kernel (`Attention.qkv_with_ln`, `ops.decode_ln_qkv_router`), and of
+KESTREL_JAX_DENSE_LN_IN_ROWS: a dense layer's inside the rows kernel of its joined QKV + fc1 product
+(`Block.dense_in_with_ln`, `ops.decode_ln_dense_in`). The GPU kernels are the
 stand-ins of tests/models/test_decode_fusion.py; the rows kernel's own stand-in here normalises
 with `gemv_mgpu.ln_rows_ref` (the kernel itself: tests/pallas/test_gemv_ln_in_rows.py)."""
 
@@ -14,6 +16,36 @@ from test_decode_fusion import _bf16_decode_case, _gemv_rows, interpret_epilogue
 from kestrel_jax.pallas import gemv_mgpu, ops
 
 
+def _rows_stand_in(monkeypatch: pytest.MonkeyPatch, calls: list[tuple[int, int, bool]]) -> None:
+    """The rows kernel's stand-in, recording (rows of x, columns of the first product, with `ln`),
+    normalising with `ln_rows_ref` where it is given `ln`; the QKV epilogue runs interpreted (it
+    reads the padded rows)."""
+    def rows(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=1e-5, **_):
+        calls.append((x.shape[0], w1.shape[1], ln is not None))
+        if ln is None:
+            return _gemv_rows(x, w1, b1, w2, b2)
+        n = gemv_mgpu.ln_rows_ref(x, ln[0], ln[1], ln_eps)
+        return (*_gemv_rows(n[:x.shape[0]], w1, b1, w2, b2), n)
+
+    monkeypatch.setattr(gemv_mgpu, "gemv_rows", rows)
+    monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
+    interpret_epilogue(monkeypatch)
+
+
+def _kernel_forward(model, x1, batch1, cache, monkeypatch: pytest.MonkeyPatch, name: str, switch: str | None,
+                    *records: list) -> np.ndarray:
+    """The hidden states on the kernel path with switch `name` set (None: unset), records cleared."""
+    if switch is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, switch)
+    for r in records:
+        r.clear()
+    ops._jitted.cache_clear()
+    with ops.use_backend("kernel"):
+        return np.asarray(model(x1, batch1, cache)[0].astype(jnp.float32))
+
+
 def test_layer_norm_in_the_rows_kernel_switch(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """With the switch on at one row, every MoE layer hands its residual stream and LayerNorm
     weights to the rows kernel instead of running the LayerNorm kernel (dense layers keep theirs),
@@ -22,38 +54,22 @@ def test_layer_norm_in_the_rows_kernel_switch(stand_ins: list[str], monkeypatch:
     within bf16 rounding; off (the default) the rows kernel gets the LayerNorm kernel's normalised
     rows padded to 8. (More rows take the LayerNorm kernel either way: `ops.decode_ln_qkv_router`'s
     dispatch test.)"""
-    calls: list[tuple[int, bool]] = []
-
-    def rows(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=1e-5, **_):
-        calls.append((x.shape[0], ln is not None))
-        if ln is None:
-            return _gemv_rows(x, w1, b1, w2, b2)
-        n = gemv_mgpu.ln_rows_ref(x, ln[0], ln[1], ln_eps)
-        return (*_gemv_rows(n[:x.shape[0]], w1, b1, w2, b2), n)
-
-    monkeypatch.setattr(gemv_mgpu, "gemv_rows", rows)
-    monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")  # the QKV epilogue (interpreted) reads the padded rows
-    interpret_epilogue(monkeypatch)
+    calls: list[tuple[int, int, bool]] = []
+    _rows_stand_in(monkeypatch, calls)
     model, x1, batch1, cache = _bf16_decode_case(3)
     cfg = model.cfg
     with ops.use_backend("reference"):
         want = np.asarray(model(x1, batch1, cache)[0].astype(jnp.float32))
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     dense_ln = ["layernorm"] * (cfg.n_layers - moe_layers)  # dense layers' one-row LayerNorm
+    qkv = cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim
     for switch in ("1", None):
-        if switch is None:
-            monkeypatch.delenv("KESTREL_JAX_LN_IN_ROWS", raising=False)
-        else:
-            monkeypatch.setenv("KESTREL_JAX_LN_IN_ROWS", switch)
-        calls.clear()
-        stand_ins.clear()
-        ops._jitted.cache_clear()
-        with ops.use_backend("kernel"):
-            got = np.asarray(model(x1, batch1, cache)[0].astype(jnp.float32))
+        got = _kernel_forward(model, x1, batch1, cache, monkeypatch, "KESTREL_JAX_LN_IN_ROWS", switch, calls,
+                              stand_ins)
         # traced once (the MoE layers share one jitted call): the residual stream's row with the
         # LayerNorm's weights, or the LayerNorm kernel's rows padded to 8
         on = switch == "1"
-        assert calls == ([(1, True)] if on else [(8, False)]), switch
+        assert calls == ([(1, qkv, True)] if on else [(8, qkv, False)]), switch
         assert stand_ins == dense_ln + ([] if on else ["layernorm"] * moe_layers), switch
         assert np.isfinite(got).all()
         assert np.abs(got - want).max() <= 2.0**-6 * np.abs(want).max(), switch
@@ -71,17 +87,7 @@ def test_dense_layer_norm_in_the_rows_kernel_switch(stand_ins: list[str], monkey
     states match the reference path within bf16 rounding. Off (the default) the rows kernel never
     sees the joined weight; without joined weights the switch changes nothing."""
     calls: list[tuple[int, int, bool]] = []
-
-    def rows(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=1e-5, **_):
-        calls.append((x.shape[0], w1.shape[1], ln is not None))
-        if ln is None:
-            return _gemv_rows(x, w1, b1, w2, b2)
-        n = gemv_mgpu.ln_rows_ref(x, ln[0], ln[1], ln_eps)
-        return (*_gemv_rows(n[:x.shape[0]], w1, b1, w2, b2), n)
-
-    monkeypatch.setattr(gemv_mgpu, "gemv_rows", rows)
-    monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
-    interpret_epilogue(monkeypatch)
+    _rows_stand_in(monkeypatch, calls)
     model, x1, batch1, cache = _bf16_decode_case(5)
     cfg = model.cfg
     with ops.use_backend("reference"):
@@ -91,15 +97,8 @@ def test_dense_layer_norm_in_the_rows_kernel_switch(stand_ins: list[str], monkey
     assert dense >= 1
     for fused, switch in ((True, "1"), (True, None), (False, "1")):
         model.fuse_dense_decode(fused)
-        if switch is None:
-            monkeypatch.delenv("KESTREL_JAX_DENSE_LN_IN_ROWS", raising=False)
-        else:
-            monkeypatch.setenv("KESTREL_JAX_DENSE_LN_IN_ROWS", switch)
-        calls.clear()
-        stand_ins.clear()
-        ops._jitted.cache_clear()
-        with ops.use_backend("kernel"):
-            got = np.asarray(model(x1, batch1, cache)[0].astype(jnp.float32))
+        got = _kernel_forward(model, x1, batch1, cache, monkeypatch, "KESTREL_JAX_DENSE_LN_IN_ROWS", switch, calls,
+                              stand_ins)
         on = fused and switch == "1"
         assert ((1, joined, True) in calls) == on, (fused, switch)
         assert all(c[1] != joined for c in calls if not on), (fused, switch)
