@@ -4,25 +4,27 @@
 # KESTREL_JAX_LN_IN_ROWS=1 for MD3's MoE layers and the new KESTREL_JAX_DENSE_LN_IN_ROWS=1 for dense
 # layers over their joined QKV + fc1 weight (MD2's 24, MD3's 4). Kernel checks (MoE pair, dense
 # joined product), probes (MD3, MD2), then a W1 pair for whichever model's best set is >= 0.5% under
-# its default. (Trimmed to ~8 minutes: five machine starts failed before it ran, ~14 minutes left.)
+# its default. (Trimmed to the device time left after failed machine starts, MD2's dense case first.)
 FILT='cuda_event.cc\|cuda_stream.cc\|^===\|^external\|^$\|cuda_executor\|cuda_host_alloc\|local_device_state\|cuda_device_alloc\|JIT session error\|cuda_timer.cc'
 export PYTHONPATH=$PWD
 mkdir -p $OUT/x
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv > $OUT/x/2_env.txt
-for k in moe dense; do
-  timeout 60 python3 tools/check_ln_in_rows.py --draws 2 $([ $k = dense ] && echo --dense) \
-    --out $OUT/x/2_kernel_check_$k.json 2>&1 | grep -v "$FILT" > $OUT/x/2_kernel_check_$k.log
-  echo "kernel check $k ($SECONDS s): $(grep -c '"products_equal": true' $OUT/x/2_kernel_check_$k.log) ok"
-  grep -i "false\|rror" $OUT/x/2_kernel_check_$k.log | head -3 | cut -c1-250
-done
-timeout 140 python3 tools/probe_step_kernels.py --kernels 45 --top 30 --model md3 --kinds decode --batch 1 \
-  --sets default KESTREL_JAX_LN_IN_ROWS=1 \
-  --json $OUT/x/2_probe_md3.json 2>&1 | grep -v "$FILT" > $OUT/x/2_probe_md3.log
-echo "probe md3 ($SECONDS s):"; grep "^\[.*\] decode:\|rror\|gemv_rows\|layer_norm_rows\|gemm_fusion" $OUT/x/2_probe_md3.log | cut -c1-150
+check() {
+  timeout 60 python3 tools/check_ln_in_rows.py --draws 2 $([ $1 = dense ] && echo --dense) \
+    --out $OUT/x/2_kernel_check_$1.json 2>&1 | grep -v "$FILT" > $OUT/x/2_kernel_check_$1.log
+  echo "kernel check $1 ($SECONDS s): $(grep -c '"products_equal": true' $OUT/x/2_kernel_check_$1.log) ok"
+  grep -i "false\|rror" $OUT/x/2_kernel_check_$1.log | head -3 | cut -c1-250
+}
+check dense
 timeout 110 python3 tools/probe_step_kernels.py --kernels 45 --top 30 --model md2 --kinds decode --batch 1 \
   --sets default KESTREL_JAX_DENSE_LN_IN_ROWS=1 --json $OUT/x/2_probe_md2.json 2>&1 \
   | grep -v "$FILT" > $OUT/x/2_probe_md2.log
 echo "probe md2 ($SECONDS s):"; grep "^\[.*\] decode:\|rror\|gemv_rows\|layer_norm_rows\|gemm_fusion" $OUT/x/2_probe_md2.log | cut -c1-150
+check moe
+timeout 140 python3 tools/probe_step_kernels.py --kernels 45 --top 30 --model md3 --kinds decode --batch 1 \
+  --sets default KESTREL_JAX_LN_IN_ROWS=1 \
+  --json $OUT/x/2_probe_md3.json 2>&1 | grep -v "$FILT" > $OUT/x/2_probe_md3.log
+echo "probe md3 ($SECONDS s):"; grep "^\[.*\] decode:\|rror\|gemv_rows\|layer_norm_rows\|gemm_fusion" $OUT/x/2_probe_md3.log | cut -c1-150
 best() { python3 - $1 <<'PY'
 import re, sys
 t = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\[(.*)\] decode: ([0-9.]+) us", open(sys.argv[1]).read(), re.M)}
