@@ -420,9 +420,14 @@ def ln_in_rows_mode() -> str:
     every x tile formed before the first MMA. `ahead` was the forty-ninth session's build (H100,
     MD3 batch-1 step): the LayerNorm launch went (1.65 us x 20) but the rows kernel grew from 11.4
     to 13.9 us, step 1,499 -> 1,515-1,519 us (+1.1-1.3%); a deeper weight ring (16, 22 stages) did
-    not hide it. 1 (fifty-second session) moves the 32 tile stores into the loop; not measured on a
-    GPU yet. Forward on against off: identical at one row (the same normalised tiles reach the
-    same MMAs)."""
+    not hide it. 1 (fifty-second session, H100, call 2) moves the 32 tile stores into the loop:
+    the rows kernel 11.39 -> 12.81 us against the 1.70 us launch it removes, MD3 batch-1 step
+    1,507.5 -> 1,499.3 us (-0.5%, 20 launches fewer), W1 797.2 tok/s on (its off run was cut short
+    by the session's device time; session 51's H100 runs of these defaults: 797.7 / 799.0), so still
+    off. Since then x, scale and bias are loaded before the weight ring's fill (they had queued
+    behind it), not measured yet: `benchmarks/pending/3_run.sh`. GPU kernel check: products bit for
+    bit those of the rows kernel on the normalised rows. Forward on against off: identical at one
+    row (the same normalised tiles reach the same MMAs)."""
     return choice("KESTREL_JAX_LN_IN_ROWS", "0", ("0", "1", "ahead"))
 
 
@@ -464,9 +469,13 @@ def dense_ln_in_rows_wanted() -> bool:
     """Whether a one-row decode step normalises a dense layer's input inside the rows kernel of its
     joined QKV + fc1 product (`decode_ln_dense_in`) instead of in the one-row LayerNorm launch before
     XLA's GEMM: KESTREL_JAX_DENSE_LN_IN_ROWS=1, read at trace time (default 0; the tiles formed as
-    `ln_in_rows_mode` says, in the loop unless it is `ahead`). Not measured on a GPU yet (fifty-second
-    session). Forward on against off: the same normalised row, the product from another GEMM (the
-    rows kernel's f32 sums in its own order against XLA's)."""
+    `ln_in_rows_mode` says, in the loop unless it is `ahead`). H100, fifty-second session, MD2
+    batch-1 step: 1,716.2 -> 1,712.1 us (-0.2%, 24 launches fewer; the rows kernel with the
+    LayerNorm 23.60 us per layer against XLA's GEMM 22.03 + the LayerNorm launch 1.63), so off;
+    re-measured with the loads before the fill by `benchmarks/pending/3_run.sh`. GPU kernel check:
+    the products bit for bit the rows kernel's on the normalised rows. Forward on against off: the
+    same normalised row, the product from another GEMM (the rows kernel's f32 sums in its own order
+    against XLA's)."""
     return flag("KESTREL_JAX_DENSE_LN_IN_ROWS", False)
 
 
