@@ -318,13 +318,14 @@ def gemv_rows(
     With `ln` = (scale, bias) x is the LayerNorm's input (eps `ln_eps`; the residual stream, one
     row, `ln_rows_problem`) and every CTA normalises it itself (`ln_rows_ref`'s numerics: float32
     statistics E[x], E[x^2] in one pass, rounded to bf16; rows >= 1 zero) into one SMEM row while
-    its weight ring fills: the LayerNorm needs no launch of its own. Each step of the K loop forms
-    its x tile from that row before it waits for its weight tile (the stream leaves each step idle
-    for that long at one row), so only the statistics lie between the first weight tile and the
-    first MMA; `ln_tiles_ahead` forms every tile before the first MMA instead (the forty-ninth
-    session's order, measured +2.5 us on the kernel, for A/B runs). The normalised rows, padded to
-    Mp, are appended to the outputs (after the tau dots), written tile by tile by CTA 0, for the
-    other readers of the layer's normalised input (the MoE's expert GEMMs)."""
+    its weight ring fills (x, scale and bias loaded before the fill is issued): the LayerNorm needs
+    no launch of its own. Each step of the K loop forms its x tile from that row before it waits for
+    its weight tile (the stream leaves each step idle for that long at one row), so only the loads
+    and the statistics lie between the first weight tile and the first MMA; `ln_tiles_ahead` forms
+    every tile before the first MMA instead (the forty-ninth session's order, measured +2.5 us on
+    the kernel, for A/B runs). The normalised rows, padded to Mp, are appended to the outputs (after
+    the tau dots), written tile by tile by CTA 0, for the other readers of the layer's normalised
+    input (the MoE's expert GEMMs)."""
     ws = (w1,) if w2 is None else (w1, w2)
     bs = (b1,) if w2 is None else (b1, b2)
     for ww, bb in zip(ws, bs, strict=True):
