@@ -32,6 +32,16 @@ def _rows_stand_in(monkeypatch: pytest.MonkeyPatch, calls: list[tuple[int, int, 
     interpret_epilogue(monkeypatch)
 
 
+def _case(monkeypatch: pytest.MonkeyPatch, calls: list[tuple[int, int, bool]], seed: int) -> tuple:
+    """The rows kernel's stand-in in place (`_rows_stand_in`), the tiny bf16 MD3 decode case and the
+    reference path's hidden states: (model, x, batch, cache, want)."""
+    _rows_stand_in(monkeypatch, calls)
+    model, x1, batch1, cache = _bf16_decode_case(seed)
+    with ops.use_backend("reference"):
+        want = np.asarray(model(x1, batch1, cache)[0].astype(jnp.float32))
+    return model, x1, batch1, cache, want
+
+
 def _kernel_forward(model, x1, batch1, cache, monkeypatch: pytest.MonkeyPatch, name: str, switch: str | None,
                     *records: list) -> np.ndarray:
     """The hidden states on the kernel path with switch `name` set (None: unset), records cleared."""
@@ -55,11 +65,8 @@ def test_layer_norm_in_the_rows_kernel_switch(stand_ins: list[str], monkeypatch:
     rows padded to 8. (More rows take the LayerNorm kernel either way: `ops.decode_ln_qkv_router`'s
     dispatch test.)"""
     calls: list[tuple[int, int, bool]] = []
-    _rows_stand_in(monkeypatch, calls)
-    model, x1, batch1, cache = _bf16_decode_case(3)
+    model, x1, batch1, cache, want = _case(monkeypatch, calls, 3)
     cfg = model.cfg
-    with ops.use_backend("reference"):
-        want = np.asarray(model(x1, batch1, cache)[0].astype(jnp.float32))
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     dense_ln = ["layernorm"] * (cfg.n_layers - moe_layers)  # dense layers' one-row LayerNorm
     qkv = cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim
@@ -87,11 +94,8 @@ def test_dense_layer_norm_in_the_rows_kernel_switch(stand_ins: list[str], monkey
     states match the reference path within bf16 rounding. Off (the default) the rows kernel never
     sees the joined weight; without joined weights the switch changes nothing."""
     calls: list[tuple[int, int, bool]] = []
-    _rows_stand_in(monkeypatch, calls)
-    model, x1, batch1, cache = _bf16_decode_case(5)
+    model, x1, batch1, cache, want = _case(monkeypatch, calls, 5)
     cfg = model.cfg
-    with ops.use_backend("reference"):
-        want = np.asarray(model(x1, batch1, cache)[0].astype(jnp.float32))
     dense = cfg.n_layers - sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     joined = cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim + cfg.ff_dim
     assert dense >= 1

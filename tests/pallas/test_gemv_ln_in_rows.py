@@ -90,6 +90,16 @@ def test_rows_kernel_refuses_a_layer_norm_it_cannot_form(shape, dtypes, match):
                        jnp.zeros((1, 1024), BF16), jnp.zeros((1024, 64), BF16), None)
 
 
+def _off_by_default_then_on(call, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`call()` is None with switch `name` unset, and with it on off the kernel path; leaves it on."""
+    monkeypatch.delenv(name, raising=False)
+    with ops.use_backend("kernel"):
+        assert call() is None  # off by default
+    monkeypatch.setenv(name, "1")
+    with ops.use_backend("reference"):
+        assert call() is None
+
+
 def test_decode_ln_qkv_router_dispatch(monkeypatch: pytest.MonkeyPatch):
     """`ops.decode_ln_qkv_router` takes the rows kernel with the LayerNorm only where asked
     (KESTREL_JAX_LN_IN_ROWS=1, or `ahead` for the tiles formed before the first MMA), on the kernel
@@ -116,12 +126,7 @@ def test_decode_ln_qkv_router_dispatch(monkeypatch: pytest.MonkeyPatch):
     def call(x=x, scale=scale):
         return ops.decode_ln_qkv_router(x, scale, bias, w1, None, w2, None, experts, eps=1e-6, max_rows=64)
 
-    monkeypatch.delenv("KESTREL_JAX_LN_IN_ROWS", raising=False)
-    with ops.use_backend("kernel"):
-        assert call() is None  # off by default
-    monkeypatch.setenv("KESTREL_JAX_LN_IN_ROWS", "1")
-    with ops.use_backend("reference"):
-        assert call() is None
+    _off_by_default_then_on(call, "KESTREL_JAX_LN_IN_ROWS", monkeypatch)
     with ops.use_backend("kernel"):
         out = call()
         assert out is not None and [o.shape for o in out if o is not None] == [(8, 192), (8, 64), (8, K)]
@@ -184,12 +189,7 @@ def test_decode_ln_dense_in_dispatch(monkeypatch: pytest.MonkeyPatch):
     def call(x=x, scale=scale):
         return ops.decode_ln_dense_in(x, scale, bias, w, b, eps=1e-6)
 
-    monkeypatch.delenv("KESTREL_JAX_DENSE_LN_IN_ROWS", raising=False)
-    with ops.use_backend("kernel"):
-        assert call() is None  # off by default
-    monkeypatch.setenv("KESTREL_JAX_DENSE_LN_IN_ROWS", "1")
-    with ops.use_backend("reference"):
-        assert call() is None
+    _off_by_default_then_on(call, "KESTREL_JAX_DENSE_LN_IN_ROWS", monkeypatch)
     with ops.use_backend("kernel"):
         out = call()
         assert out is not None and [o.shape for o in out] == [(8, N), (8, K)]
