@@ -1,5 +1,5 @@
-# Prepared in session 52 (2026-12-06) for the next session (any H100 or H200; move this file into the
-# session's dated folder before running it). The LayerNorm inside the rows kernel, x tiles formed step
+# Prepared in session 52 (2026-12-06), run in session 53 (any H100 or H200).
+# The LayerNorm inside the rows kernel, x tiles formed step
 # by step in the K loop: KESTREL_JAX_LN_IN_ROWS=1 (MD3's MoE layers) and KESTREL_JAX_DENSE_LN_IN_ROWS=1
 # (dense layers over their joined QKV + fc1 weight). Session 52's call 2 (H100), with the LayerNorm's
 # loads after the weight ring's fill: MD3 step -0.5% (rows kernel 11.39 -> 12.81 us, the 1.70 us
