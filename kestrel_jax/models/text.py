@@ -412,7 +412,7 @@ class Block(nnx.Module):
 
     def dense_in_with_ln(self, x: jax.Array) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array] | None:
         """A dense layer's one-row decode LayerNorm of the residual stream x and its joined QKV +
-        fc1 product in one launch (`ops.decode_ln_dense_in`, opt-in): ((QKV product, fc1 product,
+        fc1 product in one launch (`ops.decode_ln_dense_in`, on by default): ((QKV product, fc1 product,
         the joined product) as `dense_decode_in` gives them, the normalised rows); the QKV slice and
         the fc1 slice of row 0, the joined product padded to 8 rows (the QKV epilogue reads row 0's
         QKV columns in place). None where that launch does not apply."""
@@ -542,7 +542,7 @@ class TextModel(nnx.Module):
             dense_pre: tuple[jax.Array, jax.Array, jax.Array] | None = None  # a dense layer's, likewise
             if n_next is None and moe and ln_kernel:
                 assert isinstance(block.mlp, MoE)
-                # opt-in (`ops.ln_in_rows_wanted`): the LayerNorm inside the QKV + router rows kernel
+                # on by default (`ops.ln_in_rows_wanted`): the LayerNorm inside the QKV + router rows kernel
                 with_ln = block.attn.qkv_with_ln(x, block.ln, block.mlp.router, block.mlp.experts())
                 if with_ln is not None:
                     pre, n_next = with_ln
@@ -557,7 +557,7 @@ class TextModel(nnx.Module):
                     # kernel and no barrier, each residual fusion took ~1.5 us longer).
                     x = jax.lax.optimization_barrier(x)
             elif n_next is None and ln_kernel and t == 1 and not moe:  # a dense layer's, in one launch
-                # opt-in (`ops.dense_ln_in_rows_wanted`): inside the rows kernel of the joined QKV + fc1 product
+                # on by default (`ops.dense_ln_in_rows_wanted`): inside the rows kernel of the joined QKV + fc1 product
                 dense_ln = block.dense_in_with_ln(x) if ops.dense_in_one_row() else None
                 if dense_ln is not None:
                     dense_pre, n_next = dense_ln

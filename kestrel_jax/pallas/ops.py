@@ -415,7 +415,7 @@ def small_linear_pair(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax
 def ln_in_rows_mode() -> str:
     """Whether a one-row decode MoE layer normalises its input inside the QKV + router
     rows kernel (`decode_ln_qkv_router`) instead of in the LayerNorm kernel's launch before it:
-    KESTREL_JAX_LN_IN_ROWS, read at trace time: 0 (default) no; 1 yes, each step of the kernel's K
+    KESTREL_JAX_LN_IN_ROWS, read at trace time: 0 no; 1 (default) yes, each step of the kernel's K
     loop forming its x tile from the normalised row while it waits for its weight tile; `ahead` yes,
     every x tile formed before the first MMA. `ahead` was the forty-ninth session's build (H100,
     MD3 batch-1 step): the LayerNorm launch went (1.65 us x 20) but the rows kernel grew from 11.4
@@ -424,11 +424,13 @@ def ln_in_rows_mode() -> str:
     the rows kernel 11.39 -> 12.81 us against the 1.70 us launch it removes, MD3 batch-1 step
     1,507.5 -> 1,499.3 us (-0.5%, 20 launches fewer), W1 797.2 tok/s on (its off run was cut short
     by the session's device time; session 51's H100 runs of these defaults: 797.7 / 799.0), so still
-    off. Since then x, scale and bias are loaded before the weight ring's fill (they had queued
-    behind it), not measured yet: `benchmarks/pending/3_run.sh`. GPU kernel check: products bit for
-    bit those of the rows kernel on the normalised rows. Forward on against off: identical at one
-    row (the same normalised tiles reach the same MMAs)."""
-    return choice("KESTREL_JAX_LN_IN_ROWS", "0", ("0", "1", "ahead"))
+    off. Then x, scale and bias were loaded before the weight ring's fill (they had queued behind
+    it); fifty-third session (H100), with KESTREL_JAX_DENSE_LN_IN_ROWS on too: MD3 batch-1 step
+    1,491.2 -> 1,475.1 us (-1.1%; this switch alone -0.95%, the rows kernel 11.48 -> 12.27 us), W1
+    810.6 / 810.9 tok/s against 800.9 / 798.1 off (+1.4%, two pairs), so on. GPU kernel check:
+    products bit for bit those of the rows kernel on the normalised rows. Forward on against off:
+    identical at one row (the same normalised tiles reach the same MMAs)."""
+    return choice("KESTREL_JAX_LN_IN_ROWS", "1", ("0", "1", "ahead"))
 
 
 def ln_in_rows_wanted() -> bool:
@@ -468,15 +470,18 @@ def decode_ln_qkv_router(x: jax.Array, scale: jax.Array, bias: jax.Array, w1: ja
 def dense_ln_in_rows_wanted() -> bool:
     """Whether a one-row decode step normalises a dense layer's input inside the rows kernel of its
     joined QKV + fc1 product (`decode_ln_dense_in`) instead of in the one-row LayerNorm launch before
-    XLA's GEMM: KESTREL_JAX_DENSE_LN_IN_ROWS=1, read at trace time (default 0; the tiles formed as
-    `ln_in_rows_mode` says, in the loop unless it is `ahead`). H100, fifty-second session, MD2
-    batch-1 step: 1,716.2 -> 1,712.1 us (-0.2%, 24 launches fewer; the rows kernel with the
-    LayerNorm 23.60 us per layer against XLA's GEMM 22.03 + the LayerNorm launch 1.63), so off;
-    re-measured with the loads before the fill by `benchmarks/pending/3_run.sh`. GPU kernel check:
+    XLA's GEMM: KESTREL_JAX_DENSE_LN_IN_ROWS, read at trace time (default 1; 0 turns it off; the
+    tiles formed as `ln_in_rows_mode` says, in the loop unless it is `ahead`). H100, fifty-second
+    session, MD2 batch-1 step: 1,716.2 -> 1,712.1 us (-0.2%, 24 launches fewer; the rows kernel
+    with the LayerNorm 23.60 us per layer against XLA's GEMM 22.03 + the LayerNorm launch 1.63).
+    Fifty-third session (H100), with the LayerNorm's loads before the weight ring's fill: MD2 step
+    1,717.8 -> 1,705.1 us (-0.7%; 23.13 us per layer against 22.65 + 1.66), W1 769.4 against 768.2
+    tok/s (one pair, +0.2%); MD3, with KESTREL_JAX_LN_IN_ROWS on, a further -0.1% on the step and
+    part of its +1.4% W1, so on. GPU kernel check:
     the products bit for bit the rows kernel's on the normalised rows. Forward on against off: the
     same normalised row, the product from another GEMM (the rows kernel's f32 sums in its own order
     against XLA's)."""
-    return flag("KESTREL_JAX_DENSE_LN_IN_ROWS", False)
+    return flag("KESTREL_JAX_DENSE_LN_IN_ROWS", True)
 
 
 def decode_ln_dense_in(x: jax.Array, scale: jax.Array, bias: jax.Array, w: jax.Array, b: jax.Array | None, *,

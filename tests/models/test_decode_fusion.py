@@ -74,6 +74,19 @@ def _rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tok
     return dr.ExpertRows(y, jnp.arange(t * top_k, dtype=jnp.int32).reshape(t, top_k).T, weights.T, n, parts)
 
 
+def _with_ln(rows):
+    """A rows kernel stand-in `rows(x, w1, b1, w2, b2, **kw)` that also takes the kernel's `ln`
+    (the LayerNorm inside it, on by default at one row): x normalised with `gemv_mgpu.ln_rows_ref`
+    first, the normalised rows (padded with zeros) appended to what `rows` returns."""
+    def call(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=1e-5, **kw):
+        if ln is None:
+            return rows(x, w1, b1, w2, b2, **kw)
+        n = gemv_mgpu.ln_rows_ref(x, ln[0], ln[1], ln_eps)
+        return (*rows(n[:x.shape[0]], w1, b1, w2, b2, **kw), n)
+    return call
+
+
+@_with_ln
 def _gemv_rows(x, w1, b1, w2=None, b2=None, **_):
     """Finished rows padded to the 8-row tile; the padding rows' products are NaN (the kernel's are
     its padding rows' products: no consumer may read them)."""
@@ -300,8 +313,8 @@ def test_padded_qkv_rows_reach_the_epilogue_and_router_unsliced(stand_ins: list[
     monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
     calls: list[tuple[int, ...]] = []
 
-    def rows(x, w1, b1, w2=None, b2=None, **_):
-        out = _gemv_rows(x, w1, b1, w2, b2)
+    def rows(x, w1, b1, w2=None, b2=None, **kw):
+        out = _gemv_rows(x, w1, b1, w2, b2, **kw)
         calls.append(tuple(o.shape[0] for o in out))
         return out
 
@@ -314,14 +327,15 @@ def test_padded_qkv_rows_reach_the_epilogue_and_router_unsliced(stand_ins: list[
     ops._jitted.cache_clear()
     with ops.use_backend("kernel"):
         got = np.asarray(model(x, batch, cache)[0].astype(jnp.float32))
-    assert calls == [(8, 8)]  # traced once: the MoE layers share one jitted call
+    # traced once (the MoE layers share one jitted call): QKV, router and the LayerNorm's rows
+    assert calls == [(8, 8, 8)]
     assert np.isfinite(got).all()
     assert np.abs(got - want).max() <= 2.0**-6 * np.abs(want).max()
     monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS", "0")
     ops._jitted.cache_clear()
     with ops.use_backend("kernel"):
         jax.eval_shape(lambda: model(x, batch, cache))  # traced only: the switch keeps the pair kernel
-    assert calls == [(8, 8)]
+    assert calls == [(8, 8, 8)]
 
 
 def test_tau_dots_from_the_qkv_gemm_reach_the_epilogue(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -336,6 +350,7 @@ def test_tau_dots_from_the_qkv_gemm_reach_the_epilogue(stand_ins: list[str], mon
     monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
     got_dots: list[bool] = []
 
+    @_with_ln
     def rows(x, w1, b1, w2=None, b2=None, *, tau_w=None, **_):
         out = _gemv_rows(x, w1, b1, w2, b2)
         if tau_w is None:
@@ -391,6 +406,7 @@ def test_routing_tables_built_in_the_qkv_epilogue_reach_the_moe(stand_ins: list[
     monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
     got_route: list[bool] = []
 
+    @_with_ln
     def gemv_rows(x, w1, b1, w2=None, b2=None, **_):
         mp = -(-x.shape[0] // 8) * 8
         xp = jnp.pad(x, ((0, mp - x.shape[0]), (0, 0))).astype(jnp.float32)

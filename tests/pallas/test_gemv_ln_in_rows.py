@@ -1,5 +1,5 @@
 """The decode GEMM's rows kernel with the LayerNorm inside (`gemv_mgpu.gemv_rows(ln=...)`, the
-opt-in KESTREL_JAX_LN_IN_ROWS): interpreted on the CPU against `ln_rows_ref` and against the rows
+KESTREL_JAX_LN_IN_ROWS, on by default): interpreted on the CPU against `ln_rows_ref` and against the rows
 kernel fed the normalised rows, its refusals, its dispatch in `ops.decode_ln_qkv_router`, and the
 Mosaic lowering for an H100 at an MoE layer's shapes."""
 
@@ -90,19 +90,20 @@ def test_rows_kernel_refuses_a_layer_norm_it_cannot_form(shape, dtypes, match):
                        jnp.zeros((1, 1024), BF16), jnp.zeros((1024, 64), BF16), None)
 
 
-def _off_by_default_then_on(call, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`call()` is None with switch `name` unset, and with it on off the kernel path; leaves it on."""
-    monkeypatch.delenv(name, raising=False)
+def _off_when_asked_then_default(call, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`call()` is None with switch `name` at 0, and unset (on by default) off the kernel path;
+    leaves it unset."""
+    monkeypatch.setenv(name, "0")
     with ops.use_backend("kernel"):
-        assert call() is None  # off by default
-    monkeypatch.setenv(name, "1")
+        assert call() is None  # switched off
+    monkeypatch.delenv(name)
     with ops.use_backend("reference"):
         assert call() is None
 
 
 def test_decode_ln_qkv_router_dispatch(monkeypatch: pytest.MonkeyPatch):
-    """`ops.decode_ln_qkv_router` takes the rows kernel with the LayerNorm only where asked
-    (KESTREL_JAX_LN_IN_ROWS=1, or `ahead` for the tiles formed before the first MMA), on the kernel
+    """`ops.decode_ln_qkv_router` takes the rows kernel with the LayerNorm unless switched off
+    (KESTREL_JAX_LN_IN_ROWS 1 by default, or `ahead` for the tiles formed before the first MMA), on the kernel
     path, for shapes it takes (one row), with the rows kernel and the LayerNorm kernel on, and not
     where the expert GEMMs want f16 rows; then it hands back the kernel's outputs as (QKV rows,
     router rows, dots, normalised rows)."""
@@ -126,7 +127,7 @@ def test_decode_ln_qkv_router_dispatch(monkeypatch: pytest.MonkeyPatch):
     def call(x=x, scale=scale):
         return ops.decode_ln_qkv_router(x, scale, bias, w1, None, w2, None, experts, eps=1e-6, max_rows=64)
 
-    _off_by_default_then_on(call, "KESTREL_JAX_LN_IN_ROWS", monkeypatch)
+    _off_when_asked_then_default(call, "KESTREL_JAX_LN_IN_ROWS", monkeypatch)
     with ops.use_backend("kernel"):
         out = call()
         assert out is not None and [o.shape for o in out if o is not None] == [(8, 192), (8, 64), (8, K)]
@@ -170,7 +171,7 @@ def test_rows_kernel_with_layer_norm_lowers_at_an_moe_layers_shapes():
 
 def test_decode_ln_dense_in_dispatch(monkeypatch: pytest.MonkeyPatch):
     """`ops.decode_ln_dense_in` takes the rows kernel with the LayerNorm over a dense layer's joined
-    weight only where asked (KESTREL_JAX_DENSE_LN_IN_ROWS=1), on the kernel path, at one row, with
+    weight unless switched off (KESTREL_JAX_DENSE_LN_IN_ROWS=0), on the kernel path, at one row, with
     the rows kernel on, for a LayerNorm the kernel takes; the tiles' order follows
     KESTREL_JAX_LN_IN_ROWS (`ahead`); it hands back (product rows, normalised rows)."""
     seen: list[tuple] = []
@@ -189,7 +190,7 @@ def test_decode_ln_dense_in_dispatch(monkeypatch: pytest.MonkeyPatch):
     def call(x=x, scale=scale):
         return ops.decode_ln_dense_in(x, scale, bias, w, b, eps=1e-6)
 
-    _off_by_default_then_on(call, "KESTREL_JAX_DENSE_LN_IN_ROWS", monkeypatch)
+    _off_when_asked_then_default(call, "KESTREL_JAX_DENSE_LN_IN_ROWS", monkeypatch)
     with ops.use_backend("kernel"):
         out = call()
         assert out is not None and [o.shape for o in out] == [(8, N), (8, K)]
