@@ -138,6 +138,70 @@ def merge_supported(o: jax.Array | jax.ShapeDtypeStruct, lse: jax.Array | jax.Sh
             and jnp.dtype(w.dtype) == jnp.dtype(jnp.bfloat16))
 
 
+def gelu_tanh_exp(h: jax.Array) -> jax.Array:
+    """GELU with the tanh approximation (`jax.nn.gelu(approximate=True)`) written with exp alone:
+    0.5 (1 + tanh(z)) = 1 / (1 + exp(-2 z)), z = sqrt(2 / pi) (h + 0.044715 h^3), so GELU(h) =
+    h / (1 + exp(-2 z)) (large negative h: exp overflows to inf and the quotient to -0, not NaN).
+    For `gemv_partials`' `gelu_in`, whose tile forming then needs no tanh lowering."""
+    z = 0.7978845608028654 * (h + 0.044715 * (h * h * h))
+    return h / (1.0 + jnp.exp(-2.0 * z))
+
+
+def gelu_in_problem(o: jax.Array | jax.ShapeDtypeStruct, h: jax.Array | jax.ShapeDtypeStruct,
+                    w: jax.Array | jax.ShapeDtypeStruct, splits: int, h_col: int = 0) -> str | None:
+    """Why `gemv_partials` cannot form its x from (o, h, h_col) (`gelu_in`) in `splits` K ranges of
+    w (None: it can): o one row, h at least one (row 0 is read), bf16, o's width and h_col multiples
+    of 64, h's columns from h_col on covering the rest of w's K, and each K range inside o or inside
+    h (a multiple of 128 that divides o's width)."""
+    if o.ndim != 2 or h.ndim != 2 or o.shape[0] != 1 or h.shape[0] < 1:
+        return f"o {o.shape} must be one row, h {h.shape} a matrix"
+    if any(jnp.dtype(a.dtype) != jnp.dtype(jnp.bfloat16) for a in (o, h, w)):
+        return f"o, h and w must be bf16, got {o.dtype}, {h.dtype}, {w.dtype}"
+    k_o = o.shape[1]
+    k_h = w.shape[0] - k_o if w.ndim == 2 else -1
+    if (w.ndim != 2 or k_h < BLOCK_K or w.shape[1] % BLOCK_N or k_o % BLOCK_K or k_h % BLOCK_K or h_col % BLOCK_K
+            or h_col < 0 or h_col + k_h > h.shape[1]):
+        return (f"o [1, {k_o}] + h {h.shape} from column {h_col} do not fit w {w.shape} (widths and the column "
+                f"multiples of {BLOCK_K})")
+    steps = w.shape[0] // BLOCK_K
+    if splits < 1 or steps % splits:
+        return f"splits must divide the {steps} K steps of {BLOCK_K}, got {splits}"
+    span = steps // splits * BLOCK_K
+    if span % 128 or k_o % span:
+        return f"each K range ({span} columns) must be a multiple of 128 inside o ({k_o}) or h"
+    return None
+
+
+def gelu_in_splits(o_width: int, k: int, at_least: int) -> int:
+    """The fewest K ranges, at least `at_least`, that `gelu_in` takes for a product of K = k with o
+    `o_width` columns wide (0: none up to k / 128)."""
+    steps = k // BLOCK_K
+    for s in range(max(1, at_least), steps + 1):
+        span = steps // s * BLOCK_K
+        if steps % s == 0 and span % 128 == 0 and o_width % span == 0:
+            return s
+    return 0
+
+
+def gemv_gelu_in(o: jax.Array, h: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, splits: int,
+                 h_col: int = 0, stages: int = 4, interpret: bool = False) -> jax.Array:
+    """[o, GELU_tanh(h[0, h_col:h_col + Kh])] @ w (+ bias) in bf16 for one row (`gemv_partials`'
+    `gelu_in`): a dense layer's joined output + fc2 product from attention's output and the joined
+    QKV + fc1 product as they are."""
+    parts = gemv_partials(None, w, splits=splits, stages=stages, gelu_in=(o, h, h_col), interpret=interpret)
+    return _finish(_summed(parts, 1), bias, jnp.dtype(jnp.bfloat16))
+
+
+def gemv_gelu_in_ref(o: jax.Array, h: jax.Array, w: jax.Array, bias: jax.Array | None = None,
+                     h_col: int = 0) -> jax.Array:
+    """`gemv_gelu_in`'s reference: the row [o, GELU_tanh(h[0, h_col:]) rounded to bf16] @ w in f32,
+    rounded to bf16, the bias added in bf16."""
+    hh = h[:1, h_col:h_col + w.shape[0] - o.shape[1]].astype(jnp.float32)
+    g = jnp.concatenate([o, jax.nn.gelu(hh, approximate=True).astype(jnp.bfloat16)], axis=1)
+    y = jnp.dot(g.astype(jnp.float32), w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return _finish(y, bias, jnp.dtype(jnp.bfloat16))
+
+
 def _merged_tile(o_ref, lse_ref, head, rows: int, n_splits: int) -> jax.Array:
     """Rows [0, 8) of head `head`'s attention output, merged from its split partials as
     `paged_attention_mgpu.merge_splits` does (rows >= `rows` zero), as bf16 in `_XROWS`."""
@@ -168,6 +232,7 @@ def gemv_partials(
     merge: tuple[jax.Array, jax.Array, int] | None = None,
     gate: Gate | None = None,
     row_major: bool = False,
+    gelu_in: tuple[jax.Array, jax.Array, int] | None = None,
     interpret: bool = False,
     detect_races: bool = False,
 ) -> jax.Array:  # [splits, N (+ N2), Mp] f32 partials of y^T (columns >= M zero); row_major: [splits, 64, N]
@@ -179,13 +244,32 @@ def gemv_partials(
     partials of y itself, [splits, 64, N], from the unswapped product (x tile as wgmma's A): their
     sum needs no transpose, which XLA would otherwise carry into the consumers' layout (the
     forty-third session's MD2 decode step: its residual stream, then the LayerNorm reading it
-    strided)."""
+    strided).
+
+    `gelu_in` = (o [1, Ko], h [R, C], c) bf16 (x None): x is the one row [o, GELU_tanh(h[0, c:c +
+    Kh])] (Kh = K - Ko; a dense layer's attention output beside its MLP's fc1 product, which is the
+    joined QKV + fc1 product from column c on; the input of its joined output + fc2 product), formed
+    here instead of read from HBM (`gelu_in_problem`: each split's K range lies inside o or inside
+    h): each CTA loads its range of the row (o's and h's at once, before the weight ring's fill),
+    applies GELU_tanh (`gelu_tanh_exp`, rounded to bf16) where the range is h's, keeps it in SMEM
+    and forms each step's x tile from it at the top of the step; the concat, the GELU and the pad
+    to 8 rows need no launch of their own."""
+    if gelu_in is not None:
+        problem = gelu_in_problem(gelu_in[0], gelu_in[1], w, splits or default_splits(w.shape[0], w.shape[1]),
+                                  gelu_in[2])
+        if problem is None and (x is not None or w2 is not None or gate is not None or merge is not None or row_major):
+            problem = "x, a second product, a gate, a merge or row-major partials beside it"
+        if problem is not None:
+            raise ValueError(f"gemv with gelu_in: {problem}")
     if merge is not None:
         o, lse, M = merge
         if x is not None or w2 is not None or gate is not None or not merge_supported(o, lse, w) or not 1 <= M <= 8:
             raise ValueError(f"merged-input gemv does not support o {o.shape} {o.dtype}, lse {lse.shape}, "
                              f"w {w.shape} {w.dtype}, rows {M} (nor x, a second product or a gate beside it)")
         K, mp, n_splits = w.shape[0], 8, o.shape[2]
+        x_dtype = jnp.dtype(jnp.bfloat16)
+    elif gelu_in is not None:
+        K, mp, M = w.shape[0], 8, 1
         x_dtype = jnp.dtype(jnp.bfloat16)
     else:
         assert x is not None
@@ -207,15 +291,21 @@ def gemv_partials(
         raise ValueError(f"splits must divide the {steps_total} K steps of {BLOCK_K}, got {s_count}")
     steps = steps_total // s_count
     n_stages = max(1, min(stages, steps))
+    resident = merge is not None or gelu_in is not None  # x tiles formed in the kernel, every step's
+    k_o, h_col = (0, 0) if gelu_in is None else (gelu_in[0].shape[1], gelu_in[2])
+    span = steps * BLOCK_K  # one CTA's K range
 
     def body(*refs):
         if merge is not None:
             part_ref, lse_ref, w_ref, *rest = refs
+        elif gelu_in is not None:
+            go_ref, gh_ref, w_ref, *rest = refs
         else:
             x_ref, w_ref, *rest = refs
         w2_ref = rest.pop(0) if w2 is not None else None
         gate_ref = rest.pop(0) if gate is not None else None
-        o_ref, w_buf, x_buf, o_smem, bars = rest
+        o_ref, w_buf, x_buf, o_smem, bars = rest[:5]
+        g_row = rest[5] if gelu_in is not None else None
         nb = lax.axis_index("n")
         s = lax.axis_index("s")
         k0 = s * (steps * BLOCK_K)
@@ -231,11 +321,41 @@ def gemv_partials(
                     w_ref.at[rows, pl.ds(jnp.minimum(n0, N1 - BLOCK_N), BLOCK_N)], w_buf.at[slot], bars.at[slot]))
                 pl.when(n0 >= N1)(lambda: plgpu.copy_gmem_to_smem(
                     w2_ref.at[rows, pl.ds(jnp.maximum(n0 - N1, 0), BLOCK_N)], w_buf.at[slot], bars.at[slot]))
-            if merge is None:
+            if not resident:
                 plgpu.copy_gmem_to_smem(x_ref.at[:, rows], x_buf.at[slot], bars.at[slot])
 
+        def gelu_tile(i):
+            """Step i's x tile from the row in `g_row` (row 0; the padding rows zero)."""
+            assert g_row is not None
+            row = plgpu.broadcasted_iota(jnp.int32, (mp, BLOCK_K), 0, layout=_XROWS)
+            v = plgpu.load(g_row.at[pl.ds(pl.multiple_of(i * BLOCK_K, BLOCK_K), BLOCK_K)],
+                           layout=_XROWS.reduce(0), optimized=False)
+            t = lax.broadcast_in_dim(v, (mp, BLOCK_K), (1,))
+            x_buf.at[i][...] = jnp.where(row == 0, t, jnp.zeros_like(t))
+            plgpu.commit_smem()
+
         def scope(acc_ref):
-            if merge is not None:  # the weight ring fills while the heads of this K range merge
+            if gelu_in is not None:
+                # this CTA's range of o and of h, loaded before the fill (one of them is its own)
+                strided = plgpu.Layout.WG_STRIDED((span,), _ln_vec(span))
+                vo = plgpu.load(go_ref.at[0, pl.ds(pl.multiple_of(jnp.minimum(k0, k_o - span), BLOCK_K), span)],
+                                layout=strided, optimized=False)
+                vh = plgpu.load(gh_ref.at[0, pl.ds(pl.multiple_of(h_col + jnp.maximum(k0 - k_o, 0), BLOCK_K), span)],
+                                layout=strided, optimized=False)
+                _fill(fetch, n_stages)
+                assert g_row is not None
+
+                @pl.when(k0 < k_o)
+                def _from_o():
+                    g_row[...] = vo
+
+                @pl.when(k0 >= k_o)
+                def _from_h():
+                    g_row[...] = gelu_tanh_exp(vh.astype(jnp.float32)).astype(jnp.bfloat16)
+
+                plgpu.commit_smem()
+                _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages, resident=True, prepare=gelu_tile)
+            elif merge is not None:  # the weight ring fills while the heads of this K range merge
                 _fill(fetch, n_stages)
                 for i in range(steps):
                     x_buf.at[i][...] = _merged_tile(part_ref, lse_ref, lax.div(k0, BLOCK_K) + i, M, n_splits)
@@ -266,15 +386,18 @@ def gemv_partials(
         kernel_name="kestrel_gemv",
         scratch_types=[
             plgpu.SMEM((n_stages, BLOCK_K, BLOCK_N), w.dtype, transforms=_TRANSFORMS),
-            # x tiles: the ring's, or with `merge` every step's (resident)
-            plgpu.SMEM((steps if merge is not None else n_stages, mp, BLOCK_K), x_dtype, transforms=_TRANSFORMS),
+            # x tiles: the ring's, or with `merge` / `gelu_in` every step's (resident)
+            plgpu.SMEM((steps if resident else n_stages, mp, BLOCK_K), x_dtype, transforms=_TRANSFORMS),
             plgpu.SMEM(acc_shape, jnp.float32),
-            plgpu.Barrier(num_arrivals=1 if merge is not None else 2, num_barriers=n_stages),
+            plgpu.Barrier(num_arrivals=1 if resident else 2, num_barriers=n_stages),
+            *([plgpu.SMEM((span,), jnp.bfloat16)] if gelu_in is not None else []),  # the row, on its way into the tiles
         ],
         interpret=_interpret_params(interpret, detect_races),
     )
     if merge is not None:
         return kern(merge[0], merge[1], w)
+    if gelu_in is not None:
+        return kern(gelu_in[0], gelu_in[1], w)
     return kern(x, w, *([] if w2 is None else [w2]), *([] if gate is None else [gate.table]))
 
 

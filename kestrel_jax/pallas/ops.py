@@ -342,6 +342,40 @@ def dense_out_one_row() -> bool:
     return flag("KESTREL_JAX_DENSE_OUT_ONE_ROW", True)
 
 
+def dense_out_gelu_in_wanted() -> bool:
+    """Whether a one-row decode step's dense layers form the input row of their joined output +
+    fc2 product ([attention's output, GELU_tanh(fc1 product)], padded to 8 rows) inside the decode
+    GEMM kernel's launch (`dense_out_gelu_in`) instead of in XLA's concat + GELU + pad fusion before
+    it: KESTREL_JAX_DENSE_OUT_GELU_IN=1, read at trace time (default 0). That fusion took 1.39 us
+    per layer in the fifty-third session's MD2 batch-1 step on an H100 (x24). Not measured yet on the
+    GPU."""
+    return flag("KESTREL_JAX_DENSE_OUT_GELU_IN", False)
+
+
+def dense_out_gelu_in(o: jax.Array, h: jax.Array, h_col: int, w: jax.Array, b: jax.Array | None) -> jax.Array | None:
+    """A dense layer's one-row joined output + fc2 product [o, GELU_tanh(h[0, h_col:])] @ w + b (o:
+    attention's output [1, D], h: the joined QKV + fc1 product with fc1 from column h_col on, row 0
+    read, w: `Block.dense_out_w`, b the summed biases), its
+    input row formed in the decode GEMM kernel's launch (`gemv_mgpu.gemv_gelu_in`) in the fewest K
+    ranges, at least `dense_out_splits(one_row=True)`'s, that keep each range inside o or h (4 ->
+    5 for Moondream's 2,048 + 8,192); None off the kernel path, with `dense_out_gelu_in_wanted()` or
+    the kernel for the product off, or for shapes the kernel refuses."""
+    if not (_want_kernel() and dense_out_gelu_in_wanted()) or o.shape[0] != 1:
+        return None
+    from kestrel_jax.pallas import gemv_mgpu as kern
+
+    k = w.shape[0]
+    least = dense_out_splits(k, one_row=True)
+    splits = kern.gelu_in_splits(o.shape[1], k, least) if least else 0
+    wc = w.astype(o.dtype)
+    if not splits or kern.gelu_in_problem(o, h, wc, splits, h_col) is not None:
+        return None
+    if b is not None and (b.shape != (w.shape[1],)):
+        return None
+    return _jitted(kern.gemv_gelu_in, ("splits", "h_col", "stages"))(o, h, wc, b, splits=splits, h_col=h_col,
+                                                                     stages=dense_decode_gemv()[2])
+
+
 def dense_in_one_row() -> bool:
     """Whether a one-row decode step forms a dense layer's QKV and fc1 as the one product over the
     weights joined at load time (`Block.dense_decode_in`), as steps of more rows do, instead of
