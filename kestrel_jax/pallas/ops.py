@@ -346,9 +346,14 @@ def dense_out_gelu_in_wanted() -> bool:
     """Whether a one-row decode step's dense layers form the input row of their joined output +
     fc2 product ([attention's output, GELU_tanh(fc1 product)], padded to 8 rows) inside the decode
     GEMM kernel's launch (`dense_out_gelu_in`) instead of in XLA's concat + GELU + pad fusion before
-    it: KESTREL_JAX_DENSE_OUT_GELU_IN=1, read at trace time (default 0). That fusion took 1.39 us
-    per layer in the fifty-third session's MD2 batch-1 step on an H100 (x24). Not measured yet on the
-    GPU."""
+    it: KESTREL_JAX_DENSE_OUT_GELU_IN=1, read at trace time (default 0). Fifty-third session, H100,
+    batch-1 step: MD2 1,718.8 -> 1,736.4 us (+1.0%), MD3 1,480.4 -> 1,487.8 (+0.5%), so off. The
+    fusion's 1.40 us per layer went, but the kernel grew by ~1.1 us (13.2 -> ~14.3 us per MD2 layer)
+    and the merge of split-KV attention's partials (into bf16), which XLA had fused into that
+    fusion, became a launch of its own (1.15 us); a next step would merge the partials in the
+    kernel's o-range CTAs (as `gemv_partials`' `merge` does). GPU kernel check
+    (`tools/check_gelu_in.py`): within bf16 rounding of the f32 reference, bit for bit the kernel's
+    product on the row formed by XLA with the same GELU formula."""
     return flag("KESTREL_JAX_DENSE_OUT_GELU_IN", False)
 
 

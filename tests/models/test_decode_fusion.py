@@ -12,6 +12,7 @@ the last layer without a next LayerNorm.
 from __future__ import annotations
 
 import sys
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -287,9 +288,10 @@ def interpret_epilogue(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(qkv_epilogue, name, lambda *a, _real=real, **kw: _real(*a, **kw, interpret=True))
 
 
-def _bf16_decode_case(seed: int) -> tuple:
-    """The tiny MD3 text model in bf16, one decode row at position 100 over a filled random cache."""
-    model = random_model(tiny_config("md3"), dtype=jnp.bfloat16, std=0.05).text
+def _bf16_decode_case(seed: int, family: Literal["md2", "md3"] = "md3") -> tuple:
+    """The tiny MD3 (or `family`'s) text model in bf16, one decode row at position 100 over a filled
+    random cache."""
+    model = random_model(tiny_config(family), dtype=jnp.bfloat16, std=0.05).text
     cfg = model.cfg
     rng = np.random.default_rng(seed)
     pool = init_kv_pool(cfg.n_layers, PAGES, PAGE, cfg.n_kv_heads, cfg.head_dim, jnp.bfloat16)

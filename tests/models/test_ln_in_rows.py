@@ -8,6 +8,8 @@ tests/pallas/test_gemv_ln_in_rows.py)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,11 +31,12 @@ def _rows_stand_in(monkeypatch: pytest.MonkeyPatch, calls: list[tuple[int, int, 
     interpret_epilogue(monkeypatch)
 
 
-def _case(monkeypatch: pytest.MonkeyPatch, calls: list[tuple[int, int, bool]], seed: int) -> tuple:
-    """The rows kernel's stand-in in place (`_rows_stand_in`), the tiny bf16 MD3 decode case and the
-    reference path's hidden states: (model, x, batch, cache, want)."""
+def _case(monkeypatch: pytest.MonkeyPatch, calls: list[tuple[int, int, bool]], seed: int,
+          family: Literal["md2", "md3"] = "md3") -> tuple:
+    """The rows kernel's stand-in in place (`_rows_stand_in`), the tiny bf16 MD3 (or `family`'s)
+    decode case and the reference path's hidden states: (model, x, batch, cache, want)."""
     _rows_stand_in(monkeypatch, calls)
-    model, x1, batch1, cache = _bf16_decode_case(seed)
+    model, x1, batch1, cache = _bf16_decode_case(seed, family)
     with ops.use_backend("reference"):
         want = np.asarray(model(x1, batch1, cache)[0].astype(jnp.float32))
     return model, x1, batch1, cache, want

@@ -92,6 +92,12 @@ E, I = 8, 128  # noqa: E741 (the spec's name for the expert inner width)
 D_BF16, D_FP8 = 128, 256
 TOL_BF16, TOL_W8A8_VS_EXACT = 1e-2, 0.1
 TOL_W8A8_EMULATED = TOL_BF16  # beyond the per-element allowance of `oracle_err` (module docstring)
+# `moe_ref`'s FP8 semantics (the CPU path) round more often than the kernels: the dequantised
+# weights to bf16 (up and down) and the up GEMM's outputs before the activation, besides the
+# kernels' three; five to six roundings in quadrature, ~sqrt(2) of the kernels' bound. Fifty-third
+# session, 121 draws of `test_moe_ref_matches_oracle[fp8]`: median 0.0055, worst 0.0110 (seed
+# 1652888465, 0.0093 of it with the oracle on the bf16-rounded weights), which failed 1e-2.
+TOL_REF_FP8 = 1.5e-2
 INTERPRET = plgpu.InterpretGPUParams()
 SMALL_CTAS, SMALL_STAGES = 3, 3  # few CTAs so each runs several units; a short ring that wraps
 
@@ -415,15 +421,16 @@ def test_kernel_matches_oracle(rng, T, fp8):
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_moe_ref_matches_oracle(rng, fp8):
-    """The CPU path (bf16 GEMM outputs), and the W8A8 emulation (float32 GEMMs, the activation and
-    the expert outputs rounded where the kernels round them) held to the kernels' bound."""
+    """The CPU path (bf16 GEMM outputs; with FP8 weights dequantised to bf16, held to
+    `TOL_REF_FP8`), and the W8A8 emulation (float32 GEMMs, the activation and the expert outputs
+    rounded where the kernels round them) held to the kernels' bound."""
     T = 40
     ex = make_experts(rng, fp8)
     x = jnp.asarray(rng.standard_normal((T, dim(fp8))), jnp.bfloat16)
     routing = random_routing(rng, T, 4)
     ref = jax.jit(moe_ref, static_argnames="quantize_activations")
     out = np.asarray(ref(x, routing, ex).astype(jnp.float32), np.float64)
-    assert rel_err(out, oracle(x, routing, ex)) <= TOL_BF16
+    assert rel_err(out, oracle(x, routing, ex)) <= (TOL_REF_FP8 if fp8 else TOL_BF16)
     if fp8:
         out = np.asarray(ref(x, routing, ex, quantize_activations=True).astype(jnp.float32), np.float64)
         assert oracle_err(out, x, routing, ex, w8a8=True) <= TOL_W8A8_EMULATED
