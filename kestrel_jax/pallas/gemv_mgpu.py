@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
@@ -200,6 +201,32 @@ def gemv_gelu_in_ref(o: jax.Array, h: jax.Array, w: jax.Array, bias: jax.Array |
     g = jnp.concatenate([o, jax.nn.gelu(hh, approximate=True).astype(jnp.bfloat16)], axis=1)
     y = jnp.dot(g.astype(jnp.float32), w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
     return _finish(y, bias, jnp.dtype(jnp.bfloat16))
+
+
+def gemv_gelu_in_allowance(o: jax.Array, h: jax.Array, w: jax.Array, bias: jax.Array | None, want: jax.Array,
+                           h_col: int = 0) -> np.ndarray:
+    """How far `gemv_gelu_in` may lie from `gemv_gelu_in_ref`'s `want` [1, N], per output: where the
+    row's GELU values rounded to bf16 differ between the kernel's formula (`gelu_tanh_exp`) and
+    jax.nn.gelu's (a neighbouring bf16 now and then), sum_i |difference_i| |w[Ko + i, j]|; the f32
+    sums' order (2^-20 of the sum of |terms|); and one bf16 ulp of each of the two roundings, the
+    sum's and, after the bias add, the output's (each the ulp of the binade a value one ulp up
+    reaches, for values at a power of two)."""
+    def ulp(v: np.ndarray) -> np.ndarray:  # of a bf16 value (8 significant bits)
+        v = np.abs(v) * (1 + 2.0**-7)
+        return 2.0 ** (np.floor(np.log2(np.maximum(v, 2.0**-126))) - 7)
+
+    def f64(a: jax.Array) -> np.ndarray:
+        return np.asarray(a.astype(jnp.float32), np.float64)
+
+    k_o = o.shape[1]
+    hh = h[:1, h_col:h_col + w.shape[0] - k_o].astype(jnp.float32)
+    rows = [f64(f(hh).astype(jnp.bfloat16)) for f in (gelu_tanh_exp, lambda v: jax.nn.gelu(v, approximate=True))]
+    wa = np.abs(f64(w))
+    moved = np.abs(rows[0] - rows[1]) @ wa[k_o:]
+    order = 2.0**-20 * (np.abs(f64(o)) @ wa[:k_o] + np.abs(rows[1]) @ wa[k_o:])
+    y = np.abs(f64(want))
+    summed = np.abs(f64(want) - (0.0 if bias is None else f64(bias)))
+    return moved + order + ulp(summed + moved + order) + ulp(y + moved + order)
 
 
 def _merged_tile(o_ref, lse_ref, head, rows: int, n_splits: int) -> jax.Array:
