@@ -139,6 +139,15 @@ def merge_supported(o: jax.Array | jax.ShapeDtypeStruct, lse: jax.Array | jax.Sh
             and jnp.dtype(w.dtype) == jnp.dtype(jnp.bfloat16))
 
 
+def _row_tile(row_ref, tile_ref, cols, mp: int) -> None:
+    """An x tile [mp, 64] formed in the kernel from columns `cols` of an SMEM row [K] (row 0; the
+    padding rows zero), through `_XROWS`, the layout that stores into the swizzled operand tile."""
+    row = plgpu.broadcasted_iota(jnp.int32, (mp, BLOCK_K), 0, layout=_XROWS)
+    v = plgpu.load(row_ref.at[cols], layout=_XROWS.reduce(0), optimized=False)
+    t = lax.broadcast_in_dim(v, (mp, BLOCK_K), (1,))
+    tile_ref[...] = jnp.where(row == 0, t, jnp.zeros_like(t))
+
+
 def gelu_tanh_exp(h: jax.Array) -> jax.Array:
     """GELU with the tanh approximation (`jax.nn.gelu(approximate=True)`) written with exp alone:
     0.5 (1 + tanh(z)) = 1 / (1 + exp(-2 z)), z = sqrt(2 / pi) (h + 0.044715 h^3), so GELU(h) =
@@ -352,13 +361,9 @@ def gemv_partials(
                 plgpu.copy_gmem_to_smem(x_ref.at[:, rows], x_buf.at[slot], bars.at[slot])
 
         def gelu_tile(i):
-            """Step i's x tile from the row in `g_row` (row 0; the padding rows zero)."""
+            """Step i's x tile from the row in `g_row`."""
             assert g_row is not None
-            row = plgpu.broadcasted_iota(jnp.int32, (mp, BLOCK_K), 0, layout=_XROWS)
-            v = plgpu.load(g_row.at[pl.ds(pl.multiple_of(i * BLOCK_K, BLOCK_K), BLOCK_K)],
-                           layout=_XROWS.reduce(0), optimized=False)
-            t = lax.broadcast_in_dim(v, (mp, BLOCK_K), (1,))
-            x_buf.at[i][...] = jnp.where(row == 0, t, jnp.zeros_like(t))
+            _row_tile(g_row, x_buf.at[i], pl.ds(pl.multiple_of(i * BLOCK_K, BLOCK_K), BLOCK_K), mp)
             plgpu.commit_smem()
 
         def scope(acc_ref):
@@ -573,10 +578,7 @@ def gemv_rows(
             writes it out (the normalised rows the expert GEMMs read)."""
             assert n_row is not None and n_ref is not None
             cols = pl.ds(i * BLOCK_K if isinstance(i, int) else pl.multiple_of(i * BLOCK_K, BLOCK_K), BLOCK_K)
-            row = plgpu.broadcasted_iota(jnp.int32, (mp, BLOCK_K), 0, layout=_XROWS)
-            v = plgpu.load(n_row.at[cols], layout=_XROWS.reduce(0), optimized=False)
-            t = lax.broadcast_in_dim(v, (mp, BLOCK_K), (1,))
-            x_buf.at[i][...] = jnp.where(row == 0, t, jnp.zeros_like(t))
+            _row_tile(n_row, x_buf.at[i], cols, mp)
             if commit:
                 plgpu.commit_smem()
                 pl.when(nb == 0)(lambda: plgpu.copy_smem_to_gmem(x_buf.at[i], n_ref.at[:, cols]))

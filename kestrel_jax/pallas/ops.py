@@ -375,7 +375,7 @@ def dense_out_gelu_in(o: jax.Array, h: jax.Array, h_col: int, w: jax.Array, b: j
     wc = w.astype(o.dtype)
     if not splits or kern.gelu_in_problem(o, h, wc, splits, h_col) is not None:
         return None
-    if b is not None and (b.shape != (w.shape[1],)):
+    if b is not None and b.shape != (w.shape[1],):
         return None
     return _jitted(kern.gemv_gelu_in, ("splits", "h_col", "stages"))(o, h, wc, b, splits=splits, h_col=h_col,
                                                                      stages=dense_decode_gemv()[2])
