@@ -1,11 +1,12 @@
-# Prepared in session 53 (2026-12-06) for the next session's first call: an H200 (kind nvidia-h200,
-# carry [".peer"]); move this file into the session's dated folder before running it. Session 53 ran
-# it as 5_run.sh but was lent an H100; issue 6's batch-1 targets are quoted on an H200 (session 48:
+# Prepared in session 53 (2026-12-06); run in session 54 as its first call (kind nvidia-h200, carry [".peerx"]:
+# .peer with its big wheel packed by tools/peer_carry.sh, since .peer and the tree passed 64 MiB).
+# Issue 6's batch-1 targets are quoted on an H200 (session 48:
 # MD3 W1 931.1, MD2 944.1 tok/s, before sessions 51 and 53's defaults: +0.9% and +1.4% on MD3 W1 on
 # H100s). (1) MD3 and MD2 W1 with the current defaults, (2) Kestrel 0.4.2's MD3 and MD2 in the same
 # call, (3) MD2 W2 at 64 clients if time is left. Outputs tarred into $OUT after each stage.
 FILT='cuda_event.cc\|cuda_stream.cc\|^===\|^external\|^$\|cuda_executor\|cuda_host_alloc\|local_device_state\|cuda_device_alloc\|JIT session error\|cuda_timer.cc'
 export PYTHONPATH=$PWD
+bash tools/peer_carry.sh unpack > /tmp/unpack.log 2>&1 || { echo unpack failed; cat /tmp/unpack.log; }
 X=/tmp/x1; rm -rf $X; mkdir -p $X/peer
 save() { tar czf $OUT/1_all.tgz -C /tmp x1; }
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv > $X/1_env.txt
