@@ -410,21 +410,24 @@ class Block(nnx.Module):
         split = self.attn.qkv.kernel.shape[1]
         return y[:, :split], y[:, split:], y
 
-    def dense_in_with_ln(self, x: jax.Array) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array] | None:
+    def dense_in_with_ln(self, x: jax.Array, residual: ops.PendingResidual | None = None
+                         ) -> tuple[tuple[jax.Array, jax.Array, jax.Array], jax.Array, jax.Array | None] | None:
         """A dense layer's one-row decode LayerNorm of the residual stream x and its joined QKV +
         fc1 product in one launch (`ops.decode_ln_dense_in`, on by default): ((QKV product, fc1 product,
-        the joined product) as `dense_decode_in` gives them, the normalised rows); the QKV slice and
-        the fc1 slice of row 0, the joined product padded to 8 rows (the QKV epilogue reads row 0's
-        QKV columns in place). None where that launch does not apply."""
+        the joined product) as `dense_decode_in` gives them, the normalised rows, None); the QKV slice
+        and the fc1 slice of row 0, the joined product padded to 8 rows (the QKV epilogue reads row
+        0's QKV columns in place). With `residual` (x is then its x) the same launch adds the previous
+        layer's output first, and the new residual stream row is the third item. None where that
+        launch does not apply."""
         if self.dense_w is None or self.dense_b is None:
             return None
         out = ops.decode_ln_dense_in(x, self.ln.scale[...], self.ln.bias[...], self.dense_w[...], self.dense_b[...],
-                                     eps=self.ln.eps)
+                                     eps=self.ln.eps, residual=residual)
         if out is None:
             return None
-        y, n = out
+        y, n, *x_new = out
         split = self.attn.qkv.kernel.shape[1]
-        return (y[:1, :split], y[:1, split:], y), n
+        return (y[:1, :split], y[:1, split:], y), n, (x_new[0] if x_new else None)
 
     def dense_decode_out(self, o: jax.Array, h: jax.Array, joined: jax.Array | None = None) -> jax.Array:
         """A dense layer's decode output projection of attention's output `o` plus its MLP's
@@ -441,7 +444,7 @@ class Block(nnx.Module):
                                        self.dense_out_b[...])
             if y1 is not None:
                 return y1
-        g = jnp.concatenate([o, gelu_tanh(h)], axis=1)
+        g = self._dense_out_row(o, h)
         stages = ops.dense_decode_gemv()[2]
         # The kernel at 64 rows, where it forms y's partials, not y^T's: with the transposed ones XLA
         # carried the residual stream transposed into the next LayerNorm, whose row statistics then
@@ -455,6 +458,18 @@ class Block(nnx.Module):
         if y is not None:
             return y
         return jnp.dot(g, self.dense_out_w[...].astype(g.dtype)) + self.dense_out_b[...].astype(g.dtype)
+
+    @staticmethod
+    def _dense_out_row(o: jax.Array, h: jax.Array) -> jax.Array:
+        return jnp.concatenate([o, gelu_tanh(h)], axis=1)
+
+    def dense_decode_out_pending(self, x: jax.Array, o: jax.Array, h: jax.Array) -> ops.PendingResidual | None:
+        """`x + dense_decode_out(o, h)` at one row, left for the next dense layer's rows kernel to add
+        (`ops.dense_residual_in_rows_wanted`): the joined product's row-0 split partials with the
+        stream and the bias; None where that does not apply."""
+        assert self.dense_out_w is not None and self.dense_out_b is not None
+        out = ops.dense_out_row0(self._dense_out_row(o, h), self.dense_out_w[...], self.dense_out_b[...])
+        return None if out is None else ops.PendingResidual(x, *out)
 
 
 class KVScales(nnx.Variable):
@@ -539,13 +554,17 @@ class TextModel(nnx.Module):
         n16_next: jax.Array | None = None  # and its f16 copy, where that kernel formed one
         # prefill and mixed steps: `ops.residual_layer_norm` (captures keep the jnp expressions)
         block_ln = batch.cu_q_lens is not None and not capture
+        # a one-row residual add left to the next dense layer's rows kernel (`ops.dense_residual_in_rows_wanted`)
+        pending: ops.PendingResidual | None = None
         for i, block in enumerate(self.blocks):
             aux: dict[str, jax.Array] | None = {} if capture else None
+            moe = isinstance(block.mlp, MoE)
+            ln_kernel = aux is None and batch.cu_q_lens is None and t <= qkv_kernel_rows()
+            if pending is not None and (moe or not ln_kernel or t != 1 or n_next is not None):
+                x, pending = ops.add_residual(pending), None  # (not made for such a layer: a safeguard)
             if aux is not None:
                 aux["block_inputs"] = x
-            moe = isinstance(block.mlp, MoE)
             n16, n16_next = n16_next, None  # the MoE's f16 operand rows, when a LayerNorm kernel formed them
-            ln_kernel = aux is None and batch.cu_q_lens is None and t <= qkv_kernel_rows()
             pre: tuple[jax.Array, jax.Array, TauDots | None] | None = None  # QKV + router formed with the LayerNorm
             dense_pre: tuple[jax.Array, jax.Array, jax.Array] | None = None  # a dense layer's, likewise
             if n_next is None and moe and ln_kernel:
@@ -566,9 +585,14 @@ class TextModel(nnx.Module):
                     x = jax.lax.optimization_barrier(x)
             elif n_next is None and ln_kernel and t == 1 and not moe:  # a dense layer's, in one launch
                 # on by default (`ops.dense_ln_in_rows_wanted`): inside the rows kernel of the joined QKV + fc1 product
-                dense_ln = block.dense_in_with_ln(x) if ops.dense_in_one_row() else None
+                dense_ln = block.dense_in_with_ln(x, pending) if ops.dense_in_one_row() else None
+                if dense_ln is None and pending is not None:  # the rows kernel refused it: XLA's add
+                    x, pending = ops.add_residual(pending), None
+                    dense_ln = block.dense_in_with_ln(x) if ops.dense_in_one_row() else None
                 if dense_ln is not None:
-                    dense_pre, n_next = dense_ln
+                    dense_pre, n_next, x_new = dense_ln
+                    if x_new is not None:  # the residual added in that launch
+                        x, pending = x_new, None
                 else:
                     n_next = ops.decode_dense_layer_norm(x, block.ln.scale[...], block.ln.bias[...],
                                                          eps=block.ln.eps)
@@ -644,6 +668,12 @@ class TextModel(nnx.Module):
             if rows is not None:
                 m = combine_rows(rows, t, x.dtype)
             elif out_joined and dense_in is not None:  # `a`: attention's output before its projection
+                if (t == 1 and ln_kernel and nxt_block is not None and not isinstance(nxt_block.mlp, MoE)
+                        and nxt_block.dense_w is not None and ops.dense_in_one_row()):
+                    # opt-in: the residual add inside the next dense layer's rows kernel
+                    pending = block.dense_decode_out_pending(x, a, dense_in[1])
+                    if pending is not None:
+                        continue
                 x = x + block.dense_decode_out(a, dense_in[1], dense_in[2])
                 continue
             elif h_one is not None:
@@ -662,6 +692,8 @@ class TextModel(nnx.Module):
                 x = (x + a) + m
             if aux is not None:
                 captured.append(aux)
+        if pending is not None:  # (made only with a next layer: a safeguard)
+            x = ops.add_residual(pending)
         new_cache = KVCache(tuple(ks), tuple(vs), cache.k_scale, cache.v_scale)
         return x, new_cache, captured
 

@@ -269,6 +269,7 @@ def gemv_partials(
     gate: Gate | None = None,
     row_major: bool = False,
     gelu_in: tuple[jax.Array, jax.Array, int] | None = None,
+    row0: bool = False,
     interpret: bool = False,
     detect_races: bool = False,
 ) -> jax.Array:  # [splits, N (+ N2), Mp] f32 partials of y^T (columns >= M zero); row_major: [splits, 64, N]
@@ -289,7 +290,12 @@ def gemv_partials(
     h): each CTA loads its range of the row (o's and h's at once, before the weight ring's fill),
     applies GELU_tanh (`gelu_tanh_exp`, rounded to bf16) where the range is h's, keeps it in SMEM
     and forms each step's x tile from it at the top of the step; the concat, the GELU and the pad
-    to 8 rows need no launch of their own."""
+    to 8 rows need no launch of their own.
+
+    `row0` (one row of x: M = 1, or `gelu_in`, or `merge` of one row): the partials of that row
+    alone, [splits, N] f32, contiguous (each CTA sums its accumulator over the 8 columns, 7 of them
+    the exact zeros of the padding rows): what a consumer that finishes the row itself reads
+    (`gemv_rows`' `residual`), 32 bytes of every 256 of the padded layout."""
     if gelu_in is not None:
         problem = gelu_in_problem(gelu_in[0], gelu_in[1], w, splits or default_splits(w.shape[0], w.shape[1]),
                                   gelu_in[2])
@@ -319,6 +325,8 @@ def gemv_partials(
         x_dtype = x.dtype
     if row_major and (mp != 64 or merge is not None):
         raise ValueError(f"row-major partials need 64 rows of x (not merged), got {mp}")
+    if row0 and (M != 1 or row_major):
+        raise ValueError(f"row-0 partials need one row of x (not row-major), got {M}")
     N1 = w.shape[1]
     N = N1 + (0 if w2 is None else w2.shape[1])
     s_count = splits or default_splits(K, N)
@@ -399,11 +407,16 @@ def gemv_partials(
                 assert gate is not None
                 pl.when(gate_ref[gate.row, gate.column] != 0)(
                     lambda: _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages, row_major=row_major))
-            o_smem[...] = acc_ref[...]
+            if row0:  # row 0 of y^T's block: the padding rows' columns are exact zeros
+                o_smem[...] = jnp.sum(acc_ref[...], axis=1)
+            else:
+                o_smem[...] = acc_ref[...]
 
         pl.run_scoped(scope, plgpu.ACC(acc_shape, jnp.float32))
         plgpu.commit_smem()
-        if row_major:
+        if row0:
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[s, pl.ds(n0, BLOCK_N)])
+        elif row_major:
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[s, :, pl.ds(n0, BLOCK_N)])
         else:
             plgpu.copy_smem_to_gmem(o_smem, o_ref.at[s, pl.ds(n0, BLOCK_N)])
@@ -412,7 +425,8 @@ def gemv_partials(
     acc_shape = (mp, BLOCK_N) if row_major else (BLOCK_N, mp)
     kern = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((s_count, mp, N) if row_major else (s_count, N, mp), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((s_count, N) if row0 else (s_count, mp, N) if row_major else (s_count, N, mp),
+                                      jnp.float32),
         grid=(N // BLOCK_N, s_count),
         grid_names=("n", "s"),
         kernel_name="kestrel_gemv",
@@ -420,7 +434,7 @@ def gemv_partials(
             plgpu.SMEM((n_stages, BLOCK_K, BLOCK_N), w.dtype, transforms=_TRANSFORMS),
             # x tiles: the ring's, or with `merge` / `gelu_in` every step's (resident)
             plgpu.SMEM((steps if resident else n_stages, mp, BLOCK_K), x_dtype, transforms=_TRANSFORMS),
-            plgpu.SMEM(acc_shape, jnp.float32),
+            plgpu.SMEM((BLOCK_N,) if row0 else acc_shape, jnp.float32),
             plgpu.Barrier(num_arrivals=1 if resident else 2, num_barriers=n_stages),
             *([plgpu.SMEM((span,), jnp.bfloat16)] if gelu_in is not None else []),  # the row, on its way into the tiles
         ],
@@ -451,6 +465,7 @@ def gemv_rows(
     ln: tuple[jax.Array, jax.Array] | None = None,  # (scale, bias) [K] bf16: x is the LayerNorm's input
     ln_eps: float = 1e-5,
     ln_tiles_ahead: bool = False,
+    residual: tuple[jax.Array, jax.Array | None] | None = None,  # (parts [S, K] f32, bias [K] bf16 or None)
     stages: int = ROWS_STAGES,
     interpret: bool = False,
     detect_races: bool = False,
@@ -480,7 +495,15 @@ def gemv_rows(
     every tile before the first MMA instead (the forty-ninth session's order, measured +2.5 us on
     the kernel, for A/B runs). The normalised rows, padded to Mp, are appended to the outputs (after
     the tau dots), written tile by tile by CTA 0, for the other readers of the layer's normalised
-    input (the MoE's expert GEMMs)."""
+    input (the MoE's expert GEMMs).
+
+    With `residual` = (parts, bias) as well, x is the residual stream before the previous layer's
+    output is added: the LayerNorm's input is x' = x + (the sum of parts [S, K] over S, rounded to
+    bf16, + bias, rounded to bf16), rounded to bf16 (`residual_row_ref`: the split partials of the
+    previous layer's one-row output product, `gemv_partials(row0=True)`, summed in their order,
+    finished and added to the stream as XLA rounds `x + gemv(...)`). Every CTA forms x' from the
+    loads issued before its weight ring's fill; CTA 0 writes it out, [1, K] bf16, appended after
+    the normalised rows: the residual add needs no launch of its own."""
     ws = (w1,) if w2 is None else (w1, w2)
     bs = (b1,) if w2 is None else (b1, b2)
     for ww, bb in zip(ws, bs, strict=True):
@@ -493,6 +516,8 @@ def gemv_rows(
     problem = None if tau_w is None else tau_dots_problem(tau_w[0], tau_w[1], N1)
     if problem is None and ln is not None:
         problem = ln_rows_problem(x, ln[0], ln[1])
+    if problem is None and residual is not None:
+        problem = residual_problem(x, residual[0], residual[1]) if ln is not None else "a residual without `ln`"
     if problem is not None:
         raise ValueError(f"gemv_rows: {problem}")
     mp = -(-M // 8) * 8
@@ -500,10 +525,13 @@ def gemv_rows(
         x = jnp.pad(x, ((0, mp - M), (0, 0)))
     steps = K // BLOCK_K
     has_ln = ln is not None
+    has_res = residual is not None
+    res_bias = has_res and residual is not None and residual[1] is not None
+    n_parts = 0 if residual is None else residual[0].shape[0]
     # with `ln` the x tiles are formed in the kernel and stay resident: the ring carries weights only
     per_stage = (BLOCK_K * BLOCK_N + (0 if has_ln else mp * BLOCK_K)) * 2
     tau_smem = 0 if tau_w is None else TAU_ROWS * BLOCK_N * 2 + mp * BLOCK_N * 2 + TAU_ROWS * mp * 4 + 64
-    ln_smem = 0 if not has_ln else (steps * mp * BLOCK_K + K) * 2
+    ln_smem = 0 if not has_ln else (steps * mp * BLOCK_K + K * (2 if has_res else 1)) * 2
     n_stages = max(1, min(stages, steps, (_SMEM_LIMIT - mp * BLOCK_N * 2 - 2048 - tau_smem - ln_smem) // per_stage))
     n_blocks = sum(ww.shape[1] for ww in ws) // BLOCK_N
     w_refs_n, b_present = len(ws), [bb is not None for bb in bs]
@@ -516,12 +544,16 @@ def gemv_rows(
         b_refs = [rest.pop(0) if present else None for present in b_present]
         wq_ref, wv_ref = (rest.pop(0), rest.pop(0)) if has_tau else (None, None)
         sc_ref, sh_ref = (rest.pop(0), rest.pop(0)) if has_ln else (None, None)
+        p_ref = rest.pop(0) if has_res else None
+        rb_ref = rest.pop(0) if res_bias else None
         o_refs = [rest.pop(0) for _ in ws]
         d_ref = rest.pop(0) if has_tau else None
         n_ref = rest.pop(0) if has_ln else None
+        r_ref = rest.pop(0) if has_res else None
         w_buf, x_buf, o_smem, bars = rest[:4]
         rest = rest[4:]
         n_row = rest.pop(0) if has_ln else None
+        r_row = rest.pop(0) if has_res else None
         nb = lax.axis_index("n")
         n0 = pl.multiple_of(nb * BLOCK_N, BLOCK_N)
         if has_tau:
@@ -557,8 +589,11 @@ def gemv_rows(
             12 us per call (128 dependent 4-byte loads per thread), and through a TMA copy the SMEM
             got a swizzle the plain loads did not undo."""
             assert sc_ref is not None and sh_ref is not None
-            strided = plgpu.Layout.WG_STRIDED((K,), _ln_vec(K))
-            return tuple(plgpu.load(ref, layout=strided) for ref in (x_ref.at[0], sc_ref, sh_ref))
+            strided = plgpu.Layout.WG_STRIDED((K,), _ln_vec(K, has_res))
+            refs = [x_ref.at[0], sc_ref, sh_ref]
+            if p_ref is not None:  # the residual's partials (and bias) too
+                refs += [p_ref.at[i] for i in range(n_parts)] + ([] if rb_ref is None else [rb_ref])
+            return tuple(plgpu.load(ref, layout=strided) for ref in refs)
 
         def normalise(loaded):
             """x's row normalised into the SMEM row `n_row`, from which `ln_tile` forms the x tiles:
@@ -566,12 +601,29 @@ def gemv_rows(
             back in 64-column slices, in the layout that stores into the swizzled operand tiles,
             `_XROWS`)."""
             assert n_ref is not None and n_row is not None
-            xv, sc, sh = (v.astype(jnp.float32) for v in loaded)
+            xv, sc, sh = (v.astype(jnp.float32) for v in loaded[:3])
+            if has_res:  # x' = x + finished(sum of the partials in order, + bias), as XLA rounds it
+                assert r_row is not None and r_ref is not None
+                parts = loaded[3:3 + n_parts]
+                y = functools.reduce(jnp.add, parts).astype(jnp.bfloat16).astype(jnp.float32)
+                if res_bias:
+                    y = (y + loaded[3 + n_parts].astype(jnp.float32)).astype(jnp.bfloat16).astype(jnp.float32)
+                xn = (xv + y).astype(jnp.bfloat16)
+                r_row[...] = xn
+                xv = xn.astype(jnp.float32)
             mean = jnp.sum(xv) / K
             var = jnp.maximum(jnp.sum(xv * xv) / K - mean * mean, 0.0)
             n = (xv - mean) * lax.rsqrt(var + ln_eps) * sc + sh
             n_row[...] = n.astype(jnp.bfloat16)
             plgpu.commit_smem()
+            if has_res:
+
+                @pl.when(nb == 0)
+                def _write_residual():  # in slices of at most 256 elements (a TMA box's limit)
+                    assert r_row is not None and r_ref is not None
+                    for c in range(0, K, _BOX):
+                        plgpu.copy_smem_to_gmem(r_row.at[pl.ds(c, min(_BOX, K - c))],
+                                                r_ref.at[0, pl.ds(c, min(_BOX, K - c))])
 
         def ln_tile(i, commit: bool = True):
             """Step i's x tile from the normalised row (row 0; the padding rows zero); CTA 0 also
@@ -649,6 +701,8 @@ def gemv_rows(
     ]
     if has_ln:
         scratch.append(plgpu.SMEM((K,), jnp.bfloat16))  # the normalised row, on its way into the tiles
+    if has_res:
+        scratch.append(plgpu.SMEM((K,), jnp.bfloat16))  # the residual stream's new row, on its way out
     if has_tau:
         out_type.append(jax.ShapeDtypeStruct((N1 // BLOCK_N, TAU_ROWS, mp), jnp.float32))
         scratch += [
@@ -659,6 +713,8 @@ def gemv_rows(
         ]
     if has_ln:
         out_type.append(jax.ShapeDtypeStruct((mp, K), jnp.bfloat16))
+    if has_res:
+        out_type.append(jax.ShapeDtypeStruct((1, K), jnp.bfloat16))
     kern = plgpu.kernel(
         body,
         out_type=tuple(out_type),
@@ -673,15 +729,21 @@ def gemv_rows(
     if has_ln:
         assert ln is not None
         args += [ln[0], ln[1]]
+    if residual is not None:
+        args += [residual[0]] + ([] if residual[1] is None else [residual[1]])
     return tuple(kern(*args))
 
 
 LN_VEC = 8  # elements per thread per load of the LayerNorm's operands (16 bytes of bf16)
 
 
-def _ln_vec(k: int) -> int:
-    """Elements per load of a [k] row over a warpgroup (k a multiple of 128): up to `LN_VEC`."""
-    v = LN_VEC
+_BOX = 256  # elements along a dimension of one TMA copy, at most
+
+
+def _ln_vec(k: int, f32: bool = False) -> int:
+    """Elements per load of a [k] row over a warpgroup (k a multiple of 128): up to `LN_VEC`, or
+    with `f32` operands among the row's loads (`gemv_rows`' residual partials) up to 4 (16 bytes)."""
+    v = LN_VEC // 2 if f32 else LN_VEC
     while (k // 128) % v:
         v //= 2
     return v
@@ -701,6 +763,27 @@ def ln_rows_problem(x: jax.Array | jax.ShapeDtypeStruct, scale: jax.Array | jax.
         return (f"the LayerNorm in the rows kernel takes bf16 x, scale and bias, got {x.dtype}, {scale.dtype}, "
                 f"{bias.dtype}")
     return None
+
+
+def residual_problem(x: jax.Array | jax.ShapeDtypeStruct, parts: jax.Array | jax.ShapeDtypeStruct,
+                     bias: jax.Array | jax.ShapeDtypeStruct | None) -> str | None:
+    """Why `gemv_rows` cannot add this residual (parts [S, K] f32, bias [K] bf16 or None) to x
+    itself (None: it can)."""
+    K = x.shape[1]
+    if parts.ndim != 2 or parts.shape[1] != K or not 1 <= parts.shape[0] <= 16:
+        return f"residual partials {parts.shape} must be [1..16, {K}]"
+    if jnp.dtype(parts.dtype) != jnp.dtype(jnp.float32):
+        return f"residual partials must be float32, got {parts.dtype}"
+    if bias is not None and (bias.shape != (K,) or jnp.dtype(bias.dtype) != jnp.dtype(jnp.bfloat16)):
+        return f"residual bias {bias.shape} {bias.dtype} must be bf16 [{K}]"
+    return None
+
+
+def residual_row_ref(x: jax.Array, parts: jax.Array, bias: jax.Array | None) -> jax.Array:
+    """x' of `gemv_rows`' residual: x [1, K] bf16 + (parts [S, K] f32 summed in order, rounded to
+    bf16, + bias in bf16), in bf16: what `x + gemv(row, w, bias)` gives at one row."""
+    y = functools.reduce(jnp.add, [parts[i] for i in range(parts.shape[0])])[None]
+    return x + _finish(y, bias, jnp.dtype(x.dtype))
 
 
 def ln_rows_ref(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:

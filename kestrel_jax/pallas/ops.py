@@ -12,7 +12,7 @@ import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -524,14 +524,19 @@ def dense_ln_in_rows_wanted() -> bool:
 
 
 def decode_ln_dense_in(x: jax.Array, scale: jax.Array, bias: jax.Array, w: jax.Array, b: jax.Array | None, *,
-                       eps: float) -> tuple[jax.Array, jax.Array] | None:
+                       eps: float, residual: PendingResidual | None = None) -> tuple[jax.Array, ...] | None:
     """A dense layer's one-row decode LayerNorm and its joined QKV + fc1 product (`Block.dense_w`,
     `dense_b`) in one launch: `gemv_mgpu.gemv_rows` with `ln`, every CTA normalising x (the residual
     stream, [1, D]) itself. -> (the product's rows, the normalised rows), both padded to the row tile
     of 8 (the QKV epilogue reads the QKV columns of row 0 in place); None off the kernel path, with
-    `dense_ln_in_rows_wanted()` or the rows kernel off, or for shapes the kernel refuses."""
+    `dense_ln_in_rows_wanted()` or the rows kernel off, or for shapes the kernel refuses. With
+    `residual` (the previous layer's output still to be added, `dense_out_row0`), x is ignored: the
+    same launch forms the residual stream's new row from `residual` (`gemv_rows`' residual), and
+    it is the third item."""
     if not (dense_ln_in_rows_wanted() and gemv_rows_wanted()):
         return None
+    if residual is not None:
+        x = residual.x
     if x.shape[0] != 1 or not _gemv_usable(x, 1, w):
         return None
     from kestrel_jax.pallas import gemv_mgpu as kern
@@ -539,10 +544,64 @@ def decode_ln_dense_in(x: jax.Array, scale: jax.Array, bias: jax.Array, w: jax.A
     wc = w.astype(x.dtype)
     if kern.ln_rows_problem(x, scale, bias) is not None or not _rows_biases_ok(wc, b, wc, None):
         return None
+    res = None if residual is None else (residual.parts, residual.bias)
+    if res is not None and kern.residual_problem(x, *res) is not None:
+        return None
     run = _jitted(kern.gemv_rows, ("stages", "ln_eps", "ln_tiles_ahead"))
-    y, n = run(x, wc, b, stages=rows_gemv_stages(), ln=(scale, bias), ln_eps=float(eps),
-               ln_tiles_ahead=ln_in_rows_mode() == "ahead")
-    return y, n
+    return tuple(run(x, wc, b, stages=rows_gemv_stages(), ln=(scale, bias), ln_eps=float(eps),
+                     ln_tiles_ahead=ln_in_rows_mode() == "ahead", **({} if res is None else {"residual": res})))
+
+
+class PendingResidual(NamedTuple):
+    """A one-row residual add not yet done: the stream x [1, D] bf16 plus the previous layer's
+    output, held as its product's row-0 split partials [S, D] f32 (`dense_out_row0`) and bias
+    (bf16 [D] or None); the next dense layer's rows kernel adds it (`decode_ln_dense_in`), or
+    `add_residual` in XLA."""
+
+    x: jax.Array
+    parts: jax.Array
+    bias: jax.Array | None
+
+
+def add_residual(r: PendingResidual) -> jax.Array:
+    """x + the finished product, as XLA rounds `x + gemv(...)` (`gemv_mgpu.residual_row_ref`)."""
+    from kestrel_jax.pallas import gemv_mgpu as kern
+
+    return kern.residual_row_ref(r.x, r.parts, r.bias)
+
+
+def dense_residual_in_rows_wanted() -> bool:
+    """Whether a one-row decode step leaves a dense layer's residual add to the next dense layer's
+    rows kernel (`decode_ln_dense_in`'s residual): the joined output + fc2 product then writes its
+    row-0 split partials ([S, D] f32, `dense_out_row0`) and the next rows kernel, which normalises
+    the stream anyway, first forms x + the finished product itself; XLA's residual add fusion (a
+    launch per layer) goes. KESTREL_JAX_DENSE_RESIDUAL_IN_ROWS, read at trace time (default 0: A/B
+    pending); it needs the LayerNorm in the rows kernel (`dense_ln_in_rows_wanted`)."""
+    return flag("KESTREL_JAX_DENSE_RESIDUAL_IN_ROWS", False)
+
+
+def dense_out_row0(g: jax.Array, w: jax.Array, b: jax.Array | None) -> tuple[jax.Array, jax.Array | None] | None:
+    """A dense layer's one-row joined output + fc2 product (g [1, K] @ w), unfinished: (its row-0
+    split partials [S, N] f32 from the decode GEMM kernel in `dense_out_splits(one_row=True)` K
+    ranges, the bias as bf16), for the next dense layer's rows kernel to add
+    (`dense_residual_in_rows_wanted`); None where that does not apply (the switch or the kernels
+    off, KESTREL_JAX_DENSE_OUT_GELU_IN on, or shapes the kernels refuse)."""
+    if not (dense_residual_in_rows_wanted() and dense_ln_in_rows_wanted() and gemv_rows_wanted()):
+        return None
+    if g.shape[0] != 1 or dense_out_gelu_in_wanted() or not _gemv_usable(g, 1, w):
+        return None
+    from kestrel_jax.pallas import gemv_mgpu as kern
+
+    splits = dense_out_splits(g.shape[1], one_row=True)
+    n = w.shape[1]
+    if not splits or (g.shape[1] // kern.BLOCK_K) % splits or (b is not None and b.shape != (n,)):
+        return None
+    if kern.residual_problem(jax.ShapeDtypeStruct((1, n), g.dtype), jax.ShapeDtypeStruct((splits, n), jnp.float32),
+                             None) is not None:
+        return None
+    parts = _jitted(kern.gemv_partials, ("splits", "stages", "row0"))(
+        g, w.astype(g.dtype), splits=splits, stages=dense_decode_gemv()[2], row0=True)
+    return parts, None if b is None else b.astype(g.dtype)
 
 
 def _rows_biases_ok(w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None) -> bool:

@@ -34,12 +34,13 @@ PAGES, PAGE, MAXP = 8, 64, 4
 _prefetched: list[str] = []  # what the decode attention stand-in was handed to prefetch into L2
 
 
-def _partials(x, w, w2=None, **_):  # [2, N, Mp] f32 partials of y^T, K split in two
+def _partials(x, w, w2=None, *, row0=False, **_):  # [2, N, Mp] f32 partials of y^T, K split in two
     ww = w if w2 is None else jnp.concatenate([w, w2], axis=1)
     mp = -(-x.shape[0] // 8) * 8
     xp = jnp.pad(x, ((0, mp - x.shape[0]), (0, 0))).astype(jnp.float32)
     h = x.shape[1] // 2
-    return jnp.stack([(xp[:, :h] @ ww[:h].astype(jnp.float32)).T, (xp[:, h:] @ ww[h:].astype(jnp.float32)).T])
+    parts = jnp.stack([(xp[:, :h] @ ww[:h].astype(jnp.float32)).T, (xp[:, h:] @ ww[h:].astype(jnp.float32)).T])
+    return parts[:, :, 0] if row0 else parts  # `row0`: row 0's alone, [2, N]
 
 
 _sides: list[tuple] = []  # the side products' x shapes (or merged partials) the expert rows stand-in was handed
@@ -78,12 +79,17 @@ def _rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tok
 def _with_ln(rows):
     """A rows kernel stand-in `rows(x, w1, b1, w2, b2, **kw)` that also takes the kernel's `ln`
     (the LayerNorm inside it, on by default at one row): x normalised with `gemv_mgpu.ln_rows_ref`
-    first, the normalised rows (padded with zeros) appended to what `rows` returns."""
-    def call(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=1e-5, **kw):
+    first, the normalised rows (padded with zeros) appended to what `rows` returns; with the
+    kernel's `residual` too, x + the finished partials first (`gemv_mgpu.residual_row_ref`), that
+    row appended last."""
+    def call(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=1e-5, residual=None, **kw):
         if ln is None:
+            assert residual is None
             return rows(x, w1, b1, w2, b2, **kw)
+        added = () if residual is None else (gemv_mgpu.residual_row_ref(x, *residual),)
+        x = added[0] if added else x
         n = gemv_mgpu.ln_rows_ref(x, ln[0], ln[1], ln_eps)
-        return (*rows(n[:x.shape[0]], w1, b1, w2, b2, **kw), n)
+        return (*rows(n[:x.shape[0]], w1, b1, w2, b2, **kw), n, *added)
     return call
 
 

@@ -19,19 +19,22 @@ from test_decode_fusion import _bf16_decode_case, _gemv_rows, interpret_epilogue
 from kestrel_jax.pallas import gemv_mgpu, ops
 
 
-def _rows_stand_in(monkeypatch: pytest.MonkeyPatch, calls: list[tuple[int, int, bool]]) -> None:
-    """The rows kernel's stand-in, recording (rows of x, columns of the first product, with `ln`);
+def _rows_stand_in(monkeypatch: pytest.MonkeyPatch, calls: list[tuple]) -> None:
+    """The rows kernel's stand-in, recording (rows of x, columns of the first product, with `ln`[,
+    the residual's partials' shape and whether it has a bias]);
     the QKV epilogue runs interpreted (it reads the padded rows)."""
-    def rows(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=1e-5, **_):
-        calls.append((x.shape[0], w1.shape[1], ln is not None))
-        return _gemv_rows(x, w1, b1, w2, b2, ln=ln, ln_eps=ln_eps)
+    def rows(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=1e-5, residual=None, **_):
+        # (with a residual: its partials' shape and whether it has a bias, a fourth item)
+        extra = () if residual is None else ((residual[0].shape, residual[1] is not None),)
+        calls.append((x.shape[0], w1.shape[1], ln is not None, *extra))
+        return _gemv_rows(x, w1, b1, w2, b2, ln=ln, ln_eps=ln_eps, residual=residual)
 
     monkeypatch.setattr(gemv_mgpu, "gemv_rows", rows)
     monkeypatch.delenv("KESTREL_JAX_DECODE_QKV_KERNEL")
     interpret_epilogue(monkeypatch)
 
 
-def _case(monkeypatch: pytest.MonkeyPatch, calls: list[tuple[int, int, bool]], seed: int,
+def _case(monkeypatch: pytest.MonkeyPatch, calls: list[tuple], seed: int,
           family: Literal["md2", "md3"] = "md3") -> tuple:
     """The rows kernel's stand-in in place (`_rows_stand_in`), the tiny bf16 MD3 (or `family`'s)
     decode case and the reference path's hidden states: (model, x, batch, cache, want)."""
