@@ -2,7 +2,7 @@
 # dense layer's rows kernel (KESTREL_JAX_DENSE_RESIDUAL_IN_ROWS=1: the joined output + fc2 product
 # writes row-0 split partials, the next rows kernel forms x + finished partials before its LayerNorm;
 # XLA's residual add fusion, ~1.57 us x 23 in MD2's step on an H100, goes). Kernel check, MD2 probe
-# A/B, MD2 W1 B then A (own processes and compile caches), MD3 probe if time is left.
+# A/B, MD2 W1 B then A (own processes and compile caches), MD3 W1 (defaults) if time is left.
 FILT='cuda_event.cc\|cuda_stream.cc\|^===\|^external\|^$\|cuda_executor\|cuda_host_alloc\|local_device_state\|cuda_device_alloc\|JIT session error\|cuda_timer.cc'
 export PYTHONPATH=$PWD
 X=/tmp/x2; rm -rf $X; mkdir -p $X
@@ -23,7 +23,6 @@ for run in B A; do
     | grep -v "$FILT" > $X/2_w1_md2_$run.log
   echo "md2 W1 $run [$ENV] ($SECONDS s): $(grep "w1:\|rror" $X/2_w1_md2_$run.log | cut -c1-150 | tr '\n' ' ')"; save
 done
-[ $SECONDS -lt 480 ] && timeout $((590 - SECONDS)) python3 tools/probe_step_kernels.py --kernels 45 --top 30 --model md3 \
-  --kinds decode --batch 1 --sets default KESTREL_JAX_DENSE_RESIDUAL_IN_ROWS=1 --json $X/2_probe_md3.json 2>&1 \
-  | grep -v "$FILT" > $X/2_probe_md3.log
-echo "probe md3 ($SECONDS s):"; grep "^\[.*\] decode:\|rror\|^decode:" $X/2_probe_md3.log | cut -c1-150; save
+[ $SECONDS -lt 470 ] && timeout $((590 - SECONDS)) python3 tools/benchmark.py --model md3 --random-weights \
+  --compile-cache /tmp/cc_md3 --workloads w1 $ARGS --out $X/2_w1_md3_A.json 2>&1 | grep -v "$FILT" > $X/2_w1_md3_A.log
+echo "md3 W1 A ($SECONDS s): $(grep "w1:\|rror" $X/2_w1_md3_A.log | cut -c1-150 | tr '\n' ' ')"; save
