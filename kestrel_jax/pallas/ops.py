@@ -575,9 +575,17 @@ def dense_residual_in_rows_wanted() -> bool:
     rows kernel (`decode_ln_dense_in`'s residual): the joined output + fc2 product then writes its
     row-0 split partials ([S, D] f32, `dense_out_row0`) and the next rows kernel, which normalises
     the stream anyway, first forms x + the finished product itself; XLA's residual add fusion (a
-    launch per layer) goes. KESTREL_JAX_DENSE_RESIDUAL_IN_ROWS, read at trace time (default 0: A/B
-    pending); it needs the LayerNorm in the rows kernel (`dense_ln_in_rows_wanted`)."""
-    return flag("KESTREL_JAX_DENSE_RESIDUAL_IN_ROWS", False)
+    launch per layer) goes. KESTREL_JAX_DENSE_RESIDUAL_IN_ROWS, read at trace time (default 1; 0
+    turns it off); it needs the LayerNorm in the rows kernel (`dense_ln_in_rows_wanted`). H100,
+    fifty-fourth session: MD2 batch-1 step 1,720.0 -> 1,691.3 us of CUPTI time (-1.7%, 23 launches
+    fewer: the 1.58 us add per layer; the rows kernel 23.69 -> 24.02 us per layer), W1 762.9 /
+    762.7 off against 774.6 / 775.2 tok/s on (+1.6%, two pairs in processes of their own); MD3 (three
+    dense-to-dense layers) W1 797.2 off against 799.9 on (one pair). GPU checks: the new row exactly
+    the numpy reference rounding each operation, the row-0 partials bit for bit the padded
+    partials' column 0, the normalised row and products bit for bit the rows kernel's fed the row
+    (`tools/check_ln_in_rows.py --dense --residual`, 4 draws); MD2's hidden states after one decode
+    step, on against off, the same bit for bit (`tools/check_decode_fusion.py`, 24 layers and 2)."""
+    return flag("KESTREL_JAX_DENSE_RESIDUAL_IN_ROWS", True)
 
 
 def dense_out_row0(g: jax.Array, w: jax.Array, b: jax.Array | None) -> tuple[jax.Array, jax.Array | None] | None:

@@ -1,5 +1,6 @@
-# Prepared in session 53 (2026-12-06); run in session 54 as its first call (kind nvidia-h200, carry [".peerx"]:
-# .peer with its big wheel packed by tools/peer_carry.sh, since .peer and the tree passed 64 MiB).
+# Prepared in session 53 (2026-12-06) for an H200 (kind nvidia-h200, carry [".peerx"]: .peer with its big
+# wheel packed by `bash tools/peer_carry.sh pack`, since .peer and the tree passed 64 MiB); session 54 could
+# not get a machine for it. Move this file into the session's dated folder before running it.
 # Issue 6's batch-1 targets are quoted on an H200 (session 48:
 # MD3 W1 931.1, MD2 944.1 tok/s, before sessions 51 and 53's defaults: +0.9% and +1.4% on MD3 W1 on
 # H100s). (1) MD3 and MD2 W1 with the current defaults, (2) Kestrel 0.4.2's MD3 and MD2 in the same

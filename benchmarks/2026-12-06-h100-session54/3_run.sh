@@ -1,0 +1,6 @@
+# Session 54 (2026-12-06), calls 2 and 3, on call 1's H100 kept warm (2_run.sh was call 1), run
+# inline. Call 2: MD2 W1 A then B (the reverse of call 1's order), MD3 W1 with the switch on (its
+# three dense-to-dense layers). Call 3: tools/check_decode_fusion.py on MD2, all 24 layers and 2.
+export PYTHONPATH=$PWD; X=$OUT; ARGS="--engine-args decode_buckets=1,64 prefill_token_buckets=768,1536,2048,3072 runner.vision_buckets=1"; for run in md2_A md2_B md3_B; do M=${run%_*}; v=${run#*_}; ENV="KESTREL_JAX_UNUSED=0"; [ $v = B ] && ENV="KESTREL_JAX_DENSE_RESIDUAL_IN_ROWS=1"; [ $SECONDS -lt 400 ] && env $ENV timeout $((520 - SECONDS)) python3 tools/benchmark.py --model $M --random-weights --compile-cache /tmp/cc3_$run --workloads w1 $ARGS --out $X/3_w1_$run.json > $X/3_w1_$run.log 2>&1; echo "$run [$ENV] ($SECONDS s): $(grep "w1:\|rror" $X/3_w1_$run.log | cut -c1-150 | tr '\n' ' ')"; done
+# call 3
+export PYTHONPATH=$PWD; timeout 200 python3 tools/check_decode_fusion.py --model md2 --fused-dense-decode --switch KESTREL_JAX_DENSE_RESIDUAL_IN_ROWS --batches 1 > $OUT/3_check_fusion_md2.log 2>&1; timeout 150 python3 tools/check_decode_fusion.py --model md2 --fused-dense-decode --switch KESTREL_JAX_DENSE_RESIDUAL_IN_ROWS --batches 1 --layers 2 >> $OUT/3_check_fusion_md2.log 2>&1; grep -v "cuda_\|^W1\|^I1" $OUT/3_check_fusion_md2.log | tail -12
