@@ -20,6 +20,19 @@ from kestrel_jax.pallas import gemv_mgpu, ops
 NAME = "KESTREL_JAX_DENSE_RESIDUAL_IN_ROWS"
 
 
+def _count_xla_adds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """`ops.add_residual` (the model's add of a pending residual in XLA) wrapped: one entry a call."""
+    counted: list[int] = []
+    real = ops.add_residual
+
+    def counting(r: ops.PendingResidual) -> jax.Array:
+        counted.append(1)
+        return real(r)
+
+    monkeypatch.setattr(ops, "add_residual", counting)
+    return counted
+
+
 @pytest.mark.parametrize("family", ["md2", "md3"])
 def test_dense_layers_add_the_residual_in_the_next_rows_kernel(stand_ins: list[str],  # noqa: F811
                                                                monkeypatch: pytest.MonkeyPatch, family: str) -> None:
@@ -42,7 +55,7 @@ def test_dense_layers_add_the_residual_in_the_next_rows_kernel(stand_ins: list[s
         return _partials(x, w, w2, **kw)
 
     monkeypatch.setattr(gemv_mgpu, "gemv_partials", partials)
-    model, x1, batch1, cache, want = _case(monkeypatch, rows_calls, 11, family)  # type: ignore[arg-type]
+    model, x1, batch1, cache, want = _case(monkeypatch, rows_calls, 11, family)
     cfg = model.cfg
     dense = [not cfg.is_moe_layer(i) for i in range(cfg.n_layers)]
     handed = sum(dense[i] and dense[i + 1] for i in range(cfg.n_layers - 1))
@@ -51,9 +64,7 @@ def test_dense_layers_add_the_residual_in_the_next_rows_kernel(stand_ins: list[s
     splits = ops.dense_out_splits(cfg.dim + cfg.ff_dim, one_row=True)
     forward = functools.partial(_kernel_forward, model, x1, batch1, cache, monkeypatch, NAME)
     outs = {}
-    counted: list[int] = []
-    real = ops.add_residual
-    monkeypatch.setattr(ops, "add_residual", lambda r: counted.append(1) or real(r))
+    counted = _count_xla_adds(monkeypatch)
     # (each kernel variant is traced once, the first time: the layers and later forwards share the trace)
     for fused, switch in ((True, "0"), (False, None), (True, None)):
         model.fuse_dense_decode(fused)
@@ -84,9 +95,7 @@ def test_a_refused_residual_is_added_in_xla(stand_ins: list[str], monkeypatch: p
     real = ops.decode_ln_dense_in
     monkeypatch.setattr(ops, "decode_ln_dense_in",
                         lambda *a, residual=None, **kw: None if residual is not None else real(*a, **kw))
-    counted: list[int] = []
-    real_add = ops.add_residual
-    monkeypatch.setattr(ops, "add_residual", lambda r: counted.append(1) or real_add(r))
+    counted = _count_xla_adds(monkeypatch)
     got = _kernel_forward(model, x1, batch1, cache, monkeypatch, NAME, "1", rows_calls)
     assert len(counted) == 3  # MD2's tiny model: three layers handed on, each refused
     assert all(len(c) == 3 for c in rows_calls)

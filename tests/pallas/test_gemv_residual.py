@@ -8,6 +8,7 @@ Mosaic lowering for an H100 at MD2's shapes."""
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -112,7 +113,7 @@ def test_rows_kernel_refuses_a_residual_it_cannot_add(parts, bias, ln, match):
     K = 512
     p = jnp.zeros(parts[:2], BF16 if parts[2:] == ("bf16",) else jnp.float32)
     b = None if bias is None else jnp.zeros((bias[0],), jnp.float32 if bias[1] == "f32" else BF16)
-    kw = {"ln": (jnp.ones((K,), BF16), jnp.zeros((K,), BF16))} if ln else {}
+    kw: dict[str, Any] = {"ln": (jnp.ones((K,), BF16), jnp.zeros((K,), BF16))} if ln else {}
     with pytest.raises(ValueError, match=match):
         jax.eval_shape(functools.partial(g.gemv_rows, residual=(p, b), **kw), jnp.zeros((1, K), BF16),
                        jnp.zeros((K, 64), BF16), None)
