@@ -278,19 +278,22 @@ class Attention(nnx.Module):
         return prefetch, targets
 
     def qkv_with_ln(self, x: jax.Array, ln: LayerNorm, router: Linear, experts: ExpertWeights,
-                    ) -> tuple[tuple[jax.Array, jax.Array, TauDots | None], jax.Array] | None:
+                    residual: ops.PendingResidual | None = None,
+                    ) -> tuple[tuple[jax.Array, jax.Array, TauDots | None], jax.Array, jax.Array | None] | None:
         """A decode MoE layer's LayerNorm of the residual stream x and this attention's QKV + router
         products in one launch (`ops.decode_ln_qkv_router`): ((QKV rows, router rows, tau dots or
-        None) for `__call__`'s `pre`, the normalised rows), all padded to the row tile; None where
-        that launch does not apply (then the LayerNorm and `_qkv` run as they did)."""
+        None) for `__call__`'s `pre`, the normalised rows, None), all padded to the row tile; with
+        `residual` the launch adds the previous layer's output first, and the new residual stream
+        row is the third item. None where that launch does not apply (then the LayerNorm and `_qkv`
+        run as they did)."""
         if not self.decode_gemm_kernel:
             return None
         qkv_b = self.qkv.bias[...] if self.qkv.bias is not None else None
         out = ops.decode_ln_qkv_router(
             x, ln.scale[...], ln.bias[...], self.qkv.kernel[...], qkv_b, router.kernel[...],
             router.bias[...] if router.bias is not None else None, experts, eps=ln.eps, max_rows=qkv_kernel_rows(),
-            tau=self.tau.weights() if self.tau is not None else None)
-        return None if out is None else (out[:3], out[3])
+            tau=self.tau.weights() if self.tau is not None else None, residual=residual)
+        return None if out is None else (out[:3], out[3], out[4] if len(out) > 4 else None)
 
     @staticmethod
     def _linear(layer: Linear, x: jax.Array, kernel_rows: int, rows: int | None = None,
@@ -364,15 +367,17 @@ class MoE(nnx.Module):
 
     def rows(self, x: jax.Array, num_valid: jax.Array | None, logits: jax.Array | None,
              tokens: int, x_f16: jax.Array | None = None, route: DenseRoute | None = None,
-             side: tuple[Any, jax.Array] | None = None) -> ExpertRows | None:
+             side: tuple[Any, jax.Array] | None = None, side_row0: bool = False) -> ExpertRows | None:
         """The layer's expert rows before the weighted sum (decode on a GPU; x may be padded past
         `tokens` rows, `x_f16` its f16 copy for W8A16 experts, `route` its routing tables when the
         QKV epilogue built them, `side` a product for the down GEMM's launch, its partials then in
-        `ExpertRows.side`), or None where the kernel path does not produce them."""
+        `ExpertRows.side`, row 0's alone with `side_row0`), or None where the kernel path does not
+        produce them."""
         router_w = self.router.kernel[...]
         router_b = self.router.bias[...] if self.router.bias is not None else jnp.zeros(router_w.shape[1])
         return ops.moe_layer_rows(x, router_w, router_b, self.experts(), top_k=self.top_k, num_valid_tokens=num_valid,
-                                  logits=logits, tokens=tokens, x_f16=x_f16, route=route, side=side)
+                                  logits=logits, tokens=tokens, x_f16=x_f16, route=route, side=side,
+                                  **({"side_row0": True} if side_row0 else {}))
 
 
 class DenseIn(nnx.Variable):
@@ -560,7 +565,8 @@ class TextModel(nnx.Module):
             aux: dict[str, jax.Array] | None = {} if capture else None
             moe = isinstance(block.mlp, MoE)
             ln_kernel = aux is None and batch.cu_q_lens is None and t <= qkv_kernel_rows()
-            if pending is not None and (moe or not ln_kernel or t != 1 or n_next is not None):
+            if pending is not None and (moe != (pending.expert is not None) or not ln_kernel or t != 1
+                                        or n_next is not None):
                 x, pending = ops.add_residual(pending), None  # (not made for such a layer: a safeguard)
             if aux is not None:
                 aux["block_inputs"] = x
@@ -570,9 +576,14 @@ class TextModel(nnx.Module):
             if n_next is None and moe and ln_kernel:
                 assert isinstance(block.mlp, MoE)
                 # on by default (`ops.ln_in_rows_wanted`): the LayerNorm inside the QKV + router rows kernel
-                with_ln = block.attn.qkv_with_ln(x, block.ln, block.mlp.router, block.mlp.experts())
+                with_ln = block.attn.qkv_with_ln(x, block.ln, block.mlp.router, block.mlp.experts(), pending)
+                if with_ln is None and pending is not None:  # the rows kernel refused it: XLA's add
+                    x, pending = ops.add_residual(pending), None
+                    with_ln = block.attn.qkv_with_ln(x, block.ln, block.mlp.router, block.mlp.experts())
                 if with_ln is not None:
-                    pre, n_next = with_ln
+                    pre, n_next, x_new = with_ln
+                    if x_new is not None:  # the residual added in that launch
+                        x, pending = x_new, None
                 else:
                     ln_rows = ops.decode_moe_layer_norm(x, block.ln.scale[...], block.ln.bias[...],
                                                         block.mlp.experts(), eps=block.ln.eps, pad_rows=pad_rows)
@@ -644,19 +655,30 @@ class TextModel(nnx.Module):
                 a = a_out
             logits, route = (None, routed) if isinstance(routed, DenseRoute) else (routed, None)
             rows = None
+            nxt_block = self.blocks[i + 1] if i + 1 < len(self.blocks) else None
+            # opt-in: this MoE layer's residual add inside the next MoE layer's rows kernel, from the
+            # projection's row-0 partials (streamed by the down GEMM) and the unreduced expert rows
+            moe_pend = (t == 1 and ln_kernel and side_proj and nxt_block is not None
+                        and isinstance(nxt_block.mlp, MoE) and nxt_block.attn.decode_gemm_kernel
+                        and ops.moe_residual_in_rows_wanted() and ops.ln_in_rows_wanted())
             if isinstance(block.mlp, MoE) and rows_path:
                 side = None
                 if side_proj and parts is not None:
                     side = (ops.merged_rows(parts, t), block.attn.proj.kernel[...])
                 elif side_proj:
                     side = (jnp.pad(a, ((0, SIDE_PROJ_ROWS - t), (0, 0))), block.attn.proj.kernel[...])
-                rows = block.mlp.rows(n, batch.num_valid, logits, t, x_f16=n16, route=route, side=side)
+                rows = block.mlp.rows(n, batch.num_valid, logits, t, x_f16=n16, route=route, side=side,
+                                      side_row0=moe_pend)
+                if moe_pend and rows is not None and rows.side is not None:
+                    proj_b = block.attn.proj.bias
+                    pending = ops.PendingResidual(x, rows.side, None if proj_b is None else proj_b[...].astype(x.dtype),
+                                                  (rows.y, rows.dest, rows.weights, rows.n_valid))
+                    continue
             if side_proj:  # `a` is attention's output: its projection from the down GEMM's partials, or here
                 proj = block.attn.proj
                 bias = proj.bias[...] if proj.bias is not None else None
                 a = (ops.side_product_result(rows.side, t, bias, a.dtype) if rows is not None and rows.side is not None
                      else block.attn._project(a, True))
-            nxt_block = self.blocks[i + 1] if i + 1 < len(self.blocks) else None
             if rows is not None and ln_kernel and nxt_block is not None and isinstance(nxt_block.mlp, MoE):
                 # opt-in: the residual and the next MoE layer's LayerNorm in one launch
                 ended = ops.decode_residual_layer_norm(x, a, rows, nxt_block.ln.scale[...], nxt_block.ln.bias[...],

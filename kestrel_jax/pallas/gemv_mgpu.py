@@ -465,7 +465,8 @@ def gemv_rows(
     ln: tuple[jax.Array, jax.Array] | None = None,  # (scale, bias) [K] bf16: x is the LayerNorm's input
     ln_eps: float = 1e-5,
     ln_tiles_ahead: bool = False,
-    residual: tuple[jax.Array, jax.Array | None] | None = None,  # (parts [S, K] f32, bias [K] bf16 or None)
+    # (parts [S, K] f32, bias [K] bf16 or None[, (y, dest, weights, n_valid): an MoE layer's `ExpertRows`])
+    residual: tuple[Any, ...] | None = None,
     stages: int = ROWS_STAGES,
     interpret: bool = False,
     detect_races: bool = False,
@@ -503,7 +504,12 @@ def gemv_rows(
     previous layer's one-row output product, `gemv_partials(row0=True)`, summed in their order,
     finished and added to the stream as XLA rounds `x + gemv(...)`). Every CTA forms x' from the
     loads issued before its weight ring's fill; CTA 0 writes it out, [1, K] bf16, appended after
-    the normalised rows: the residual add needs no launch of its own."""
+    the normalised rows: the residual add needs no launch of its own. With a third item, an MoE
+    layer's unreduced output (y [R, K] bf16 expert rows, dest [k, P] int32, weights [k, P] f32,
+    n_valid [1] int32: `decode_residual.ExpertRows`), x' = (x + that) + m, m = sum_j weights[j, 0]
+    y[dest[j, 0]] in f32 over j in order (0 where n_valid is 0), rounded to bf16, each add rounded
+    to bf16 (`residual_row_ref`): the parallel block's residual of an MoE layer whose projection
+    the down GEMM streamed (its row-0 partials, `moe_mgpu.SideProduct.row0`)."""
     ws = (w1,) if w2 is None else (w1, w2)
     bs = (b1,) if w2 is None else (b1, b2)
     for ww, bb in zip(ws, bs, strict=True):
@@ -517,7 +523,7 @@ def gemv_rows(
     if problem is None and ln is not None:
         problem = ln_rows_problem(x, ln[0], ln[1])
     if problem is None and residual is not None:
-        problem = residual_problem(x, residual[0], residual[1]) if ln is not None else "a residual without `ln`"
+        problem = residual_problem(x, *residual) if ln is not None else "a residual without `ln`"
     if problem is not None:
         raise ValueError(f"gemv_rows: {problem}")
     mp = -(-M // 8) * 8
@@ -528,6 +534,8 @@ def gemv_rows(
     has_res = residual is not None
     res_bias = has_res and residual is not None and residual[1] is not None
     n_parts = 0 if residual is None else residual[0].shape[0]
+    expert = None if residual is None or len(residual) < 3 else residual[2]
+    top_k = 0 if expert is None else expert[1].shape[0]
     # with `ln` the x tiles are formed in the kernel and stay resident: the ring carries weights only
     per_stage = (BLOCK_K * BLOCK_N + (0 if has_ln else mp * BLOCK_K)) * 2
     tau_smem = 0 if tau_w is None else TAU_ROWS * BLOCK_N * 2 + mp * BLOCK_N * 2 + TAU_ROWS * mp * 4 + 64
@@ -546,6 +554,7 @@ def gemv_rows(
         sc_ref, sh_ref = (rest.pop(0), rest.pop(0)) if has_ln else (None, None)
         p_ref = rest.pop(0) if has_res else None
         rb_ref = rest.pop(0) if res_bias else None
+        ey_ref, ed_ref, ew_ref, ev_ref = [rest.pop(0) for _ in range(4)] if expert is not None else [None] * 4
         o_refs = [rest.pop(0) for _ in ws]
         d_ref = rest.pop(0) if has_tau else None
         n_ref = rest.pop(0) if has_ln else None
@@ -593,6 +602,9 @@ def gemv_rows(
             refs = [x_ref.at[0], sc_ref, sh_ref]
             if p_ref is not None:  # the residual's partials (and bias) too
                 refs += [p_ref.at[i] for i in range(n_parts)] + ([] if rb_ref is None else [rb_ref])
+            if ey_ref is not None:  # and the token's expert rows (their indices read first)
+                assert ed_ref is not None
+                refs += [ey_ref.at[ed_ref[j, 0]] for j in range(top_k)]
             return tuple(plgpu.load(ref, layout=strided) for ref in refs)
 
         def normalise(loaded):
@@ -609,6 +621,13 @@ def gemv_rows(
                 if res_bias:
                     y = (y + loaded[3 + n_parts].astype(jnp.float32)).astype(jnp.bfloat16).astype(jnp.float32)
                 xn = (xv + y).astype(jnp.bfloat16)
+                if expert is not None:  # + the weighted sum of the token's expert rows
+                    assert ew_ref is not None and ev_ref is not None
+                    rows = loaded[3 + n_parts + int(res_bias):]
+                    m = functools.reduce(jnp.add, [ew_ref[j, 0] * r.astype(jnp.float32) for j, r in enumerate(rows)])
+                    valid = lax.broadcast_in_dim(ev_ref[0] > 0, (K,), ())  # (rows of an empty step: never read)
+                    m = jnp.where(valid, m, jnp.zeros_like(m)).astype(jnp.bfloat16)
+                    xn = (xn.astype(jnp.float32) + m.astype(jnp.float32)).astype(jnp.bfloat16)
                 r_row[...] = xn
                 xv = xn.astype(jnp.float32)
             mean = jnp.sum(xv) / K
@@ -730,7 +749,7 @@ def gemv_rows(
         assert ln is not None
         args += [ln[0], ln[1]]
     if residual is not None:
-        args += [residual[0]] + ([] if residual[1] is None else [residual[1]])
+        args += [residual[0], *([] if residual[1] is None else [residual[1]]), *(expert or ())]
     return tuple(kern(*args))
 
 
@@ -766,10 +785,20 @@ def ln_rows_problem(x: jax.Array | jax.ShapeDtypeStruct, scale: jax.Array | jax.
 
 
 def residual_problem(x: jax.Array | jax.ShapeDtypeStruct, parts: jax.Array | jax.ShapeDtypeStruct,
-                     bias: jax.Array | jax.ShapeDtypeStruct | None) -> str | None:
-    """Why `gemv_rows` cannot add this residual (parts [S, K] f32, bias [K] bf16 or None) to x
+                     bias: jax.Array | jax.ShapeDtypeStruct | None,
+                     expert: tuple[Any, ...] | None = None) -> str | None:
+    """Why `gemv_rows` cannot add this residual (parts [S, K] f32, bias [K] bf16 or None, expert
+    rows (y [R, K] bf16, dest [k, P] int32, weights [k, P] f32, n_valid [1] int32) or None) to x
     itself (None: it can)."""
     K = x.shape[1]
+    if expert is not None:
+        y, dest, w, nv = expert
+        if (y.ndim != 2 or y.shape[1] != K or jnp.dtype(y.dtype) != jnp.dtype(jnp.bfloat16) or dest.ndim != 2
+                or not 1 <= dest.shape[0] <= 16 or w.shape != dest.shape or nv.shape != (1,)
+                or jnp.dtype(dest.dtype) != jnp.dtype(jnp.int32) or jnp.dtype(w.dtype) != jnp.dtype(jnp.float32)
+                or jnp.dtype(nv.dtype) != jnp.dtype(jnp.int32)):
+            return (f"expert rows y {y.shape} {y.dtype}, dest {dest.shape} {dest.dtype}, weights {w.shape} {w.dtype}, "
+                    f"n_valid {nv.shape} {nv.dtype} must be bf16 [R, {K}], int32 [1..16, P], f32 [k, P], int32 [1]")
     if parts.ndim != 2 or parts.shape[1] != K or not 1 <= parts.shape[0] <= 16:
         return f"residual partials {parts.shape} must be [1..16, {K}]"
     if jnp.dtype(parts.dtype) != jnp.dtype(jnp.float32):
@@ -779,11 +808,19 @@ def residual_problem(x: jax.Array | jax.ShapeDtypeStruct, parts: jax.Array | jax
     return None
 
 
-def residual_row_ref(x: jax.Array, parts: jax.Array, bias: jax.Array | None) -> jax.Array:
+def residual_row_ref(x: jax.Array, parts: jax.Array, bias: jax.Array | None,
+                     expert: tuple[Any, ...] | None = None) -> jax.Array:
     """x' of `gemv_rows`' residual: x [1, K] bf16 + (parts [S, K] f32 summed in order, rounded to
-    bf16, + bias in bf16), in bf16: what `x + gemv(row, w, bias)` gives at one row."""
+    bf16, + bias in bf16), in bf16: what `x + gemv(row, w, bias)` gives at one row; with `expert`
+    (y, dest, weights, n_valid) that plus the weighted sum of token 0's expert rows (f32, rounded
+    to bf16; `decode_residual.combine_rows`, whose sum's order XLA picks), in bf16."""
     y = functools.reduce(jnp.add, [parts[i] for i in range(parts.shape[0])])[None]
-    return x + _finish(y, bias, jnp.dtype(x.dtype))
+    out = x + _finish(y, bias, jnp.dtype(x.dtype))
+    if expert is None:
+        return out
+    from kestrel_jax.pallas.decode_residual import ExpertRows, combine_rows
+
+    return out + combine_rows(ExpertRows(*expert), 1, x.dtype)
 
 
 def ln_rows_ref(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float) -> jax.Array:

@@ -146,11 +146,13 @@ class SideProduct(NamedTuple):
     tiles resident in SMEM (`steps` tiles of `gemv_mgpu`'s layout: [64, 64] weights, [Mp, 64] x),
     all requested before the block table, and forms its [64, Mp] block of y^T with wgmma (swap-AB,
     as `gemv_mgpu.gemv_partials`). Output: f32 partials [splits, N, Mp] of y^T, summed by the
-    caller (`gemv_mgpu._summed`)."""
+    caller (`gemv_mgpu._summed`); with `row0` (x one real row, the others zero) row 0's alone,
+    [splits, N] (`gemv_mgpu.gemv_partials`' row0: what `gemv_mgpu.gemv_rows`' residual reads)."""
 
     x: jax.Array | MergedRows  # [Mp, K] bf16, Mp a multiple of 8 <= 64; or partials the up GEMM merges
     w: jax.Array  # [K, N] bf16
     splits: int  # K ranges per 64-column block
+    row0: bool = False
 
     @property
     def rows(self) -> int:
@@ -178,6 +180,8 @@ def side_problem(side: SideProduct) -> str | None:
     x: jax.Array | jax.ShapeDtypeStruct
     if isinstance(side.x, MergedRows):
         m = side.x
+        if side.row0 and m.rows != 1:
+            return f"row-0 partials need one merged row, got {m.rows}"
         if not merge_supported(m.o, m.lse, w) or not 1 <= m.rows <= MERGE_ROWS:
             return (f"merged rows: partials o {m.o.shape} {m.o.dtype} / lse {m.lse.shape} with {m.rows} rows do not "
                     f"fit w {w.shape} {w.dtype} (o [8, H, S, 64] f32, w [H * 64, N] bf16, 1 to 8 rows)")
@@ -601,7 +605,10 @@ def _grouped_gemm(
                 def side_scope(acc_ref):
                     gemv_stream(acc_ref, sw_buf, sx_buf, s_bars, _no_fetch, s_steps, s_steps, resident=True)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous piece's store
-                    so_smem[...] = acc_ref[...]
+                    if side.row0:  # row 0 of y^T's block: the padding rows' columns are exact zeros
+                        so_smem[...] = jnp.sum(acc_ref[...], axis=1)
+                    else:
+                        so_smem[...] = acc_ref[...]
 
                 pl.run_scoped(side_scope, plgpu.ACC((ROWS, side.rows), jnp.float32))
                 plgpu.commit_smem()
@@ -690,12 +697,13 @@ def _grouped_gemm(
     side_scratch: list[Any] = [] if side is None else [
         plgpu.SMEM((side.steps, SIDE_BK, ROWS), jnp.bfloat16, transforms=GEMV_TRANSFORMS),
         plgpu.SMEM((side.steps, side.rows, SIDE_BK), jnp.bfloat16, transforms=GEMV_TRANSFORMS),
-        plgpu.SMEM((ROWS, side.rows), jnp.float32),
+        plgpu.SMEM((ROWS,) if side.row0 else (ROWS, side.rows), jnp.float32),
         plgpu.Barrier(num_arrivals=2, num_barriers=side.steps)]
     merge_scratch: list[Any] = [] if merge is None else [plgpu.SMEM((MERGE_ROWS, SIDE_BK), jnp.bfloat16)]
     outs: list[jax.ShapeDtypeStruct] = [jax.ShapeDtypeStruct((num_out_rows, n_out), out_dtype)]
     if side is not None:
-        outs.append(jax.ShapeDtypeStruct((side.splits, side.w.shape[1], side.rows), jnp.float32))
+        outs.append(jax.ShapeDtypeStruct((side.splits, side.w.shape[1]) + (() if side.row0 else (side.rows,)),
+                                         jnp.float32))
     if merge is not None:
         outs.append(jax.ShapeDtypeStruct((MERGE_ROWS, merge.o.shape[1] * SIDE_BK), jnp.bfloat16))
     kernel = plgpu.kernel(
@@ -975,6 +983,7 @@ def moe_layer_rows(
     x_f16: jax.Array | None = None,  # x as the W8A16 f16 operand ([Nt, D], see `f16_rows_wanted`)
     route: DenseRoute | None = None,  # the tables routing's result, built by the caller from the same logits
     side: tuple[jax.Array | MergedRows, jax.Array] | None = None,  # (x [Mp, K'], w [K', N']): `SideProduct`
+    side_row0: bool = False,  # the side product's row-0 partials alone (`SideProduct.row0`; x one real row)
 ) -> ExpertRows | None:
     """The dense regime's expert rows before the weighted sum (`decode_residual.ExpertRows`: the
     down GEMM's output, each token's k rows and weights), or None where that regime with the
@@ -1020,7 +1029,7 @@ def moe_layer_rows(
         side_rows = MERGE_ROWS if isinstance(side[0], MergedRows) else side[0].shape[0]
         splits = side_splits(side[1].shape[0], side[1].shape[1], side_rows, cfg.num_ctas)
         if splits is not None:
-            side_product = SideProduct(side[0], side[1], splits)
+            side_product = SideProduct(side[0], side[1], splits, side_row0)
             if side_problem(side_product):
                 side_product = None
     gemms = functools.partial(_expert_gemms, x_rows, None, r.meta_up, r.meta_down, None, experts, cfg,

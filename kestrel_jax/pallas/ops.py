@@ -479,16 +479,21 @@ def ln_in_rows_wanted() -> bool:
 
 def decode_ln_qkv_router(x: jax.Array, scale: jax.Array, bias: jax.Array, w1: jax.Array, b1: jax.Array | None,
                          w2: jax.Array, b2: jax.Array | None, experts: ExpertWeights, *, eps: float, max_rows: int,
-                         tau: Any = None) -> tuple[jax.Array, jax.Array, Any, jax.Array] | None:
+                         tau: Any = None, residual: PendingResidual | None = None) -> tuple[Any, ...] | None:
     """A decode MoE layer's LayerNorm and its QKV + router products in one launch: `gemv_mgpu.gemv_rows`
     with `ln`, every CTA normalising x (the residual stream, [1, D]) itself while its weight
     ring fills. -> (QKV rows, router rows, tau dots or None, the normalised rows), each padded to
     the row tile of 8 as `small_linear_pair(padded_ok=True)` and `decode_moe_layer_norm` hand them
     over; None where either of those would not take this path (off the kernel path, the rows
     kernel or the LayerNorm kernel switched off, shapes they refuse), where the expert GEMMs want
-    an f16 copy of the rows (W8A16), or with `ln_in_rows_wanted()` off."""
+    an f16 copy of the rows (W8A16), or with `ln_in_rows_wanted()` off. With `residual` (x is then
+    its x) the same launch first adds the previous layer's output (`gemv_rows`' residual; an MoE
+    layer's: `moe_residual_in_rows_wanted`), the new residual stream row a fifth item; None where
+    the kernel refuses it."""
     if not (ln_in_rows_wanted() and gemv_rows_wanted() and flag("KESTREL_JAX_LN_KERNEL", True)):
         return None
+    if residual is not None:
+        x = residual.x
     if not _gemv_usable(x, max_rows, w1, w2):
         return None
     from kestrel_jax.pallas import gemv_mgpu as kern
@@ -501,9 +506,14 @@ def decode_ln_qkv_router(x: jax.Array, scale: jax.Array, bias: jax.Array, w1: ja
     w1c, w2c = w1.astype(x.dtype), w2.astype(x.dtype)
     if not _rows_biases_ok(w1c, b1, w2c, b2):
         return None
-    y1, y2, dots, n = _rows_kernel(x, w1c, b1, w2c, b2, tau, ln=(scale, bias), ln_eps=float(eps),
-                                   ln_tiles_ahead=ln_in_rows_mode() == "ahead")
-    return y1, y2, dots, n
+    kw: dict[str, Any] = {}
+    if residual is not None:
+        res = residual.kernel_args()
+        if kern.residual_problem(x, *res) is not None:
+            return None
+        kw["residual"] = res
+    return _rows_kernel(x, w1c, b1, w2c, b2, tau, ln=(scale, bias), ln_eps=float(eps),
+                        ln_tiles_ahead=ln_in_rows_mode() == "ahead", **kw)
 
 
 def dense_ln_in_rows_wanted() -> bool:
@@ -544,7 +554,7 @@ def decode_ln_dense_in(x: jax.Array, scale: jax.Array, bias: jax.Array, w: jax.A
     wc = w.astype(x.dtype)
     if kern.ln_rows_problem(x, scale, bias) is not None or not _rows_biases_ok(wc, b, wc, None):
         return None
-    res = None if residual is None else (residual.parts, residual.bias)
+    res = None if residual is None else residual.kernel_args()
     if res is not None and kern.residual_problem(x, *res) is not None:
         return None
     run = _jitted(kern.gemv_rows, ("stages", "ln_eps", "ln_tiles_ahead"))
@@ -554,20 +564,40 @@ def decode_ln_dense_in(x: jax.Array, scale: jax.Array, bias: jax.Array, w: jax.A
 
 class PendingResidual(NamedTuple):
     """A one-row residual add not yet done: the stream x [1, D] bf16 plus the previous layer's
-    output, held as its product's row-0 split partials [S, D] f32 (`dense_out_row0`) and bias
-    (bf16 [D] or None); the next dense layer's rows kernel adds it (`decode_ln_dense_in`), or
-    `add_residual` in XLA."""
+    output, held as its product's row-0 split partials [S, D] f32 (`dense_out_row0`, or an MoE
+    layer's output projection streamed by its down GEMM) and bias (bf16 [D] or None), and for an
+    MoE layer its unreduced expert rows (`ExpertRows`' y, dest, weights, n_valid); the next layer's
+    rows kernel adds it (`decode_ln_dense_in`, `decode_ln_qkv_router`), or `add_residual` in XLA."""
 
     x: jax.Array
     parts: jax.Array
     bias: jax.Array | None
+    expert: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None
+
+    def kernel_args(self) -> tuple[Any, ...]:
+        """`gemv_mgpu.gemv_rows`' residual."""
+        return (self.parts, self.bias) + (() if self.expert is None else (self.expert,))
 
 
 def add_residual(r: PendingResidual) -> jax.Array:
-    """x + the finished product, as XLA rounds `x + gemv(...)` (`gemv_mgpu.residual_row_ref`)."""
+    """x + the finished product (+ the expert rows' weighted sum), as XLA rounds the model's adds
+    (`gemv_mgpu.residual_row_ref`)."""
     from kestrel_jax.pallas import gemv_mgpu as kern
 
-    return kern.residual_row_ref(r.x, r.parts, r.bias)
+    return kern.residual_row_ref(r.x, *r.kernel_args())
+
+
+def moe_residual_in_rows_wanted() -> bool:
+    """Whether a one-row decode step leaves an MoE layer's residual add (x + the output projection
+    streamed by its down GEMM + the weighted sum of its expert rows) to the next MoE layer's QKV +
+    router rows kernel (`decode_ln_qkv_router`'s residual), as `dense_residual_in_rows_wanted` does
+    for dense layers: the down GEMM writes the projection's row-0 split partials
+    (`moe_mgpu.SideProduct.row0`) and the rows kernel also gathers the token's 8 expert rows.
+    KESTREL_JAX_MOE_RESIDUAL_IN_ROWS, read at trace time: default 0 (built in the fifty-fourth
+    session and checked on the CPU only: interpreted and lowered for an H100; not yet measured). It
+    needs the LayerNorm in the rows kernel (`ln_in_rows_wanted`) and the projection in the down
+    GEMM (`proj_in_down_wanted`)."""
+    return flag("KESTREL_JAX_MOE_RESIDUAL_IN_ROWS", False)
 
 
 def dense_residual_in_rows_wanted() -> bool:
@@ -684,12 +714,13 @@ def route(x: jax.Array, router_w: jax.Array, router_b: jax.Array, top_k: int) ->
 def moe_layer_rows(x: jax.Array, router_w: jax.Array, router_b: jax.Array, experts: ExpertWeights, *,
                    top_k: int, num_valid_tokens: jax.Array | int | None = None, logits: jax.Array | None = None,
                    tokens: int | None = None, x_f16: jax.Array | None = None, route: Any = None,
-                   side: tuple[Any, jax.Array] | None = None) -> ExpertRows | None:
+                   side: tuple[Any, jax.Array] | None = None, side_row0: bool = False) -> ExpertRows | None:
     """The MoE layer's expert rows before the weighted sum (`moe_mgpu.moe_layer_rows`; x may be
     padded to the block width with `tokens` real rows) on the kernel path; None otherwise. `side`
     (x, w): a product the down GEMM may stream in its launch (`moe_mgpu.SideProduct`; its partials
-    in the result's `side`, else that stays None); x may be `moe_mgpu.MergedRows`, attention
-    partials the up GEMM's launch merges for it."""
+    in the result's `side`, else that stays None; with `side_row0` x has one real row and the
+    partials are row 0's, [splits, N]); x may be `moe_mgpu.MergedRows`, attention partials the up
+    GEMM's launch merges for it."""
     if not _want_kernel():
         return None
     from kestrel_jax.pallas import moe_mgpu as kern
@@ -697,9 +728,9 @@ def moe_layer_rows(x: jax.Array, router_w: jax.Array, router_b: jax.Array, exper
     t = x.shape[0] if tokens is None else tokens
     if not kern.moe_kernel_supported(x[:t], experts, top_k):
         return None
-    return _jitted(kern.moe_layer_rows, ("top_k", "tokens"))(x, router_w, router_b, experts, top_k=top_k,
-                                                            num_valid_tokens=num_valid_tokens, logits=logits,
-                                                            tokens=tokens, x_f16=x_f16, route=route, side=side)
+    return _jitted(kern.moe_layer_rows, ("top_k", "tokens", "side_row0"))(
+        x, router_w, router_b, experts, top_k=top_k, num_valid_tokens=num_valid_tokens, logits=logits, tokens=tokens,
+        x_f16=x_f16, route=route, side=side, **({"side_row0": True} if side_row0 else {}))
 
 
 def proj_in_down_wanted() -> bool:

@@ -48,7 +48,7 @@ _refuse_merged = False  # the expert rows stand-in leaves merged partials' side 
 
 
 def _rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tokens=None, logits=None, tokens=None,
-          x_f16=None, route=None, side=None):
+          x_f16=None, route=None, side=None, side_row0=False):
     t = x.shape[0] if tokens is None else tokens
     xs = x[:t].astype(jnp.float32)
     if route is None:
@@ -69,10 +69,10 @@ def _rows(x, router_w, router_b, experts: ExpertWeights, *, top_k, num_valid_tok
         _sides.append(("merged", tuple(m.o.shape), m.rows))
         if not _refuse_merged:
             sx = jnp.pad(ops.merge_partials((m.o, m.lse), m.rows, jnp.float32), ((0, 8 - m.rows), (0, 0)))
-            parts = _partials(sx, side[1])
+            parts = _partials(sx, side[1], row0=side_row0)
     elif side is not None:  # the down GEMM's side product: [splits, N, Mp] partials of y^T
         _sides.append(tuple(side[0].shape))
-        parts = _partials(*side)
+        parts = _partials(*side, row0=side_row0)
     return dr.ExpertRows(y, jnp.arange(t * top_k, dtype=jnp.int32).reshape(t, top_k).T, weights.T, n, parts)
 
 

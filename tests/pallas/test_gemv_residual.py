@@ -101,6 +101,66 @@ def test_rows_kernel_adds_the_residual_before_its_layer_norm(K: int, S: int, wit
         np.testing.assert_array_equal(as_f32(y), as_f32(p))
 
 
+def _expert_rows(rng: np.random.Generator, K: int, k: int = 8, R: int = 24, P: int = 8, valid: int = 1):
+    """An MoE layer's unreduced output for token 0: y [R, K] bf16 (rows no choice points at NaN:
+    rows the down GEMM never wrote), dest [k, P] (token 0's k rows distinct), softmax weights [k, P],
+    n_valid."""
+    dest = rng.integers(0, R, (k, P))
+    dest[:, 0] = rng.permutation(R)[:k]
+    y = np.asarray(rng.standard_normal((R, K)) * rng.uniform(0.5, 4.0, (R, 1)), np.float32)
+    unused = np.setdiff1d(np.arange(R), dest[:, 0])
+    y[unused] = np.nan
+    if not valid:
+        y[:] = np.nan  # an empty step: nothing written, nothing read into x'
+    w = rng.dirichlet(np.ones(k), P).T.astype(np.float32)
+    return (jnp.asarray(y, BF16), jnp.asarray(dest, jnp.int32), jnp.asarray(w), jnp.asarray([valid], jnp.int32))
+
+
+def _exact_moe_residual(x: jax.Array, parts: jax.Array, bias: jax.Array | None, expert) -> np.ndarray:
+    """`_exact_residual` + bf16(sum_j w[j, 0] y[dest[j, 0]] in f32, j in order; 0 for an empty step),
+    rounded to bf16."""
+    y, dest, w, nv = (np.asarray(a) for a in expert)
+    m = np.zeros(y.shape[1], np.float32)
+    if nv[0] > 0:
+        m = (w[0, 0] * y[dest[0, 0]].astype(np.float32)).astype(np.float32)
+        for j in range(1, dest.shape[0]):
+            m = (m + w[j, 0] * y[dest[j, 0]].astype(np.float32)).astype(np.float32)
+    first = _exact_residual(x, parts, bias).astype(np.float32)
+    return (first + m.astype(BF16).astype(np.float32)[None]).astype(BF16)
+
+
+@pytest.mark.parametrize("valid", [1, 0])
+def test_rows_kernel_adds_an_moe_layers_residual(valid: int):
+    """With expert rows (an MoE layer's output before its weighted sum): x' = (x + finished
+    partials) + bf16(the weighted sum of token 0's k rows, in order), as the numpy reference rounds
+    each operation, and within one bf16 rounding of `residual_row_ref` (XLA sums the k rows in an
+    order of its own); rows no choice points at (NaN) are never read, and an empty step (n_valid 0)
+    adds nothing of them; the products are the rows kernel's fed x'."""
+    rng = fresh_rng()
+    K, S = 512, 4
+    x = jnp.asarray(rng.standard_normal((1, K)) * 2, BF16)
+    parts = jnp.asarray(rng.standard_normal((S, K)) * 4, jnp.float32)
+    rbias = _bf16(rng, (K,), 0.5)
+    expert = _expert_rows(rng, K, valid=valid)
+    scale, shift = jnp.asarray(rng.uniform(0.5, 1.5, K), BF16), _bf16(rng, (K,), 0.1)
+    w1, b1 = _bf16(rng, (K, 192), 0.05), _bf16(rng, (192,), 1.0)
+    w2, b2 = _bf16(rng, (K, 64), 0.05), _bf16(rng, (64,), 1.0)
+    run = functools.partial(g.gemv_rows, stages=3, interpret=True, ln=(scale, shift), ln_eps=1e-5)
+    y1, y2, n, xr = jax.jit(functools.partial(run, residual=(parts, rbias, expert)))(x, w1, b1, w2, b2)
+    want = _exact_moe_residual(x, parts, rbias, expert).astype(np.float32)
+    got = as_f32(xr)
+    assert np.isfinite(got).all()
+    np.testing.assert_array_equal(got, want)
+    if not valid:
+        np.testing.assert_array_equal(got, _exact_residual(x, parts, rbias).astype(np.float32))
+    ref = as_f32(g.residual_row_ref(x, parts, rbias, expert))
+    ulp = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(ref), 2.0**-126))) - 7)
+    assert (np.abs(got - ref) <= ulp).all()
+    p1, p2, pn = jax.jit(run)(xr, w1, b1, w2, b2)
+    for a, b in ((y1, p1), (y2, p2), (n, pn)):
+        np.testing.assert_array_equal(as_f32(a), as_f32(b))
+
+
 @pytest.mark.parametrize("parts,bias,ln,match", [
     ((2, 512), None, False, "without `ln`"),
     ((2, 448), None, True, r"must be \[1..16, 512\]"),
@@ -149,6 +209,18 @@ def test_decode_ln_dense_in_hands_the_residual_on(monkeypatch: pytest.MonkeyPatc
         as_f32(ops.add_residual(pending)), as_f32(g.residual_row_ref(pending.x, pending.parts, pending.bias)))
 
 
+def test_rows_kernel_refuses_expert_rows_it_cannot_read():
+    K = 512
+    x, p, b = jnp.zeros((1, K), BF16), jnp.zeros((2, K), jnp.float32), jnp.zeros((K,), BF16)
+    y, dest, w, nv = jnp.zeros((16, K), BF16), jnp.zeros((8, 8), jnp.int32), jnp.zeros((8, 8), jnp.float32), \
+        jnp.ones((1,), jnp.int32)
+    assert g.residual_problem(x, p, b, (y, dest, w, nv)) is None
+    for bad in ((y[:, :256], dest, w, nv), (y.astype(jnp.float32), dest, w, nv), (y, dest.astype(jnp.float32), w, nv),
+                (y, dest, w[:4], nv), (y, dest, w, jnp.ones((2,), jnp.int32)), (y, jnp.zeros((17, 8), jnp.int32),
+                                                                                jnp.zeros((17, 8), jnp.float32), nv)):
+        assert "expert rows" in (g.residual_problem(x, p, b, bad) or ""), [a.shape for a in bad]
+
+
 def _h100_mesh() -> AbstractMesh:
     device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
     return AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
@@ -170,3 +242,23 @@ def test_residual_kernels_lower_at_md2_shapes():
                                    _SDS((2048,), BF16), _SDS((2048,), BF16), _SDS((4, 2048), jnp.float32),
                                    _SDS((2048,), BF16)).lower(lowering_platforms=("cuda",)).as_text()
         assert "kestrel_gemv_rows" in text
+
+
+def test_moe_residual_lowers_at_md3_shapes():
+    """Mosaic GPU lowering for an H100 of an MoE layer's QKV + router rows kernel ([2048, 6144] +
+    [2048, 64], tau dots) adding the previous MoE layer's residual: the projection's row-0 partials
+    [4, 2048] and bias, 8 expert rows gathered from [64, 2048] by the [8, 8] tables."""
+    H = g.TAU_ROWS // 2
+    f32, i32 = jnp.float32, jnp.int32
+
+    def rows(x, w1, b1, w2, b2, wq, wv, sc, sh, p, rb, y, d, w, nv):
+        return g.gemv_rows(x, w1, b1, w2, b2, tau_w=(wq, wv), ln=(sc, sh), ln_eps=1e-5,
+                           residual=(p, rb, (y, d, w, nv)))
+
+    with jax.sharding.use_abstract_mesh(_h100_mesh()):
+        text = jax.jit(rows).trace(
+            _SDS((1, 2048), BF16), _SDS((2048, 6144), BF16), _SDS((6144,), BF16), _SDS((2048, 64), BF16),
+            _SDS((64,), BF16), _SDS((H, 6144), BF16), _SDS((H, 6144), BF16), _SDS((2048,), BF16), _SDS((2048,), BF16),
+            _SDS((4, 2048), f32), _SDS((2048,), BF16), _SDS((64, 2048), BF16), _SDS((8, 8), i32), _SDS((8, 8), f32),
+            _SDS((1,), i32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "kestrel_gemv_rows" in text

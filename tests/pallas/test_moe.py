@@ -752,6 +752,41 @@ def test_merged_rows_side_product(rng, fp8, rows):
     assert "merged rows" in (moe_mgpu.side_problem(bad) or "")  # 4 heads cannot feed a K of 8 heads
 
 
+@pytest.mark.parametrize("merged", [False, True], ids=["rows", "merged-partials"])
+def test_side_product_row0_partials(rng, merged):
+    """`side_row0`: the down GEMM's side product writes row 0's partials alone, [splits, N], bit for
+    bit column 0 of the padded partials, for x with one real row (the others zero) and for one merged
+    row; the expert rows unchanged. More than one merged row is refused for it."""
+    T, k, n_experts, H = 1, 4, 16, 4
+    ex = make_experts(rng, False, n_experts=n_experts)
+    x, rw, rb = exact_router_inputs(rng, T, dim(False), n_experts)
+    cfg = small_config(T)
+    xp = jnp.pad(x, ((0, cfg.block_tokens - T), (0, 0)))
+    sw = jnp.asarray(rng.standard_normal((H * 64, 128)) / math.sqrt(H * 64), jnp.bfloat16)
+    sx: jax.Array | moe_mgpu.MergedRows
+    if merged:
+        o = jnp.asarray(rng.standard_normal((8, H, 2, 64)), jnp.float32)
+        sx = moe_mgpu.MergedRows(o, jnp.asarray(rng.standard_normal((8, H, 2)), jnp.float32), 1)
+    else:
+        sx = jnp.pad(jnp.asarray(rng.standard_normal((1, H * 64)), jnp.bfloat16), ((0, 7), (0, 0)))
+
+    def rows_of(row0):
+        return moe_layer_rows(xp, rw, rb, ex, top_k=k, config=cfg, interpret=INTERPRET, tokens=T, side=(sx, sw),
+                              side_row0=row0)
+
+    padded, row0 = rows_of(False), rows_of(True)
+    assert padded is not None and row0 is not None and padded.side is not None and row0.side is not None
+    splits = padded.side.shape[0]
+    assert row0.side.shape == (splits, 128)
+    np.testing.assert_array_equal(np.asarray(row0.side), np.asarray(padded.side)[:, :, 0])
+    assert np.abs(np.asarray(row0.side)).max() > 0 and not np.asarray(padded.side)[:, :, 1:].any()
+    np.testing.assert_array_equal(np.asarray(row0.y.astype(jnp.float32)), np.asarray(padded.y.astype(jnp.float32)))
+    if merged:
+        assert isinstance(sx, moe_mgpu.MergedRows)
+        two = moe_mgpu.SideProduct(moe_mgpu.MergedRows(sx.o, sx.lse, 2), sw, 1, row0=True)
+        assert "one merged row" in (moe_mgpu.side_problem(two) or "")
+
+
 def test_merged_rows_pass_through_jit(rng):
     """`MergedRows.rows` is static under `jax.jit` (the kernels' plans read it as an int): the model
     reaches `moe_layer_rows` through `ops`' jitted entry, where a NamedTuple's int field was traced
@@ -945,17 +980,20 @@ def test_side_product_lowers_for_h100(w8a8_min, merged, monkeypatch):
                        S((Ep, 2 * Ip), jnp.float32), S((Ep, Dp), jnp.float32))  # type: ignore[arg-type]
     mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=H100)
 
-    def f(x, rw, rb, ex, sx, sw):
+    def f(x, rw, rb, ex, sx, sw, row0=False):
         side = (moe_mgpu.MergedRows(sx[0], sx[1], T) if merged else sx, sw)
-        r = moe_layer_rows(x, rw, rb, ex, top_k=k, config=default_config(T, num_ctas=132), tokens=T, side=side)
-        assert r is not None and r.side is not None and r.side.shape == (4, Dp, 8)
+        r = moe_layer_rows(x, rw, rb, ex, top_k=k, config=default_config(T, num_ctas=132), tokens=T, side=side,
+                           side_row0=row0)
+        assert r is not None and r.side is not None and r.side.shape == ((4, Dp) if row0 else (4, Dp, 8))
         return r
 
     sx = (S((8, 32, 4, 64), jnp.float32), S((8, 32, 4), jnp.float32)) if merged else S((8, Dp), jnp.bfloat16)
+    args = (S((8, Dp), jnp.bfloat16), S((Dp, Ep), jnp.bfloat16), S((Ep,), jnp.bfloat16), ex, sx,
+            S((Dp, Dp), jnp.bfloat16))
     with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(f).trace(S((8, Dp), jnp.bfloat16), S((Dp, Ep), jnp.bfloat16), S((Ep,), jnp.bfloat16), ex,
-                                sx, S((Dp, Dp), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
+        for row0 in (False, True):  # (and its row-0 partials alone: `side_row0`)
+            text = jax.jit(functools.partial(f, row0=row0)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
