@@ -1,4 +1,5 @@
-# Session 54 (2026-12-06), call 4 (any H100 / H200; the session's last ~4 device minutes): the opt-in
+# Prepared in session 54 (2026-12-06), which had too little device time left to start a machine for it
+# (any H100 / H200, ~4 device minutes; move it into the session's dated folder first): the opt-in
 # KESTREL_JAX_MOE_RESIDUAL_IN_ROWS=1 (an MoE layer's residual add inside the next MoE layer's QKV +
 # router rows kernel: the down GEMM writes the projection's row-0 partials, the rows kernel gathers
 # the token's 8 expert rows). MD3 forward on against off (one step, all layers), then the MD3
