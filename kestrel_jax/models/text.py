@@ -559,7 +559,8 @@ class TextModel(nnx.Module):
         n16_next: jax.Array | None = None  # and its f16 copy, where that kernel formed one
         # prefill and mixed steps: `ops.residual_layer_norm` (captures keep the jnp expressions)
         block_ln = batch.cu_q_lens is not None and not capture
-        # a one-row residual add left to the next dense layer's rows kernel (`ops.dense_residual_in_rows_wanted`)
+        # a one-row residual add left to the next layer's rows kernel (`ops.dense_residual_in_rows_wanted`,
+        # `ops.moe_residual_in_rows_wanted`)
         pending: ops.PendingResidual | None = None
         for i, block in enumerate(self.blocks):
             aux: dict[str, jax.Array] | None = {} if capture else None
