@@ -168,3 +168,22 @@ def test_moe_layers_add_the_residual_in_the_next_rows_kernel(stand_ins: list[str
         assert np.abs(got - want).max() <= 2.0**-6 * np.abs(want).max(), switch
         outs[switch] = got
     assert np.abs(outs["1"] - outs["0"]).max() <= 2.0**-6 * np.abs(outs["0"]).max()
+
+
+def test_a_refused_moe_residual_is_added_in_xla(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """Where the next MoE layer's rows kernel refuses the residual, the model adds it in XLA
+    (`ops.add_residual`: x + the projection's row-0 partials finished + the expert rows' weighted
+    sum) and runs the rows kernel on the new row: within bf16 rounding of the switch off."""
+    rows_calls: list[tuple] = []
+    model, x1, batch1, cache, want = _case(monkeypatch, rows_calls, 14, "md3")
+    name = "KESTREL_JAX_MOE_RESIDUAL_IN_ROWS"
+    off = _kernel_forward(model, x1, batch1, cache, monkeypatch, name, "0", rows_calls)
+    real = ops.decode_ln_qkv_router
+    monkeypatch.setattr(ops, "decode_ln_qkv_router",
+                        lambda *a, residual=None, **kw: None if residual is not None else real(*a, **kw))
+    counted = _count_xla_adds(monkeypatch)
+    got = _kernel_forward(model, x1, batch1, cache, monkeypatch, name, "1", rows_calls)
+    assert len(counted) == 1  # MD3's tiny model: layer 2 hands on to layer 3, refused
+    assert np.isfinite(got).all()
+    assert np.abs(got - off).max() <= 2.0**-6 * np.abs(off).max()
+    assert np.abs(got - want).max() <= 2.0**-6 * np.abs(want).max()
