@@ -54,6 +54,7 @@ SHARED = {"serving/test_engine.py": _ENGINE_GROUP,
 SLOW_FIRST = (
     "pallas/test_moe.py",  # 236
     "models/test_fused_dense_decode.py",  # 170
+    "models/test_dense_residual_in_rows.py",  # ~150 (fifty-fourth session, alone on a core)
     "serving/test_engine.py",  # 105; with test_soak.py and test_server.py one unit of work (SHARED): 138
     "serving/test_soak.py",  # before test_server.py, whose last test shuts the shared engine down
     "serving/test_server.py",

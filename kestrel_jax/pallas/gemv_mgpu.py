@@ -590,8 +590,9 @@ def gemv_rows(
                 plgpu.copy_gmem_to_smem(x_ref.at[:, rows], x_buf.at[slot], bars.at[slot])
 
         def ln_loads():
-            """x, scale and bias as whole rows from GMEM in 16-byte vectors (the row is 2 per thread
-            at D = 2048), issued before the weight ring's fill so that they do not queue behind its
+            """x, scale and bias as whole rows from GMEM in 16-byte vectors (8-byte ones for bf16
+            beside a residual's f32 partials, `_ln_vec`; the row is 2 per thread at D = 2048),
+            issued before the weight ring's fill so that they do not queue behind its
             ~6 MB of tile loads (fifty-second session, H100: with the loads after the fill, and scale
             and bias only after the statistics, the kernel took 12.8 us against 11.4 without the
             LayerNorm). Session 49 on an H100: reading the operands as 64-column slices instead cost

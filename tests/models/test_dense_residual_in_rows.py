@@ -85,22 +85,34 @@ def test_dense_layers_add_the_residual_in_the_next_rows_kernel(stand_ins: list[s
     model.fuse_dense_decode(False)
 
 
-def test_a_refused_residual_is_added_in_xla(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    """Where the next rows kernel refuses the residual (`ops.decode_ln_dense_in` None with it), the
-    model adds it in XLA (`ops.add_residual`) and runs the rows kernel on the new row: the same
-    hidden states as the switch off."""
+@pytest.mark.parametrize("family,name,op,handed", [
+    ("md2", NAME, "decode_ln_dense_in", 3),  # MD2's tiny model: three dense layers hand on
+    ("md3", "KESTREL_JAX_MOE_RESIDUAL_IN_ROWS", "decode_ln_qkv_router", 1),  # MD3's: layer 2 to layer 3
+])
+def test_a_refused_residual_is_added_in_xla(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+                                            family: str, name: str, op: str, handed: int) -> None:
+    """Where the next rows kernel refuses the residual (`ops.decode_ln_dense_in` or, between MoE
+    layers, `ops.decode_ln_qkv_router` None with it), the model adds it in XLA (`ops.add_residual`;
+    an MoE layer's: x + the projection's row-0 partials finished + the expert rows' weighted sum),
+    once per hand-on, and runs the rows kernel on the new row: within bf16 rounding of the switch
+    off and of the reference path."""
     rows_calls: list[tuple] = []
-    model, x1, batch1, cache, want = _case(monkeypatch, rows_calls, 12, "md2")
+    model, x1, batch1, cache, want = _case(monkeypatch, rows_calls, 12, family)
     model.fuse_dense_decode(True)
-    off = _kernel_forward(model, x1, batch1, cache, monkeypatch, NAME, "0", rows_calls)
-    real = ops.decode_ln_dense_in
-    monkeypatch.setattr(ops, "decode_ln_dense_in",
-                        lambda *a, residual=None, **kw: None if residual is not None else real(*a, **kw))
+    if name != NAME:  # MD3: its dense layers' hand-on off, so that every residual counted is the MoE's
+        monkeypatch.setenv(NAME, "0")
+    off = _kernel_forward(model, x1, batch1, cache, monkeypatch, name, "0", rows_calls)
+    real = getattr(ops, op)
+    monkeypatch.setattr(ops, op, lambda *a, residual=None, **kw: None if residual is not None else real(*a, **kw))
     counted = _count_xla_adds(monkeypatch)
-    got = _kernel_forward(model, x1, batch1, cache, monkeypatch, NAME, "1", rows_calls)
-    assert len(counted) == 3  # MD2's tiny model: three layers handed on, each refused
-    assert all(len(c) == 3 for c in rows_calls)
-    np.testing.assert_array_equal(got, off)
+    got = _kernel_forward(model, x1, batch1, cache, monkeypatch, name, "1", rows_calls)
+    assert len(counted) == handed
+    assert all(len(c) == 3 for c in rows_calls)  # no rows kernel got a residual
+    assert np.isfinite(got).all()
+    assert np.abs(got - off).max() <= 2.0**-6 * np.abs(off).max()
+    assert np.abs(got - want).max() <= 2.0**-6 * np.abs(want).max()
+    if family == "md2":  # XLA's add on both paths, the same ops in the same order
+        np.testing.assert_array_equal(got, off)
     model.fuse_dense_decode(False)
 
 
@@ -168,22 +180,3 @@ def test_moe_layers_add_the_residual_in_the_next_rows_kernel(stand_ins: list[str
         assert np.abs(got - want).max() <= 2.0**-6 * np.abs(want).max(), switch
         outs[switch] = got
     assert np.abs(outs["1"] - outs["0"]).max() <= 2.0**-6 * np.abs(outs["0"]).max()
-
-
-def test_a_refused_moe_residual_is_added_in_xla(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
-    """Where the next MoE layer's rows kernel refuses the residual, the model adds it in XLA
-    (`ops.add_residual`: x + the projection's row-0 partials finished + the expert rows' weighted
-    sum) and runs the rows kernel on the new row: within bf16 rounding of the switch off."""
-    rows_calls: list[tuple] = []
-    model, x1, batch1, cache, want = _case(monkeypatch, rows_calls, 14, "md3")
-    name = "KESTREL_JAX_MOE_RESIDUAL_IN_ROWS"
-    off = _kernel_forward(model, x1, batch1, cache, monkeypatch, name, "0", rows_calls)
-    real = ops.decode_ln_qkv_router
-    monkeypatch.setattr(ops, "decode_ln_qkv_router",
-                        lambda *a, residual=None, **kw: None if residual is not None else real(*a, **kw))
-    counted = _count_xla_adds(monkeypatch)
-    got = _kernel_forward(model, x1, batch1, cache, monkeypatch, name, "1", rows_calls)
-    assert len(counted) == 1  # MD3's tiny model: layer 2 hands on to layer 3, refused
-    assert np.isfinite(got).all()
-    assert np.abs(got - off).max() <= 2.0**-6 * np.abs(off).max()
-    assert np.abs(got - want).max() <= 2.0**-6 * np.abs(want).max()
