@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hang_guard import pytest_runtest_protocol  # noqa: F401 (the hook: a test hung past its limit fails)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -434,21 +434,13 @@ class Block(nnx.Module):
         split = self.attn.qkv.kernel.shape[1]
         return (y[:1, :split], y[:1, split:], y), n, (x_new[0] if x_new else None)
 
-    def dense_decode_out(self, o: jax.Array, h: jax.Array, joined: jax.Array | None = None) -> jax.Array:
+    def dense_decode_out(self, o: jax.Array, h: jax.Array) -> jax.Array:
         """A dense layer's decode output projection of attention's output `o` plus its MLP's
         fc2(GELU_tanh(h)) (h: the fc1 product), as one product over `dense_out_w` ([proj; fc2]
         stacked along the input dimension) with the two biases summed: one GEMM and one pass over
         its split-K partial sums instead of two of each (the sum is rounded to bf16 once, not each
-        term). `joined`: the joined QKV + fc1 product h is a slice of (`dense_decode_in`), which a
-        one-row step's kernel reads in place where `ops.dense_out_gelu_in` applies."""
+        term)."""
         assert self.dense_out_w is not None and self.dense_out_b is not None
-        if joined is not None and o.shape[0] == 1:
-            # opt-in: the concat, the GELU and the pad to 8 rows inside the kernel's launch, reading
-            # fc1's columns of the joined product in place (a slice as the operand would be a copy)
-            y1 = ops.dense_out_gelu_in(o, joined, self.attn.qkv.kernel.shape[1], self.dense_out_w[...],
-                                       self.dense_out_b[...])
-            if y1 is not None:
-                return y1
         g = self._dense_out_row(o, h)
         stages = ops.dense_decode_gemv()[2]
         # The kernel at 64 rows, where it forms y's partials, not y^T's: with the transposed ones XLA
@@ -697,7 +689,7 @@ class TextModel(nnx.Module):
                     pending = block.dense_decode_out_pending(x, a, dense_in[1])
                     if pending is not None:
                         continue
-                x = x + block.dense_decode_out(a, dense_in[1], dense_in[2])
+                x = x + block.dense_decode_out(a, dense_in[1])
                 continue
             elif h_one is not None:
                 x = x + block.dense_decode_out(a, h_one)

@@ -35,7 +35,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
@@ -148,96 +147,6 @@ def _row_tile(row_ref, tile_ref, cols, mp: int) -> None:
     tile_ref[...] = jnp.where(row == 0, t, jnp.zeros_like(t))
 
 
-def gelu_tanh_exp(h: jax.Array) -> jax.Array:
-    """GELU with the tanh approximation (`jax.nn.gelu(approximate=True)`) written with exp alone:
-    0.5 (1 + tanh(z)) = 1 / (1 + exp(-2 z)), z = sqrt(2 / pi) (h + 0.044715 h^3), so GELU(h) =
-    h / (1 + exp(-2 z)) (large negative h: exp overflows to inf and the quotient to -0, not NaN).
-    For `gemv_partials`' `gelu_in`, whose tile forming then needs no tanh lowering."""
-    z = 0.7978845608028654 * (h + 0.044715 * (h * h * h))
-    return h / (1.0 + jnp.exp(-2.0 * z))
-
-
-def gelu_in_problem(o: jax.Array | jax.ShapeDtypeStruct, h: jax.Array | jax.ShapeDtypeStruct,
-                    w: jax.Array | jax.ShapeDtypeStruct, splits: int, h_col: int = 0) -> str | None:
-    """Why `gemv_partials` cannot form its x from (o, h, h_col) (`gelu_in`) in `splits` K ranges of
-    w (None: it can): o one row, h at least one (row 0 is read), bf16, o's width and h_col multiples
-    of 64, h's columns from h_col on covering the rest of w's K, and each K range inside o or inside
-    h (a multiple of 128 that divides o's width)."""
-    if o.ndim != 2 or h.ndim != 2 or o.shape[0] != 1 or h.shape[0] < 1:
-        return f"o {o.shape} must be one row, h {h.shape} a matrix"
-    if any(jnp.dtype(a.dtype) != jnp.dtype(jnp.bfloat16) for a in (o, h, w)):
-        return f"o, h and w must be bf16, got {o.dtype}, {h.dtype}, {w.dtype}"
-    k_o = o.shape[1]
-    k_h = w.shape[0] - k_o if w.ndim == 2 else -1
-    if (w.ndim != 2 or k_h < BLOCK_K or w.shape[1] % BLOCK_N or k_o % BLOCK_K or k_h % BLOCK_K or h_col % BLOCK_K
-            or h_col < 0 or h_col + k_h > h.shape[1]):
-        return (f"o [1, {k_o}] + h {h.shape} from column {h_col} do not fit w {w.shape} (widths and the column "
-                f"multiples of {BLOCK_K})")
-    steps = w.shape[0] // BLOCK_K
-    if splits < 1 or steps % splits:
-        return f"splits must divide the {steps} K steps of {BLOCK_K}, got {splits}"
-    span = steps // splits * BLOCK_K
-    if span % 128 or k_o % span:
-        return f"each K range ({span} columns) must be a multiple of 128 inside o ({k_o}) or h"
-    return None
-
-
-def gelu_in_splits(o_width: int, k: int, at_least: int) -> int:
-    """The fewest K ranges, at least `at_least`, that `gelu_in` takes for a product of K = k with o
-    `o_width` columns wide (0: none up to k / 128)."""
-    steps = k // BLOCK_K
-    for s in range(max(1, at_least), steps + 1):
-        span = steps // s * BLOCK_K
-        if steps % s == 0 and span % 128 == 0 and o_width % span == 0:
-            return s
-    return 0
-
-
-def gemv_gelu_in(o: jax.Array, h: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, splits: int,
-                 h_col: int = 0, stages: int = 4, interpret: bool = False) -> jax.Array:
-    """[o, GELU_tanh(h[0, h_col:h_col + Kh])] @ w (+ bias) in bf16 for one row (`gemv_partials`'
-    `gelu_in`): a dense layer's joined output + fc2 product from attention's output and the joined
-    QKV + fc1 product as they are."""
-    parts = gemv_partials(None, w, splits=splits, stages=stages, gelu_in=(o, h, h_col), interpret=interpret)
-    return _finish(_summed(parts, 1), bias, jnp.dtype(jnp.bfloat16))
-
-
-def gemv_gelu_in_ref(o: jax.Array, h: jax.Array, w: jax.Array, bias: jax.Array | None = None,
-                     h_col: int = 0) -> jax.Array:
-    """`gemv_gelu_in`'s reference: the row [o, GELU_tanh(h[0, h_col:]) rounded to bf16] @ w in f32,
-    rounded to bf16, the bias added in bf16."""
-    hh = h[:1, h_col:h_col + w.shape[0] - o.shape[1]].astype(jnp.float32)
-    g = jnp.concatenate([o, jax.nn.gelu(hh, approximate=True).astype(jnp.bfloat16)], axis=1)
-    y = jnp.dot(g.astype(jnp.float32), w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-    return _finish(y, bias, jnp.dtype(jnp.bfloat16))
-
-
-def gemv_gelu_in_allowance(o: jax.Array, h: jax.Array, w: jax.Array, bias: jax.Array | None, want: jax.Array,
-                           h_col: int = 0) -> np.ndarray:
-    """How far `gemv_gelu_in` may lie from `gemv_gelu_in_ref`'s `want` [1, N], per output: where the
-    row's GELU values rounded to bf16 differ between the kernel's formula (`gelu_tanh_exp`) and
-    jax.nn.gelu's (a neighbouring bf16 now and then), sum_i |difference_i| |w[Ko + i, j]|; the f32
-    sums' order (2^-20 of the sum of |terms|); and one bf16 ulp of each of the two roundings, the
-    sum's and, after the bias add, the output's (each the ulp of the binade a value one ulp up
-    reaches, for values at a power of two)."""
-    def ulp(v: np.ndarray) -> np.ndarray:  # of a bf16 value (8 significant bits)
-        v = np.abs(v) * (1 + 2.0**-7)
-        return 2.0 ** (np.floor(np.log2(np.maximum(v, 2.0**-126))) - 7)
-
-    def f64(a: jax.Array) -> np.ndarray:
-        return np.asarray(a.astype(jnp.float32), np.float64)
-
-    k_o = o.shape[1]
-    hh = h[:1, h_col:h_col + w.shape[0] - k_o].astype(jnp.float32)
-    rows = [f64(f(hh).astype(jnp.bfloat16)) for f in (gelu_tanh_exp, lambda v: jax.nn.gelu(v, approximate=True))]
-    wa = np.abs(f64(w))
-    moved = np.abs(rows[0] - rows[1]) @ wa[k_o:]
-    order = 2.0**-20 * (np.abs(f64(o)) @ wa[:k_o] + np.abs(rows[1]) @ wa[k_o:])
-    y = np.abs(f64(want))
-    summed = np.abs(f64(want) - (0.0 if bias is None else f64(bias)))
-    return moved + order + ulp(summed + moved + order) + ulp(y + moved + order)
-
-
 def _merged_tile(o_ref, lse_ref, head, rows: int, n_splits: int) -> jax.Array:
     """Rows [0, 8) of head `head`'s attention output, merged from its split partials as
     `paged_attention_mgpu.merge_splits` does (rows >= `rows` zero), as bf16 in `_XROWS`."""
@@ -268,7 +177,6 @@ def gemv_partials(
     merge: tuple[jax.Array, jax.Array, int] | None = None,
     gate: Gate | None = None,
     row_major: bool = False,
-    gelu_in: tuple[jax.Array, jax.Array, int] | None = None,
     row0: bool = False,
     interpret: bool = False,
     detect_races: bool = False,
@@ -283,35 +191,16 @@ def gemv_partials(
     forty-third session's MD2 decode step: its residual stream, then the LayerNorm reading it
     strided).
 
-    `gelu_in` = (o [1, Ko], h [R, C], c) bf16 (x None): x is the one row [o, GELU_tanh(h[0, c:c +
-    Kh])] (Kh = K - Ko; a dense layer's attention output beside its MLP's fc1 product, which is the
-    joined QKV + fc1 product from column c on; the input of its joined output + fc2 product), formed
-    here instead of read from HBM (`gelu_in_problem`: each split's K range lies inside o or inside
-    h): each CTA loads its range of the row (o's and h's at once, before the weight ring's fill),
-    applies GELU_tanh (`gelu_tanh_exp`, rounded to bf16) where the range is h's, keeps it in SMEM
-    and forms each step's x tile from it at the top of the step; the concat, the GELU and the pad
-    to 8 rows need no launch of their own.
-
-    `row0` (one row of x: M = 1, or `gelu_in`, or `merge` of one row): the partials of that row
+    `row0` (one row of x: M = 1, or `merge` of one row): the partials of that row
     alone, [splits, N] f32, contiguous (each CTA sums its accumulator over the 8 columns, 7 of them
     the exact zeros of the padding rows): what a consumer that finishes the row itself reads
     (`gemv_rows`' `residual`), 32 bytes of every 256 of the padded layout."""
-    if gelu_in is not None:
-        problem = gelu_in_problem(gelu_in[0], gelu_in[1], w, splits or default_splits(w.shape[0], w.shape[1]),
-                                  gelu_in[2])
-        if problem is None and (x is not None or w2 is not None or gate is not None or merge is not None or row_major):
-            problem = "x, a second product, a gate, a merge or row-major partials beside it"
-        if problem is not None:
-            raise ValueError(f"gemv with gelu_in: {problem}")
     if merge is not None:
         o, lse, M = merge
         if x is not None or w2 is not None or gate is not None or not merge_supported(o, lse, w) or not 1 <= M <= 8:
             raise ValueError(f"merged-input gemv does not support o {o.shape} {o.dtype}, lse {lse.shape}, "
                              f"w {w.shape} {w.dtype}, rows {M} (nor x, a second product or a gate beside it)")
         K, mp, n_splits = w.shape[0], 8, o.shape[2]
-        x_dtype = jnp.dtype(jnp.bfloat16)
-    elif gelu_in is not None:
-        K, mp, M = w.shape[0], 8, 1
         x_dtype = jnp.dtype(jnp.bfloat16)
     else:
         assert x is not None
@@ -335,21 +224,16 @@ def gemv_partials(
         raise ValueError(f"splits must divide the {steps_total} K steps of {BLOCK_K}, got {s_count}")
     steps = steps_total // s_count
     n_stages = max(1, min(stages, steps))
-    resident = merge is not None or gelu_in is not None  # x tiles formed in the kernel, every step's
-    k_o, h_col = (0, 0) if gelu_in is None else (gelu_in[0].shape[1], gelu_in[2])
-    span = steps * BLOCK_K  # one CTA's K range
+    resident = merge is not None  # x tiles formed in the kernel, every step's
 
     def body(*refs):
         if merge is not None:
             part_ref, lse_ref, w_ref, *rest = refs
-        elif gelu_in is not None:
-            go_ref, gh_ref, w_ref, *rest = refs
         else:
             x_ref, w_ref, *rest = refs
         w2_ref = rest.pop(0) if w2 is not None else None
         gate_ref = rest.pop(0) if gate is not None else None
-        o_ref, w_buf, x_buf, o_smem, bars = rest[:5]
-        g_row = rest[5] if gelu_in is not None else None
+        o_ref, w_buf, x_buf, o_smem, bars = rest
         nb = lax.axis_index("n")
         s = lax.axis_index("s")
         k0 = s * (steps * BLOCK_K)
@@ -368,34 +252,8 @@ def gemv_partials(
             if not resident:
                 plgpu.copy_gmem_to_smem(x_ref.at[:, rows], x_buf.at[slot], bars.at[slot])
 
-        def gelu_tile(i):
-            """Step i's x tile from the row in `g_row`."""
-            assert g_row is not None
-            _row_tile(g_row, x_buf.at[i], pl.ds(pl.multiple_of(i * BLOCK_K, BLOCK_K), BLOCK_K), mp)
-            plgpu.commit_smem()
-
         def scope(acc_ref):
-            if gelu_in is not None:
-                # this CTA's range of o and of h, loaded before the fill (one of them is its own)
-                strided = plgpu.Layout.WG_STRIDED((span,), _ln_vec(span))
-                vo = plgpu.load(go_ref.at[0, pl.ds(pl.multiple_of(jnp.minimum(k0, k_o - span), BLOCK_K), span)],
-                                layout=strided, optimized=False)
-                vh = plgpu.load(gh_ref.at[0, pl.ds(pl.multiple_of(h_col + jnp.maximum(k0 - k_o, 0), BLOCK_K), span)],
-                                layout=strided, optimized=False)
-                _fill(fetch, n_stages)
-                assert g_row is not None
-
-                @pl.when(k0 < k_o)
-                def _from_o():
-                    g_row[...] = vo
-
-                @pl.when(k0 >= k_o)
-                def _from_h():
-                    g_row[...] = gelu_tanh_exp(vh.astype(jnp.float32)).astype(jnp.bfloat16)
-
-                plgpu.commit_smem()
-                _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages, resident=True, prepare=gelu_tile)
-            elif merge is not None:  # the weight ring fills while the heads of this K range merge
+            if merge is not None:  # the weight ring fills while the heads of this K range merge
                 _fill(fetch, n_stages)
                 for i in range(steps):
                     x_buf.at[i][...] = _merged_tile(part_ref, lse_ref, lax.div(k0, BLOCK_K) + i, M, n_splits)
@@ -432,18 +290,15 @@ def gemv_partials(
         kernel_name="kestrel_gemv",
         scratch_types=[
             plgpu.SMEM((n_stages, BLOCK_K, BLOCK_N), w.dtype, transforms=_TRANSFORMS),
-            # x tiles: the ring's, or with `merge` / `gelu_in` every step's (resident)
+            # x tiles: the ring's, or with `merge` every step's (resident)
             plgpu.SMEM((steps if resident else n_stages, mp, BLOCK_K), x_dtype, transforms=_TRANSFORMS),
             plgpu.SMEM((BLOCK_N,) if row0 else acc_shape, jnp.float32),
             plgpu.Barrier(num_arrivals=1 if resident else 2, num_barriers=n_stages),
-            *([plgpu.SMEM((span,), jnp.bfloat16)] if gelu_in is not None else []),  # the row, on its way into the tiles
         ],
         interpret=_interpret_params(interpret, detect_races),
     )
     if merge is not None:
         return kern(merge[0], merge[1], w)
-    if gelu_in is not None:
-        return kern(gelu_in[0], gelu_in[1], w)
     return kern(x, w, *([] if w2 is None else [w2]), *([] if gate is None else [gate.table]))
 
 

@@ -342,45 +342,6 @@ def dense_out_one_row() -> bool:
     return flag("KESTREL_JAX_DENSE_OUT_ONE_ROW", True)
 
 
-def dense_out_gelu_in_wanted() -> bool:
-    """Whether a one-row decode step's dense layers form the input row of their joined output +
-    fc2 product ([attention's output, GELU_tanh(fc1 product)], padded to 8 rows) inside the decode
-    GEMM kernel's launch (`dense_out_gelu_in`) instead of in XLA's concat + GELU + pad fusion before
-    it: KESTREL_JAX_DENSE_OUT_GELU_IN=1, read at trace time (default 0). Fifty-third session, H100,
-    batch-1 step: MD2 1,718.8 -> 1,736.4 us (+1.0%), MD3 1,480.4 -> 1,487.8 (+0.5%), so off. The
-    fusion's 1.40 us per layer went, but the kernel grew by ~1.1 us (13.2 -> ~14.3 us per MD2 layer)
-    and the merge of split-KV attention's partials (into bf16), which XLA had fused into that
-    fusion, became a launch of its own (1.15 us); a next step would merge the partials in the
-    kernel's o-range CTAs (as `gemv_partials`' `merge` does). GPU kernel check
-    (`tools/check_gelu_in.py`): within bf16 rounding of the f32 reference, bit for bit the kernel's
-    product on the row formed by XLA with the same GELU formula."""
-    return flag("KESTREL_JAX_DENSE_OUT_GELU_IN", False)
-
-
-def dense_out_gelu_in(o: jax.Array, h: jax.Array, h_col: int, w: jax.Array, b: jax.Array | None) -> jax.Array | None:
-    """A dense layer's one-row joined output + fc2 product [o, GELU_tanh(h[0, h_col:])] @ w + b (o:
-    attention's output [1, D], h: the joined QKV + fc1 product with fc1 from column h_col on, row 0
-    read, w: `Block.dense_out_w`, b the summed biases), its
-    input row formed in the decode GEMM kernel's launch (`gemv_mgpu.gemv_gelu_in`) in the fewest K
-    ranges, at least `dense_out_splits(one_row=True)`'s, that keep each range inside o or h (4 ->
-    5 for Moondream's 2,048 + 8,192); None off the kernel path, with `dense_out_gelu_in_wanted()` or
-    the kernel for the product off, or for shapes the kernel refuses."""
-    if not (_want_kernel() and dense_out_gelu_in_wanted()) or o.shape[0] != 1:
-        return None
-    from kestrel_jax.pallas import gemv_mgpu as kern
-
-    k = w.shape[0]
-    least = dense_out_splits(k, one_row=True)
-    splits = kern.gelu_in_splits(o.shape[1], k, least) if least else 0
-    wc = w.astype(o.dtype)
-    if not splits or kern.gelu_in_problem(o, h, wc, splits, h_col) is not None:
-        return None
-    if b is not None and b.shape != (w.shape[1],):
-        return None
-    return _jitted(kern.gemv_gelu_in, ("splits", "h_col", "stages"))(o, h, wc, b, splits=splits, h_col=h_col,
-                                                                     stages=dense_decode_gemv()[2])
-
-
 def dense_in_one_row() -> bool:
     """Whether a one-row decode step forms a dense layer's QKV and fc1 as the one product over the
     weights joined at load time (`Block.dense_decode_in`), as steps of more rows do, instead of
@@ -623,10 +584,10 @@ def dense_out_row0(g: jax.Array, w: jax.Array, b: jax.Array | None) -> tuple[jax
     split partials [S, N] f32 from the decode GEMM kernel in `dense_out_splits(one_row=True)` K
     ranges, the bias as bf16), for the next dense layer's rows kernel to add
     (`dense_residual_in_rows_wanted`); None where that does not apply (the switch or the kernels
-    off, KESTREL_JAX_DENSE_OUT_GELU_IN on, or shapes the kernels refuse)."""
+    off, or shapes the kernels refuse)."""
     if not (dense_residual_in_rows_wanted() and dense_ln_in_rows_wanted() and gemv_rows_wanted()):
         return None
-    if g.shape[0] != 1 or dense_out_gelu_in_wanted() or not _gemv_usable(g, 1, w):
+    if g.shape[0] != 1 or not _gemv_usable(g, 1, w):
         return None
     from kestrel_jax.pallas import gemv_mgpu as kern
 

@@ -118,8 +118,8 @@ def test_a_refused_residual_is_added_in_xla(stand_ins: list[str], monkeypatch: p
 
 def test_dense_out_row0_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     """`ops.dense_out_row0` asks the kernel for row-0 partials only with the switch on (the default), on
-    the kernel path, at one row, with the LayerNorm in the rows kernel on and KESTREL_JAX_DENSE_OUT_GELU_IN off,
-    in `dense_out_splits(one_row=True)` K ranges; the bias comes back as bf16."""
+    the kernel path, at one row, with the LayerNorm in the rows kernel on, in
+    `dense_out_splits(one_row=True)` K ranges; the bias comes back as bf16."""
     seen: list[tuple] = []
 
     def fake(x, w, w2=None, *, splits=None, stages=4, row0=False):
@@ -139,8 +139,8 @@ def test_dense_out_row0_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
         assert out is not None and out[0].shape == (4, N) and out[1] is not None and out[1].dtype == jnp.bfloat16
         assert seen == [((1, K), (K, N), 4, ops.dense_decode_gemv()[2], True)]
         assert ops.dense_out_row0(jnp.ones((2, K), jnp.bfloat16), w, b) is None  # one row only
-        for name, value in (("KESTREL_JAX_DENSE_LN_IN_ROWS", "0"), ("KESTREL_JAX_DENSE_OUT_GELU_IN", "1"),
-                            ("KESTREL_JAX_GEMV_ROWS", "0"), ("KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW", "0")):
+        for name, value in (("KESTREL_JAX_DENSE_LN_IN_ROWS", "0"), ("KESTREL_JAX_GEMV_ROWS", "0"),
+                            ("KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW", "0")):
             monkeypatch.setenv(name, value)
             assert ops.dense_out_row0(g, w, b) is None, name
             monkeypatch.delenv(name)

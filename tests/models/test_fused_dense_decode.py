@@ -83,9 +83,9 @@ def _joined_steps(family: Literal["md2", "md3"], bucket: int, switches: tuple[tu
     seen: list[int] = []
     original = Block.dense_decode_out
 
-    def counted(self: Block, o: jax.Array, h: jax.Array, joined: jax.Array | None = None) -> jax.Array:
+    def counted(self: Block, o: jax.Array, h: jax.Array) -> jax.Array:
         seen.append(o.shape[0])
-        return original(self, o, h, joined)
+        return original(self, o, h)
 
     Block.dense_decode_out = counted  # type: ignore[method-assign]
     try:
@@ -158,9 +158,9 @@ def _count_joined_output_products(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     seen: list[int] = []
     original = Block.dense_decode_out
 
-    def counted(self: Block, o: jax.Array, h: jax.Array, joined: jax.Array | None = None) -> jax.Array:
+    def counted(self: Block, o: jax.Array, h: jax.Array) -> jax.Array:
         seen.append(o.shape[0])
-        return original(self, o, h, joined)
+        return original(self, o, h)
 
     monkeypatch.setattr(Block, "dense_decode_out", counted)
     return seen
