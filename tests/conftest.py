@@ -160,5 +160,32 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             return _file_key(nodeid)
 
+        def remove_node(self, node: Any) -> str | None:
+            """As the base class (a crashed worker's unfinished files go back in the queue, the
+            first unfinished test is the one that crashed), except that the crashed test is marked
+            done before they do: the base class would run it again on each replacement worker, and a
+            test that hangs (tests/hang_guard.py ends its worker) would crash them all in turn."""
+            workload = self.assigned_work.pop(node)
+            pending = [nodeid for unit in workload.values() for nodeid, done in unit.items() if not done]
+            if not pending:
+                return None
+            crashed = pending[0]
+            for unit in workload.values():
+                if crashed in unit:
+                    unit[crashed] = True
+            self.workqueue.update({scope: unit for scope, unit in workload.items() if not all(unit.values())})
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashed
+
+        def _reschedule(self, node: Any) -> None:
+            """As the base class, then more files while the worker has fewer than two tests to run:
+            a worker runs a test only once it has the next one (or is told to shut down), so a
+            replacement worker handed one file of one test, with more files queued, would wait
+            forever (the base class tops a worker up only when it reports a test done)."""
+            super()._reschedule(node)
+            while self.workqueue and not node.shutting_down and self._pending_of(self.assigned_work[node]) < 2:
+                self._assign_work_unit(node)
+
     config.option.loadscopereorder = False  # keep the slowest-first order of the collection
     return FileScheduling(config, log)
