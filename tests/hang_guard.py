@@ -5,10 +5,10 @@ capture, and ends the process. Under pytest-xdist the controller then reports th
 while running that test, fails the test, and goes on with a fresh worker: CI ends with the hang named
 instead of running into its time limit.
 
-Why: JAX's Mosaic GPU interpreter (the kernels' interpret mode) keeps its simulated shared memory in
-process-global state, and once in a while a kernel interpreted inside a jitted program has blocked
-forever on that state's lock (sessions 54 and 55; no thread left to release it). A hang cannot be
-interrupted from Python, so the process ends.
+Why: a model test hung in two CI runs of the fifty-fourth session's code: JAX's Mosaic GPU
+interpreter dispatched JAX ops inside its callbacks, which deadlocked against the test's own
+dispatches (worked around since: kestrel_jax/pallas/mgpu_interpret.py). A hang cannot be interrupted
+from Python, so the process ends.
 
 Registered by tests/conftest.py; tests/test_hang_guard.py runs it on a test that blocks."""
 

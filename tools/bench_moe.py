@@ -204,9 +204,9 @@ def run(args) -> dict[str, Any]:
     use_cupti = not smoke
     interpret = None
     if smoke:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
+        from kestrel_jax.pallas import mgpu_interpret
 
-        interpret = plgpu.InterpretGPUParams()
+        interpret = mgpu_interpret.params()
     dev = jax.devices()[0]
     info = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
             "num_sms": getattr(dev, "core_count", None), "dims": dataclasses.asdict(dims)}

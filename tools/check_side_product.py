@@ -21,11 +21,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kestrel_jax.pallas import moe_mgpu  # noqa: E402
+from kestrel_jax.pallas import mgpu_interpret, moe_mgpu  # noqa: E402
 from kestrel_jax.pallas.decode_residual import combine_rows  # noqa: E402
 from kestrel_jax.pallas.moe import ExpertWeights, quantize_experts  # noqa: E402
 
@@ -41,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--tokens must be in [1, 8] (the side product's 8-row block), got {a.tokens}")
     E, D, I, k = (16, 256, 128, 4) if a.small else (64, 2048, 1024, 8)  # noqa: E741
     K2, N2 = (384, 256) if a.small else (D, D)
-    interpret = plgpu.InterpretGPUParams() if a.small else None
+    interpret = mgpu_interpret.params() if a.small else None
     rng = np.random.default_rng(a.seed)
     up, us = quantize_experts(jnp.asarray(rng.standard_normal((E, 2 * I, D)) / math.sqrt(D), jnp.bfloat16))
     down, ds = quantize_experts(jnp.asarray(rng.standard_normal((E, D, I)) / math.sqrt(I), jnp.bfloat16))

@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     key = jax.random.key(0)
     dims, interpret = Dims(), None  # MD3: 64 experts, D 2048, I 1024, top-8
     if a.small:
-        from jax.experimental.pallas import mosaic_gpu as plgpu
+        from kestrel_jax.pallas import mgpu_interpret
 
-        dims, interpret = Dims(E=8, D=256, I=128, k=4), plgpu.InterpretGPUParams()
+        dims, interpret = Dims(E=8, D=256, I=128, k=4), mgpu_interpret.params()
     ex = make_experts(jax.random.fold_in(key, 1), dims, True)
     rw = jax.random.normal(jax.random.fold_in(key, 2), (dims.D, dims.E), jnp.float32) / math.sqrt(dims.D)
     rw = rw.astype(jnp.bfloat16)

@@ -61,6 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kestrel_jax.pallas import mgpu_interpret
 from kestrel_jax.pallas.moe_mgpu import _device_sms, _tile_transforms
 
 WG_ROWS = 128  # rows per consumer warpgroup (two wgmma M tiles of 64)
@@ -302,7 +303,7 @@ def linear_gelu(
         ],
         compiler_params=plgpu.CompilerParams(approx_math=True),
         # interpreted: output and scratch start as NaN, so an element the kernel never writes shows
-        interpret=(plgpu.InterpretGPUParams(detect_races=detect_races, uninitialized_memory="nan")
+        interpret=(mgpu_interpret.params(detect_races=detect_races, uninitialized_memory="nan")
                    if interpret else None),
     )
     return kern(x, w, b)

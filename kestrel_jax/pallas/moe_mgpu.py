@@ -82,6 +82,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kestrel_jax.pallas import mgpu_interpret
 from kestrel_jax.pallas.decode_residual import ExpertRows, combine_rows
 from kestrel_jax.pallas.gemv_mgpu import _TRANSFORMS as GEMV_TRANSFORMS
 from kestrel_jax.pallas.gemv_mgpu import BLOCK_K as SIDE_BK
@@ -726,7 +727,7 @@ def _grouped_gemm(
         grid=(num_ctas,),
         grid_names=("cta",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret,
+        interpret=mgpu_interpret.resolve(interpret),
     )
     args = [meta, w] + ([w_scale] if has_w_scale else []) + [b] + ([b_scale] if has_b_scale else [])
     if side is not None:

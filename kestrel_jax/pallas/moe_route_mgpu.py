@@ -32,6 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kestrel_jax.pallas import mgpu_interpret
+
 TOKENS = 64  # wgmma M: all (<= 64) tokens of the dense regime in one tile
 TILE_K = 128  # router GEMM K step (two 128-byte swizzle rows of bf16)
 STAGES = 5  # 5 x (16 KB router weights + 16 KB token tile) in flight: what fits SMEM
@@ -190,7 +192,7 @@ def route_dense(
         grid=(1,),
         grid_names=("cta",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=interpret,
+        interpret=mgpu_interpret.resolve(interpret),
     )
     ones = jnp.ones((TOKENS, TOKENS), jnp.bfloat16)
     e_idx = jnp.arange(E)

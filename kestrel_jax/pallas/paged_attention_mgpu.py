@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kestrel_jax.pallas import l2_prefetch
+from kestrel_jax.pallas import l2_prefetch, mgpu_interpret
 from kestrel_jax.pallas.paged_attention import FP8_MAX, KVLayoutError, check_pool, is_fp8
 
 LOG2E = math.log2(math.e)
@@ -88,9 +88,8 @@ def _tile_layouts(tile: int) -> tuple[Any, Any, Any]:
 
 
 def _interpret_params(interpret: bool, detect_races: bool) -> object:
-    if not interpret:
-        return None
-    return plgpu.InterpretGPUParams(detect_races=detect_races)
+    """The `interpret` argument of a Mosaic GPU kernel (None: compiled; `mgpu_interpret`)."""
+    return mgpu_interpret.params(detect_races=detect_races) if interpret else None
 
 
 def interpret_races_found() -> bool:

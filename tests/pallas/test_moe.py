@@ -50,10 +50,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from kestrel_jax.pallas import moe_mgpu
+from kestrel_jax.pallas import mgpu_interpret, moe_mgpu
 from kestrel_jax.pallas.decode_residual import combine_rows
 from kestrel_jax.pallas.moe import (
     ExpertWeights,
@@ -98,7 +97,7 @@ TOL_W8A8_EMULATED = TOL_BF16  # beyond the per-element allowance of `oracle_err`
 # session, 121 draws of `test_moe_ref_matches_oracle[fp8]`: median 0.0055, worst 0.0110 (seed
 # 1652888465, 0.0093 of it with the oracle on the bf16-rounded weights), which failed 1e-2.
 TOL_REF_FP8 = 1.5e-2
-INTERPRET = plgpu.InterpretGPUParams()
+INTERPRET = mgpu_interpret.params()
 SMALL_CTAS, SMALL_STAGES = 3, 3  # few CTAs so each runs several units; a short ring that wraps
 
 
