@@ -5,6 +5,10 @@ JAX op from inside a callback (a deadlock against the calling thread's own dispa
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +19,8 @@ from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from kestrel_jax.pallas import gemv_mgpu, mgpu_interpret
+
+REPO = Path(__file__).resolve().parents[2]
 
 # Two of the callbacks that computed on jax.Array operands in hung runs: `wait_smem_to_gmem`
 # (`len(...) > n`) and `_deallocate_barrier` (indexing its key array).
@@ -78,3 +84,13 @@ def test_install_is_idempotent_and_resolve_maps_the_argument() -> None:
     given = plgpu.InterpretGPUParams(detect_races=True)
     assert mgpu_interpret.resolve(given) is given
     assert mgpu_interpret.params(detect_races=True).detect_races
+
+
+def test_interpreted_moe_beside_eager_dispatch_finishes() -> None:
+    """The deadlock itself, in a process of its own (a hang fails this test after 150 s rather than
+    stopping the suite): ten interpreted MoE layers, each with eager ops dispatched while it runs.
+    Without the workaround the same script hung within 20 layers in each of 3 tries."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("interpret_deadlock_run.py")), "--runs", "10"],
+                         capture_output=True, text=True, env=env, timeout=150)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.returncode, run.stdout, run.stderr[-3000:])
