@@ -16,8 +16,8 @@ layers in each of 5 tries without it, and in none of 4 with it (`tests/pallas/te
 checks the operands the callbacks get, and runs the MoE case). Installed, every io_callback whose
 function is the interpreter's gets its jax.Array operands as NumPy arrays (top level and inside
 tuples and lists): the same values, on which the callbacks' arithmetic and indexing are NumPy's,
-dispatching nothing. Installed once per process, and
-only once a kernel is interpreted: compiled kernels never see it."""
+dispatching nothing. Installed once per process, and only once a kernel is interpreted: compiled
+kernels never see it."""
 
 from __future__ import annotations
 
@@ -53,10 +53,9 @@ def is_interpreter_callback(cb: Any) -> bool:
 
 def _on_host_operands(cb: Any) -> Any:
     """`cb` called with its jax.Array operands as NumPy arrays."""
-    def call(*args: Any, **kwargs: Any) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:  # this module's: not taken for the interpreter's
         return cb(*(_host(a) for a in args), **{k: _host(v) for k, v in kwargs.items()})
 
-    setattr(call, _MARK, True)
     return call
 
 
@@ -65,23 +64,22 @@ def _on_host_operands(cb: Any) -> Any:
 _on_host_operands_of_function = functools.cache(_on_host_operands)
 
 
-def install() -> bool:
-    """Installs the workaround (idempotent). Whether it is in place."""
+def install() -> None:
+    """Installs the workaround (idempotent)."""
     from jax._src import callback
 
     original = callback.io_callback
     if getattr(original, _MARK, False):
-        return True
+        return
 
     @functools.wraps(original)
     def io_callback(cb: Any, *args: Any, **kwargs: Any) -> Any:
-        if is_interpreter_callback(cb) and not getattr(cb, _MARK, False):
+        if is_interpreter_callback(cb):
             cb = _on_host_operands(cb) if isinstance(cb, functools.partial) else _on_host_operands_of_function(cb)
         return original(cb, *args, **kwargs)
 
     setattr(io_callback, _MARK, True)
     callback.io_callback = io_callback  # type: ignore[assignment]
-    return True
 
 
 def params(detect_races: bool = False, **kwargs: Any) -> Any:
