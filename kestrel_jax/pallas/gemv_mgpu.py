@@ -306,6 +306,13 @@ def gemv_partials(
 # H100, seventeenth session, an MoE layer's QKV + router product ([2048, 6208], 24 cold weights,
 # 1 row): 8 stages 10.86 us, 16 stages 11.99, 24 stages 12.25 (`gemv` with its split sum: 11.51).
 ROWS_STAGES = 8
+# ... and with the LayerNorm inside (one row: `ln`; the decode step's default, `ops.rows_gemv_stages`).
+# H100, fifty-sixth session, 16 cold weights (`tools/bench_rows_kernel.py`): MD2's joined [2048,
+# 14336] product with the LayerNorm and residual, 6 stages 22.84 / 22.91 us, 8 stages 23.89 / 23.68,
+# 12 stages 25.50 / 25.43; MD2 W1 with the bias loaded early 4 stages 764.9 tok/s, 5 stages 799.4,
+# 6 stages 792.4 / 790.9 (8 stages with the late bias, the defaults before: 774.3 / 765.2 / 776.4);
+# MD3 W1 (early bias) 6 stages 813.7 against 8 stages 815.1 / 811.5.
+ROWS_STAGES_LN = 6
 _OUT_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(_SWIZZLE))  # type: ignore[abstract]
 
 
@@ -323,6 +330,7 @@ def gemv_rows(
     # (parts [S, K] f32, bias [K] bf16 or None[, (y, dest, weights, n_valid): an MoE layer's `ExpertRows`])
     residual: tuple[Any, ...] | None = None,
     stages: int = ROWS_STAGES,
+    bias_early: bool = True,
     interpret: bool = False,
     detect_races: bool = False,
 ) -> tuple[jax.Array, ...]:  # ([Mp, N1] bf16,) or ([Mp, N1], [Mp, N2]); rows >= M are x's padding rows' products
@@ -331,7 +339,11 @@ def gemv_rows(
     as the decode GEMM's and the MoE block's row tile). The rounding is `gemv`'s: the f32 product
     rounded to bf16, the bias added in bf16. For consumers that are kernels (the decode QKV
     epilogue, the routing tables): XLA cannot fuse `gemv`'s split sum into them, so it ran as two
-    launches of its own per layer.
+    launches of its own per layer. `bias_early` (default): each CTA loads its 64 bias values before
+    its K loop, not after it, where the load's latency sat in every CTA's tail (H100, fifty-sixth
+    session, 16 cold weights: MD2's joined product with the LayerNorm and residual 23.89 / 23.68 ->
+    23.26 / 23.36 us, MD3's QKV + router with the LayerNorm and tau dots 12.30 / 12.30 -> 11.95 /
+    12.01; the same rows bit for bit).
 
     With `tau_w` (MD3's tau weights over the QKV row, `qkv_epilogue.TauWeights.wq` / `.wv`), each
     CTA of the first product also forms its columns' share of the tau dot products: g =
@@ -430,11 +442,25 @@ def gemv_rows(
                 plgpu.copy_gmem_to_smem(wq_ref.at[:, cols], t_smem.at[pl.ds(0, h_tau)], t_bar.at[0])
                 plgpu.copy_gmem_to_smem(wv_ref.at[:, cols], t_smem.at[pl.ds(h_tau, h_tau)], t_bar.at[0])
 
+        def matrix_col(i):  # this block's column offset inside matrix i (clamped into it)
+            lo = 0 if i == 0 else N1
+            return pl.multiple_of(jnp.minimum(jnp.maximum(n0 - lo, 0), ws[i].shape[1] - BLOCK_N), BLOCK_N)
+
         def on_matrix(i, fn):  # run fn(column offset inside matrix i) in the CTAs whose block is in it
             lo = 0 if i == 0 else N1
             hi = N1 if (i == 0 and w_refs_n == 2) else lo + ws[i].shape[1]
-            col = pl.multiple_of(jnp.minimum(jnp.maximum(n0 - lo, 0), ws[i].shape[1] - BLOCK_N), BLOCK_N)
+            col = matrix_col(i)
             pl.when((n0 >= lo) & (n0 < hi))(lambda: fn(col))
+
+        def load_bias(m, col):  # this block's 64 bias values of matrix m, in the accumulator's row layout
+            b_ref = b_refs[m]
+            assert b_ref is not None
+            return plgpu.load(b_ref.at[pl.ds(col, BLOCK_N)], layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+
+        # `bias_early`: the bias slices loaded before the stream (each CTA's load of every matrix at
+        # its clamped column: in flight during the K loop, not a dependent load after it)
+        early = [load_bias(m, matrix_col(m)) if bias_early and b_refs[m] is not None else None
+                 for m in range(w_refs_n)]
 
         def fetch(i, slot):
             rows = pl.ds(pl.multiple_of(i * BLOCK_K, BLOCK_K), BLOCK_K)
@@ -536,8 +562,7 @@ def gemv_rows(
                 def store(col, m=m):
                     r = y
                     if b_refs[m] is not None:
-                        bias = plgpu.load(b_refs[m].at[pl.ds(col, BLOCK_N)], layout=plgpu.Layout.WGMMA.reduce(1),
-                                          optimized=False)
+                        bias = early[m] if early[m] is not None else load_bias(m, col)
                         r = (y.astype(jnp.float32) + lax.broadcast_in_dim(
                             bias.astype(jnp.float32), (BLOCK_N, mp), [0])).astype(jnp.bfloat16)
                     o_smem.T[...] = r

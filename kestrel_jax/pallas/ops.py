@@ -519,7 +519,7 @@ def decode_ln_dense_in(x: jax.Array, scale: jax.Array, bias: jax.Array, w: jax.A
     if res is not None and kern.residual_problem(x, *res) is not None:
         return None
     run = _jitted(kern.gemv_rows, ("stages", "ln_eps", "ln_tiles_ahead"))
-    return tuple(run(x, wc, b, stages=rows_gemv_stages(), ln=(scale, bias), ln_eps=float(eps),
+    return tuple(run(x, wc, b, stages=rows_gemv_stages(ln=True), ln=(scale, bias), ln_eps=float(eps),
                      ln_tiles_ahead=ln_in_rows_mode() == "ahead", **({} if res is None else {"residual": res})))
 
 
@@ -619,21 +619,24 @@ def _rows_kernel(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Arra
     if tau is not None and tau_dots_wanted() and kern.tau_dots_problem(tau.wq, tau.wv, w1.shape[1]) is None:
         from kestrel_jax.pallas.qkv_epilogue import TauDots
 
-        y1, y2, dots, *rest = run(x, w1, b1, w2, b2, tau_w=(tau.wq, tau.wv), stages=rows_gemv_stages(), **ln)
+        y1, y2, dots, *rest = run(x, w1, b1, w2, b2, tau_w=(tau.wq, tau.wv), stages=rows_gemv_stages("ln" in ln),
+                                  **ln)
         return (y1, y2, TauDots(dots, tau.alpha), *rest)
-    y1, y2, *rest = run(x, w1, b1, w2, b2, stages=rows_gemv_stages(), **ln)
+    y1, y2, *rest = run(x, w1, b1, w2, b2, stages=rows_gemv_stages("ln" in ln), **ln)
     return (y1, y2, None, *rest)
 
 
-def rows_gemv_stages() -> int:
-    """Ring stages of `gemv_mgpu.gemv_rows` (an MoE layer's decode QKV + router product):
-    KESTREL_JAX_GEMV_ROWS_STAGES, default the kernel's ROWS_STAGES (8), read at trace time, for A/B
-    runs. At one row it streams ~25 MB in 9.2 us on an H200 (68% of copy, forty-fourth session),
-    one CTA per 64 of its 6,208 columns (97 CTAs on 132 SMs); on the H100 8 stages beat 16 and 24
-    (seventeenth session), fewer were not measured."""
+def rows_gemv_stages(ln: bool = False) -> int:
+    """Ring stages of `gemv_mgpu.gemv_rows` (an MoE layer's decode QKV + router product; with `ln`,
+    the one-row kernels that normalise their input, MoE and dense): KESTREL_JAX_GEMV_ROWS_STAGES,
+    default the kernel's ROWS_STAGES (8; with `ln` ROWS_STAGES_LN, 6), read at trace time, for A/B
+    runs (it sets both). At one row it streams ~25 MB in 9.2 us on an H200 (68% of copy, forty-fourth
+    session), one CTA per 64 of its 6,208 columns (97 CTAs on 132 SMs); on the H100 8 stages beat 16
+    and 24 (seventeenth session). With the LayerNorm inside, 6 beat 8 for MD2's joined dense product
+    and tied for MD3 (fifty-sixth session, H100: MD2 W1 +2.5% with the early bias load)."""
     from kestrel_jax.pallas import gemv_mgpu as kern
 
-    return integer("KESTREL_JAX_GEMV_ROWS_STAGES", kern.ROWS_STAGES, low=1, high=32)
+    return integer("KESTREL_JAX_GEMV_ROWS_STAGES", kern.ROWS_STAGES_LN if ln else kern.ROWS_STAGES, low=1, high=32)
 
 
 def tau_dots_wanted() -> bool:

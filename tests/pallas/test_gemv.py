@@ -102,18 +102,20 @@ def test_gemv_pair_equals_the_two_products():
         jax.eval_shape(g.gemv_pair, x, w1, b1, jnp.zeros((256, 96), BF16), None)  # N2 not a multiple of 64
 
 
-@pytest.mark.parametrize("M,N1,N2,bias", [(1, 192, 64, True), (3, 128, None, True), (8, 64, 128, False)])
-def test_gemv_rows_are_the_single_split_product_padded_to_the_row_tile(M, N1, N2, bias):
+@pytest.mark.parametrize("M,N1,N2,bias,early", [(1, 192, 64, True, False), (1, 192, 64, True, True),
+                                                 (3, 128, None, True, True), (8, 64, 128, False, False)])
+def test_gemv_rows_are_the_single_split_product_padded_to_the_row_tile(M, N1, N2, bias, early):
     """Finished bf16 rows from one CTA per column block: bit-identical to `gemv` with one split (the
     same f32 product, rounded, bias added in bf16), rows padded to 8; padding rows are the
-    products of x's zero padding rows (the bias)."""
+    products of x's zero padding rows (the bias). The same with the bias loaded before the stream
+    (`bias_early`)."""
     rng = fresh_rng()
     K = 256
     x = jnp.asarray(rng.standard_normal((M, K)), BF16)
     ws = [jnp.asarray(rng.standard_normal((K, n)) * 0.05, BF16) for n in (N1, N2) if n]
     bs = [jnp.asarray(rng.standard_normal((w.shape[1],)), BF16) if bias else None for w in ws]
     args = (x, ws[0], bs[0]) if N2 is None else (x, ws[0], bs[0], ws[1], bs[1])
-    out = jax.jit(functools.partial(g.gemv_rows, stages=3, interpret=True))(*args)
+    out = jax.jit(functools.partial(g.gemv_rows, stages=3, bias_early=early, interpret=True))(*args)
     assert len(out) == len(ws)
     one = jax.jit(functools.partial(g.gemv, splits=1, interpret=True))
     for y, w, b in zip(out, ws, bs, strict=True):
@@ -202,11 +204,11 @@ def test_rows_kernel_stages_switch_reaches_the_kernel(monkeypatch: pytest.Monkey
 
     monkeypatch.delenv("KESTREL_JAX_GEMV_ROWS", raising=False)
     monkeypatch.delenv("KESTREL_JAX_GEMV_ROWS_STAGES", raising=False)
-    assert ops.rows_gemv_stages() == g.ROWS_STAGES
+    assert ops.rows_gemv_stages() == g.ROWS_STAGES and ops.rows_gemv_stages(ln=True) == g.ROWS_STAGES_LN
     ref = run()
     monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS_STAGES", "2")
     got = run()
-    assert seen == [g.ROWS_STAGES, 2]
+    assert seen == [g.ROWS_STAGES, 2] and ops.rows_gemv_stages(ln=True) == 2  # (the switch sets both)
     for a, b in zip(ref[:2], got[:2], strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS_STAGES", "0")
@@ -354,10 +356,11 @@ def test_gemv_lowers_at_decoder_shapes():
     with jax.sharding.use_abstract_mesh(mesh):
         assert "mosaic_gpu" in jax.jit(g.gemv_pair).trace(*pair).lower(lowering_platforms=("cuda",)).as_text()
     # the same as finished rows, at 1, 8 and 64 rows (the ring shortened to fit SMEM at 64)
-    for M in (1, 8, 64):
+    for M, early in ((1, False), (1, True), (8, False), (64, True)):
         rows_pair = (_SDS((M, 2048), BF16), *pair[1:])
         with jax.sharding.use_abstract_mesh(mesh):
-            text = jax.jit(g.gemv_rows).trace(*rows_pair).lower(lowering_platforms=("cuda",)).as_text()
+            text = jax.jit(functools.partial(g.gemv_rows, bias_early=early)).trace(*rows_pair).lower(
+                lowering_platforms=("cuda",)).as_text()
         assert "kestrel_gemv_rows" in text
     # a gated product (the region heads': MD3's paired decoders, gated on a step's int column)
     with jax.sharding.use_abstract_mesh(mesh):

@@ -132,7 +132,7 @@ def test_decode_ln_qkv_router_dispatch(monkeypatch: pytest.MonkeyPatch):
         out = call()
         assert out is not None and [o.shape for o in out if o is not None] == [(8, 192), (8, 64), (8, K)]
         assert out[2] is None
-        assert seen == [((1, K), True, 1e-6, False, ops.rows_gemv_stages(), False)]
+        assert seen == [((1, K), True, 1e-6, False, g.ROWS_STAGES_LN, False)]  # the one-row LN kernels' ring
         monkeypatch.setenv("KESTREL_JAX_LN_IN_ROWS", "ahead")  # the x tiles formed before the first MMA
         assert call() is not None and seen[-1][-1] is True
         seen.pop()
@@ -175,9 +175,11 @@ def test_decode_ln_dense_in_dispatch(monkeypatch: pytest.MonkeyPatch):
     the rows kernel on, for a LayerNorm the kernel takes; the tiles' order follows
     KESTREL_JAX_LN_IN_ROWS (`ahead`); it hands back (product rows, normalised rows)."""
     seen: list[tuple] = []
+    rings: list[int] = []
 
     def fake(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=None, tau_w=None, stages=None, ln_tiles_ahead=None):
         seen.append((x.shape, w1.shape, w2 is None, ln is not None, ln_eps, ln_tiles_ahead))
+        rings.append(stages)
         return jnp.pad(x @ w1, ((0, 7), (0, 0))), jnp.pad(x, ((0, 7), (0, 0)))
 
     monkeypatch.setattr(g, "gemv_rows", fake)
@@ -194,7 +196,7 @@ def test_decode_ln_dense_in_dispatch(monkeypatch: pytest.MonkeyPatch):
     with ops.use_backend("kernel"):
         out = call()
         assert out is not None and [o.shape for o in out] == [(8, N), (8, K)]
-        assert seen == [((1, K), (K, N), True, True, 1e-6, False)]
+        assert seen == [((1, K), (K, N), True, True, 1e-6, False)] and rings == [g.ROWS_STAGES_LN]
         monkeypatch.setenv("KESTREL_JAX_LN_IN_ROWS", "ahead")
         assert call() is not None and seen[-1][-1] is True
         monkeypatch.delenv("KESTREL_JAX_LN_IN_ROWS")

@@ -1,0 +1,26 @@
+"""bench_rows_kernel's cases on the CPU: each builds its program (one layer) and it lowers for an
+abstract H100 with the kernels it names the weight bytes of, so a GPU run times what it says."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+from tools import bench_rows_kernel as bench
+
+
+def test_every_case_lowers_with_the_kernels_it_counts():
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    for name, build in bench.CASES.items():
+        f, args, wbytes = build(1)
+        specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+        with jax.sharding.use_abstract_mesh(mesh):
+            text = f.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+        assert "kestrel_gemv_rows" in wbytes and all(v > 0 for v in wbytes.values()), name
+        launched = set(re.findall(r"(kestrel_gemv\w*)_mosaic_gpu", text))
+        assert launched == set(wbytes), (name, launched)
+        # MD2's pair also launches the output product's partials; the others only the rows kernel
+        assert ("kestrel_gemv" in wbytes) == name.startswith("md2"), name
