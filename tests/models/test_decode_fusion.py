@@ -113,6 +113,10 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(gemv_mgpu, "gemv_rows", _gemv_rows)
     monkeypatch.setattr(gemv_mgpu, "gemv_supported", lambda x, w: x.shape[0] <= 64)
     monkeypatch.setenv("KESTREL_JAX_DECODE_QKV_KERNEL", "0")
+    # MoE layers add their residual in XLA (or the opt-in residual + LayerNorm launch): the MoE
+    # residual in the next rows kernel, on by default, is tested where it is switched on
+    # (tests/models/test_dense_residual_in_rows.py)
+    monkeypatch.setenv("KESTREL_JAX_MOE_RESIDUAL_IN_ROWS", "0")
     _prefetched.clear()
     _sides.clear()
 

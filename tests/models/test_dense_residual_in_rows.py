@@ -1,7 +1,7 @@
 """The model's plumbing of KESTREL_JAX_DENSE_RESIDUAL_IN_ROWS: at one row a dense layer followed by
 another dense layer leaves its residual add to that layer's rows kernel (`Block.dense_decode_out_pending`,
 `ops.dense_out_row0`, `ops.decode_ln_dense_in`'s residual); the last dense layer before an MoE
-layer, and the last layer, add in XLA; and of the opt-in KESTREL_JAX_MOE_RESIDUAL_IN_ROWS, the same
+layer, and the last layer, add in XLA; and of KESTREL_JAX_MOE_RESIDUAL_IN_ROWS (on by default), the same
 between MoE layers (`ops.decode_ln_qkv_router`'s residual). The kernels are the stand-ins of
 tests/models/test_decode_fusion.py (the kernels themselves: tests/pallas/test_gemv_residual.py)."""
 
@@ -157,12 +157,12 @@ def test_dense_out_row0_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_moe_layers_add_the_residual_in_the_next_rows_kernel(stand_ins: list[str],  # noqa: F811
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """KESTREL_JAX_MOE_RESIDUAL_IN_ROWS=1 (opt-in): an MoE layer followed by an MoE layer (MD3's
+    """KESTREL_JAX_MOE_RESIDUAL_IN_ROWS=1 (the default): an MoE layer followed by an MoE layer (MD3's
     tiny model: layers 2 and 3) asks its down GEMM for the projection's row-0 partials and hands
     them, the projection's bias and its unreduced expert rows to the next layer's QKV + router rows
     kernel with the residual stream; nothing is added in XLA, and the hidden states lie within bf16
-    rounding of the reference path and of the switch off. Off (the default) the rows kernel of an
-    MoE layer gets no residual."""
+    rounding of the reference path and of the switch off. Off, the rows kernel of an MoE layer gets
+    no residual."""
     rows_calls: list[tuple] = []
     model, x1, batch1, cache, want = _case(monkeypatch, rows_calls, 13, "md3")
     cfg = model.cfg
@@ -170,6 +170,8 @@ def test_moe_layers_add_the_residual_in_the_next_rows_kernel(stand_ins: list[str
     qkv = cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim
     counted = _count_xla_adds(monkeypatch)
     name = "KESTREL_JAX_MOE_RESIDUAL_IN_ROWS"
+    monkeypatch.delenv(name, raising=False)
+    assert ops.moe_residual_in_rows_wanted()
     outs = {}
     for switch in ("0", "1"):  # (each kernel variant is traced once, the first time)
         got = _kernel_forward(model, x1, batch1, cache, monkeypatch, name, switch, rows_calls, stand_ins)
