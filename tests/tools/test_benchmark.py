@@ -128,6 +128,18 @@ def test_append_adds_a_startup_record_and_keeps_the_rest(bench: ModuleType, tmp_
     assert got["w1"] == {"summary": {"x": 1}} and got["errors"] == {"append:startup": "boom"}
 
 
+def test_compile_cache_is_counted_when_the_arguments_are_read(bench: ModuleType, tmp_path: Path) -> None:
+    """The cache's entries are counted by parse_args, before the process compiles anything (the
+    random weights' programs land in the cache too and made a fresh cache look warm)."""
+    cache = tmp_path / "cc"
+    assert bench.parse_args(["--model", "md3", "--compile-cache", str(cache)]).cache_entries == 0  # none yet
+    (cache / "sub").mkdir(parents=True)
+    (cache / "a").write_bytes(b"x")
+    (cache / "sub" / "b").write_bytes(b"y")
+    assert bench.parse_args(["--model", "md3", "--compile-cache", str(cache)]).cache_entries == 2
+    assert bench.parse_args(["--model", "md3"]).cache_entries == 0
+
+
 def test_decode_bytes_full_size_md3(bench: ModuleType) -> None:
     from kestrel_jax.models.config import md2_config, md3_config
     from kestrel_jax.models.moondream import abstract_model
