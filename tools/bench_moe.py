@@ -261,6 +261,9 @@ def run(args) -> dict[str, Any]:
                     w8 = dataclasses.replace(cfg, w8a8=True)
                     phases[1].append((T, prec, dataclasses.replace(w8, quant_in_gemm=not w8.quant_in_gemm)))
                 continue
+            if args.stages_ab and cfg.dense:  # the dense regime's TMA ring depth (KESTREL_JAX_MOE_DENSE_STAGES)
+                phases[1] += [(T, prec, dataclasses.replace(cfg, max_stages=n)) for n in (4, 6) if n != cfg.max_stages]
+                continue
             if args.down_ab:  # the down projection's unit width (64-row tiles per unit)
                 phases[1] += [(T, prec, dataclasses.replace(cfg, down_row_tiles=n)) for n in (1, 4)
                               if n != cfg.down_row_tiles]
@@ -316,7 +319,8 @@ def bench_case(T, prec, cfg: MoEKernelConfig, dims, xs, rw, rb, exs, hit, flops,
         + (f"/w{cfg.route_warps}" if cfg.route_warps else "") \
         + (f"/down{cfg.down_row_tiles}" if cfg.down_row_tiles != 2 else "") \
         + ("/sepq" if cfg.w8a8 and cfg.dense and not cfg.quant_in_gemm else "") \
-        + (f"/ctas{cfg.num_ctas}x{cfg.max_stages}" if cfg.num_ctas > default_config(T).num_ctas else "") \
+        + (f"/ctas{cfg.num_ctas}x{cfg.max_stages}" if cfg.num_ctas > default_config(T).num_ctas
+           else f"/st{cfg.max_stages}" if cfg.max_stages != default_config(T).max_stages else "") \
         + ("/blocks" if not cfg.slices_fastest and not cfg.dense else "")
     row: dict[str, Any] = {"T": T, "precision": prec, "mode": mode, "variant": variant,
                            "block_tokens": cfg.block_tokens, "config": dataclasses.asdict(cfg),
@@ -412,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="alternatives: only the other dense FP8 mode and dense W8A8 with the quantisation in "
                         "separate launches (vs inside the GEMMs)")
     p.add_argument("--cta-ab", action="store_true", help="dense regime with two CTAs per SM (half the ring)")
+    p.add_argument("--stages-ab", action="store_true", help="dense regime FP8 with TMA rings of 4 and 6 slots")
     p.add_argument("--sorted-ab", action="store_true",
                    help="sorted regime: 64 / 128-token blocks x unit order (slices or blocks fastest)")
     p.add_argument("--no-routing-ab", action="store_true", help="skip the mosaic and xla dense routings")

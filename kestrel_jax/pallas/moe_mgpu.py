@@ -274,13 +274,18 @@ def default_config(num_tokens: int, num_ctas: int | None = None) -> MoEKernelCon
     to ~4.5e-2, the per-token activation rounding that W8A8 means at every other T).
     T > 64: expert-sorted blocks of 64 / 128 tokens, W8A8 (FP8 wgmma throughput).
     KESTREL_JAX_W8A8_MIN_TOKENS (read at trace time, default 1; 2 restores W8A16 at one token)
-    moves the dense regime's W8A8 threshold.
+    moves the dense regime's W8A8 threshold; KESTREL_JAX_MOE_DENSE_STAGES (default 8, 2-16) sets
+    its TMA ring depth (`max_stages`), for A/B runs: the fifty-sixth session found the rows
+    kernel, 224 CTAs streaming at once, faster with 6 slots than 8 (its first tiles queue behind
+    fewer loads), and the dense regime's 132 CTAs x 8 slots ask for ~17 MB of an FP8 up GEMM's
+    ~34 MB at once.
     """
     ctas = num_ctas or _device_sms()
     if num_tokens <= 64:
         nt = max(ROW_ALIGN, -(-num_tokens // ROW_ALIGN) * ROW_ALIGN)
         return MoEKernelConfig(block_tokens=nt, dense=True, w8a8=num_tokens >= _w8a8_min_tokens(), num_ctas=ctas,
-                               quant_in_gemm=quant_in_gemm_wanted())
+                               quant_in_gemm=quant_in_gemm_wanted(),
+                               max_stages=integer("KESTREL_JAX_MOE_DENSE_STAGES", 8, low=2, high=16))
     return MoEKernelConfig(block_tokens=sorted_block_tokens(num_tokens), w8a8=True, num_ctas=ctas,
                            slices_fastest=sorted_slices_fastest())
 

@@ -1057,6 +1057,18 @@ def test_w8a8_threshold_of_the_dense_regime(monkeypatch):
         default_config(1)
 
 
+def test_dense_regime_ring_depth_switch(monkeypatch):
+    """KESTREL_JAX_MOE_DENSE_STAGES sets the dense regime's TMA ring depth (default 8); the sorted
+    regime keeps its own; out-of-range values are a clear error."""
+    monkeypatch.delenv("KESTREL_JAX_MOE_DENSE_STAGES", raising=False)
+    assert default_config(1).max_stages == 8 and default_config(65).max_stages == 8
+    monkeypatch.setenv("KESTREL_JAX_MOE_DENSE_STAGES", "5")
+    assert [default_config(t).max_stages for t in (1, 64, 65)] == [5, 5, 8]
+    monkeypatch.setenv("KESTREL_JAX_MOE_DENSE_STAGES", "1")
+    with pytest.raises(ValueError, match="KESTREL_JAX_MOE_DENSE_STAGES"):
+        default_config(1)
+
+
 @pytest.mark.parametrize("T,k", [(1, 4), (17, 3)], ids=["nt8", "nt24"])
 def test_in_gemm_quantisation_equals_the_quantise_launches(rng, T, k, monkeypatch):
     """Dense W8A8 with the GEMMs quantising their own bf16 rows (the default) against the same GEMMs
