@@ -649,8 +649,9 @@ class TextModel(nnx.Module):
             logits, route = (None, routed) if isinstance(routed, DenseRoute) else (routed, None)
             rows = None
             nxt_block = self.blocks[i + 1] if i + 1 < len(self.blocks) else None
-            # opt-in: this MoE layer's residual add inside the next MoE layer's rows kernel, from the
-            # projection's row-0 partials (streamed by the down GEMM) and the unreduced expert rows
+            # (on by default) this MoE layer's residual add inside the next MoE layer's rows kernel, from
+            # the projection's row-0 partials (streamed by the down GEMM) and the unreduced expert rows;
+            # at one row it comes before the opt-in residual + LayerNorm launch below
             moe_pend = (t == 1 and ln_kernel and side_proj and nxt_block is not None
                         and isinstance(nxt_block.mlp, MoE) and nxt_block.attn.decode_gemm_kernel
                         and ops.moe_residual_in_rows_wanted() and ops.ln_in_rows_wanted())
@@ -685,7 +686,7 @@ class TextModel(nnx.Module):
             elif out_joined and dense_in is not None:  # `a`: attention's output before its projection
                 if (t == 1 and ln_kernel and nxt_block is not None and not isinstance(nxt_block.mlp, MoE)
                         and nxt_block.dense_w is not None and ops.dense_in_one_row()):
-                    # opt-in: the residual add inside the next dense layer's rows kernel
+                    # (on by default) the residual add inside the next dense layer's rows kernel
                     pending = block.dense_decode_out_pending(x, a, dense_in[1])
                     if pending is not None:
                         continue
