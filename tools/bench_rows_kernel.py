@@ -17,6 +17,11 @@ Cases:
   `bias_early=False`) and ring depths (`_st<n>`; the default is `gemv_mgpu.ROWS_STAGES_LN`, the one-row step's).
 - `md3`: an MD3 MoE layer's QKV + router rows kernel with the LayerNorm and the tau dots
   ([2048, 6144] + [2048, 64], biases), with the same variants.
+- `md3_res`: the same with the previous MoE layer's residual inside, as the default step runs it
+  (`KESTREL_JAX_MOE_RESIDUAL_IN_ROWS`): the output projection's row-0 partials [4, 2048] f32 and
+  bias, and the token's 8 expert rows gathered from [64, 2048] by the [8, 8] tables. Variants:
+  `_after` (the expert rows loaded after the weight ring's fill is issued: `expert_after_fill`)
+  and ring depths (`_st<n>`).
 - `plain`: the rows kernel alone (no LayerNorm, no bias) at N = 14,336 (224 CTAs, MD2's joined
   product) and at N = 8,448 and 16,896 (132 and 264 CTAs: whole waves on 132 SMs), to see whether
   224 CTAs on 132 SMs cost a wave's imbalance.
@@ -109,6 +114,30 @@ def md3_case(layers: int, stages: int, early: bool) -> tuple[Any, tuple[Any, ...
         "kestrel_gemv_rows": D * (MD3_QKV + 64) * 2}
 
 
+def md3_res_case(layers: int, stages: int, after: bool) -> tuple[Any, tuple[Any, ...], dict[str, int]]:
+    w1, b1 = _bf16(20, (layers, D, MD3_QKV), 0.02), _bf16(21, (layers, MD3_QKV), 0.1)
+    w2, b2 = _bf16(22, (layers, D, 64), 0.02), _bf16(23, (layers, 64), 0.1)
+    wq, wv = _bf16(24, (32, MD3_QKV), 0.05), _bf16(25, (32, MD3_QKV), 0.05)
+    scale, shift, x0 = jnp.ones((D,), jnp.bfloat16), _bf16(26, (D,), 0.1), _bf16(27, (1, D), 1.0)
+    parts = jax.random.normal(jax.random.key(28), (4, D), jnp.float32) * 0.1
+    rbias, y = _bf16(29, (D,), 0.1), _bf16(35, (64, D), 0.1)
+    dest = jnp.tile(jnp.arange(0, 64, 8, dtype=jnp.int32)[:, None], (1, 8))  # token 0's 8 rows, one per block
+    weights = jnp.full((8, 8), 1 / 8, jnp.float32)
+    n_valid = jnp.ones((1,), jnp.int32)
+    rows = jax.jit(functools.partial(g.gemv_rows, stages=stages, ln_eps=1e-5, expert_after_fill=after))
+
+    def step(x, w1, b1, w2, b2, wq, wv, scale, shift, parts, rbias, y, dest, weights, n_valid):
+        outs = []
+        for i in range(w1.shape[0]):
+            *o, x = rows(x, w1[i], b1[i], w2[i], b2[i], tau_w=(wq, wv), ln=(scale, shift),
+                         residual=(parts, rbias, (y, dest, weights, n_valid)))
+            outs.append(o)  # every output returned: no launch is dead code; x' feeds the next layer
+        return outs, x
+
+    return jax.jit(step), (x0, w1, b1, w2, b2, wq, wv, scale, shift, parts, rbias, y, dest, weights, n_valid), {
+        "kestrel_gemv_rows": D * (MD3_QKV + 64) * 2}
+
+
 def plain_case(layers: int, n: int, stages: int) -> tuple[Any, tuple[Any, ...], dict[str, int]]:
     ws = _bf16(30, (layers, D, n), 0.02)
     x = _bf16(31, (1, D), 1.0)
@@ -128,6 +157,12 @@ CASES = {  # (the fifty-sixth session's first run, BENCHMARKS.md, had 8 stages a
     "md3": lambda L: md3_case(L, g.ROWS_STAGES_LN, True),
     "md3_late": lambda L: md3_case(L, g.ROWS_STAGES_LN, False),
     "md3_st8": lambda L: md3_case(L, 8, True),
+    "md3_res": lambda L: md3_res_case(L, g.ROWS_STAGES_LN, False),
+    "md3_res_after": lambda L: md3_res_case(L, g.ROWS_STAGES_LN, True),
+    "md3_res_st8": lambda L: md3_res_case(L, 8, False),
+    "md3_res_st12": lambda L: md3_res_case(L, 12, False),
+    "md3_res_st16": lambda L: md3_res_case(L, 16, False),
+    "md3_res_after_st12": lambda L: md3_res_case(L, 12, True),
     "plain_224": lambda L: plain_case(L, 224 * g.BLOCK_N, g.ROWS_STAGES),
     "plain_132": lambda L: plain_case(L, 132 * g.BLOCK_N, g.ROWS_STAGES),
     "plain_264": lambda L: plain_case(L, 264 * g.BLOCK_N, g.ROWS_STAGES),
