@@ -16,12 +16,12 @@ Cases:
   splits, 8 stages). Variants: `_late` (the rows kernel's bias loaded after its K loop, not before:
   `bias_early=False`) and ring depths (`_st<n>`; the default is `gemv_mgpu.ROWS_STAGES_LN`, the one-row step's).
 - `md3`: an MD3 MoE layer's QKV + router rows kernel with the LayerNorm and the tau dots
-  ([2048, 6144] + [2048, 64], biases), with the same variants.
+  ([2048, 6144] + [2048, 64], biases), with the same variants (its default ring:
+  `gemv_mgpu.ROWS_STAGES_MOE_LN`).
 - `md3_res`: the same with the previous MoE layer's residual inside, as the default step runs it
   (`KESTREL_JAX_MOE_RESIDUAL_IN_ROWS`): the output projection's row-0 partials [4, 2048] f32 and
-  bias, and the token's 8 expert rows gathered from [64, 2048] by the [8, 8] tables. Variants:
-  `_after` (the expert rows loaded after the weight ring's fill is issued: `expert_after_fill`)
-  and ring depths (`_st<n>`).
+  bias, and the token's 8 expert rows gathered from [64, 2048] by the [8, 8] tables, at the MoE
+  kernel's ring depth (`gemv_mgpu.ROWS_STAGES_MOE_LN`) and others (`_st<n>`).
 - `plain`: the rows kernel alone (no LayerNorm, no bias) at N = 14,336 (224 CTAs, MD2's joined
   product) and at N = 8,448 and 16,896 (132 and 264 CTAs: whole waves on 132 SMs), to see whether
   224 CTAs on 132 SMs cost a wave's imbalance.
@@ -114,7 +114,7 @@ def md3_case(layers: int, stages: int, early: bool) -> tuple[Any, tuple[Any, ...
         "kestrel_gemv_rows": D * (MD3_QKV + 64) * 2}
 
 
-def md3_res_case(layers: int, stages: int, after: bool) -> tuple[Any, tuple[Any, ...], dict[str, int]]:
+def md3_res_case(layers: int, stages: int) -> tuple[Any, tuple[Any, ...], dict[str, int]]:
     w1, b1 = _bf16(20, (layers, D, MD3_QKV), 0.02), _bf16(21, (layers, MD3_QKV), 0.1)
     w2, b2 = _bf16(22, (layers, D, 64), 0.02), _bf16(23, (layers, 64), 0.1)
     wq, wv = _bf16(24, (32, MD3_QKV), 0.05), _bf16(25, (32, MD3_QKV), 0.05)
@@ -124,7 +124,7 @@ def md3_res_case(layers: int, stages: int, after: bool) -> tuple[Any, tuple[Any,
     dest = jnp.tile(jnp.arange(0, 64, 8, dtype=jnp.int32)[:, None], (1, 8))  # token 0's 8 rows, one per block
     weights = jnp.full((8, 8), 1 / 8, jnp.float32)
     n_valid = jnp.ones((1,), jnp.int32)
-    rows = jax.jit(functools.partial(g.gemv_rows, stages=stages, ln_eps=1e-5, expert_after_fill=after))
+    rows = jax.jit(functools.partial(g.gemv_rows, stages=stages, ln_eps=1e-5))
 
     def step(x, w1, b1, w2, b2, wq, wv, scale, shift, parts, rbias, y, dest, weights, n_valid):
         outs = []
@@ -149,20 +149,18 @@ def plain_case(layers: int, n: int, stages: int) -> tuple[Any, tuple[Any, ...], 
     return jax.jit(step), (x, ws), {"kestrel_gemv_rows": D * n * 2}
 
 
-CASES = {  # (the fifty-sixth session's first run, BENCHMARKS.md, had 8 stages and the late bias as its defaults)
+CASES = {  # (the fifty-sixth session's first run, BENCHMARKS.md, had 8 stages and the late bias as its defaults;
+    # the fifty-seventh session's ran `md3` at 6 stages, then the default of every one-row LN kernel)
     "md2": lambda L: md2_case(L, g.ROWS_STAGES_LN, True),
     "md2_late": lambda L: md2_case(L, g.ROWS_STAGES_LN, False),
     "md2_st5": lambda L: md2_case(L, 5, True),
     "md2_st8": lambda L: md2_case(L, 8, True),
-    "md3": lambda L: md3_case(L, g.ROWS_STAGES_LN, True),
-    "md3_late": lambda L: md3_case(L, g.ROWS_STAGES_LN, False),
-    "md3_st8": lambda L: md3_case(L, 8, True),
-    "md3_res": lambda L: md3_res_case(L, g.ROWS_STAGES_LN, False),
-    "md3_res_after": lambda L: md3_res_case(L, g.ROWS_STAGES_LN, True),
-    "md3_res_st8": lambda L: md3_res_case(L, 8, False),
-    "md3_res_st12": lambda L: md3_res_case(L, 12, False),
-    "md3_res_st16": lambda L: md3_res_case(L, 16, False),
-    "md3_res_after_st12": lambda L: md3_res_case(L, 12, True),
+    "md3": lambda L: md3_case(L, g.ROWS_STAGES_MOE_LN, True),
+    "md3_late": lambda L: md3_case(L, g.ROWS_STAGES_MOE_LN, False),
+    "md3_st6": lambda L: md3_case(L, 6, True),
+    "md3_res": lambda L: md3_res_case(L, g.ROWS_STAGES_MOE_LN),
+    "md3_res_st6": lambda L: md3_res_case(L, 6),
+    "md3_res_st12": lambda L: md3_res_case(L, 12),
     "plain_224": lambda L: plain_case(L, 224 * g.BLOCK_N, g.ROWS_STAGES),
     "plain_132": lambda L: plain_case(L, 132 * g.BLOCK_N, g.ROWS_STAGES),
     "plain_264": lambda L: plain_case(L, 264 * g.BLOCK_N, g.ROWS_STAGES),

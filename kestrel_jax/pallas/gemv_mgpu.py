@@ -313,6 +313,12 @@ ROWS_STAGES = 8
 # 6 stages 792.4 / 790.9 (8 stages with the late bias, the defaults before: 774.3 / 765.2 / 776.4);
 # MD3 W1 (early bias) 6 stages 813.7 against 8 stages 815.1 / 811.5.
 ROWS_STAGES_LN = 6
+# ... but 8 for an MoE layer's QKV + router kernel with the LayerNorm (97 CTAs on 132 SMs: one each, so
+# a deeper ring costs no residency). H100, fifty-seventh session, with the previous MoE layer's residual
+# and expert rows inside as the decode step runs it (`tools/bench_rows_kernel.py` md3_res, 16 cold
+# weights): 6 stages 13.58 / 13.47 us, 8 stages 13.12 / 13.15, 12 stages 13.96 / 13.99, 16 stages
+# 14.78 / 14.85; MD3 W1 not distinguishable (8 stages 819.6 tok/s, 6 stages 817.5-821.6 in five runs).
+ROWS_STAGES_MOE_LN = 8
 _OUT_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(_SWIZZLE))  # type: ignore[abstract]
 
 
@@ -331,7 +337,6 @@ def gemv_rows(
     residual: tuple[Any, ...] | None = None,
     stages: int = ROWS_STAGES,
     bias_early: bool = True,
-    expert_after_fill: bool = False,
     interpret: bool = False,
     detect_races: bool = False,
 ) -> tuple[jax.Array, ...]:  # ([Mp, N1] bf16,) or ([Mp, N1], [Mp, N2]); rows >= M are x's padding rows' products
@@ -377,11 +382,7 @@ def gemv_rows(
     n_valid [1] int32: `decode_residual.ExpertRows`), x' = (x + that) + m, m = sum_j weights[j, 0]
     y[dest[j, 0]] in f32 over j in order (0 where n_valid is 0), rounded to bf16, each add rounded
     to bf16 (`residual_row_ref`): the parallel block's residual of an MoE layer whose projection
-    the down GEMM streamed (its row-0 partials, `moe_mgpu.SideProduct.row0`). The expert rows' loads
-    take their addresses from dest, a load of its own: issued with the others (default), the warps
-    wait for dest before they issue the weight ring's fill; with `expert_after_fill` dest is read
-    first and the expert rows are loaded after the fill is issued (an A/B option, the same rows bit
-    for bit)."""
+    the down GEMM streamed (its row-0 partials, `moe_mgpu.SideProduct.row0`)."""
     ws = (w1,) if w2 is None else (w1, w2)
     bs = (b1,) if w2 is None else (b1, b2)
     for ww, bb in zip(ws, bs, strict=True):
@@ -417,7 +418,6 @@ def gemv_rows(
     w_refs_n, b_present = len(ws), [bb is not None for bb in bs]
     has_tau = tau_w is not None
     h_tau = TAU_ROWS // 2
-    late_rows = expert_after_fill and expert is not None and has_ln
 
     def body(x_ref, *refs):
         w_refs = refs[:w_refs_n]
@@ -476,11 +476,7 @@ def gemv_rows(
             if not has_ln:
                 plgpu.copy_gmem_to_smem(x_ref.at[:, rows], x_buf.at[slot], bars.at[slot])
 
-        def expert_refs():  # the token's expert rows (their indices read first: a dependent load)
-            assert ey_ref is not None and ed_ref is not None
-            return [ey_ref.at[ed_ref[j, 0]] for j in range(top_k)]
-
-        def ln_loads(rows_after: bool = False):
+        def ln_loads():
             """x, scale and bias as whole rows from GMEM in 16-byte vectors (8-byte ones for bf16
             beside a residual's f32 partials, `_ln_vec`; the row is 2 per thread at D = 2048),
             issued before the weight ring's fill so that they do not queue behind its
@@ -494,12 +490,9 @@ def gemv_rows(
             refs = [x_ref.at[0], sc_ref, sh_ref]
             if p_ref is not None:  # the residual's partials (and bias) too
                 refs += [p_ref.at[i] for i in range(n_parts)] + ([] if rb_ref is None else [rb_ref])
-            if ey_ref is not None and not rows_after:  # and the token's expert rows
-                refs += expert_refs()
-            return tuple(plgpu.load(ref, layout=strided) for ref in refs)
-
-        def expert_loads(refs):  # `expert_after_fill`: the expert rows, from dest read before the fill
-            strided = plgpu.Layout.WG_STRIDED((K,), _ln_vec(K, has_res))
+            if ey_ref is not None:  # and the token's expert rows (their indices read first)
+                assert ed_ref is not None
+                refs += [ey_ref.at[ed_ref[j, 0]] for j in range(top_k)]
             return tuple(plgpu.load(ref, layout=strided) for ref in refs)
 
         def normalise(loaded):
@@ -551,14 +544,8 @@ def gemv_rows(
 
         def scope(acc_ref):
             if has_ln:  # the weight ring fills while the rows are normalised
-                if late_rows:
-                    e_refs = expert_refs()  # dest's reads issued first; the rows' loads wait for them
-                    loaded = ln_loads(rows_after=True)
-                    _fill(fetch, n_stages)
-                    loaded += expert_loads(e_refs)
-                else:
-                    loaded = ln_loads()
-                    _fill(fetch, n_stages)
+                loaded = ln_loads()
+                _fill(fetch, n_stages)
                 normalise(loaded)
                 if ln_tiles_ahead:  # every tile before the first MMA (the forty-ninth session's order)
                     for i in range(steps):

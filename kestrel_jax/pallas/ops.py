@@ -473,19 +473,8 @@ def decode_ln_qkv_router(x: jax.Array, scale: jax.Array, bias: jax.Array, w1: ja
         if kern.residual_problem(x, *res) is not None:
             return None
         kw["residual"] = res
-        if res[2:]:  # an MoE layer's expert rows
-            kw["expert_after_fill"] = rows_expert_after_fill()
     return _rows_kernel(x, w1c, b1, w2c, b2, tau, ln=(scale, bias), ln_eps=float(eps),
                         ln_tiles_ahead=ln_in_rows_mode() == "ahead", stages=rows_gemv_stages(ln=True, moe=True), **kw)
-
-
-def rows_expert_after_fill() -> bool:
-    """Whether the MoE QKV + router rows kernel that adds the previous MoE layer's residual loads the
-    token's expert rows after issuing its weight ring's fill (`gemv_rows(expert_after_fill=True)`:
-    their addresses come from a load of dest, which the warps otherwise wait for before the fill).
-    KESTREL_JAX_ROWS_EXPERT_AFTER_FILL, read at trace time, default 0: an A/B switch (fifty-seventh
-    session), the same rows bit for bit."""
-    return flag("KESTREL_JAX_ROWS_EXPERT_AFTER_FILL", False)
 
 
 def dense_ln_in_rows_wanted() -> bool:
@@ -630,8 +619,7 @@ def _rows_kernel(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Arra
     allow, and `ln`'s keywords if given) -> (rows 1, rows 2, `TauDots` or None, *appended outputs)."""
     from kestrel_jax.pallas import gemv_mgpu as kern
 
-    static = ("stages", "ln_eps", "ln_tiles_ahead") + (("expert_after_fill",) if "expert_after_fill" in ln else ())
-    run = _jitted(kern.gemv_rows, static)
+    run = _jitted(kern.gemv_rows, ("stages", "ln_eps", "ln_tiles_ahead"))
     stages = ln.pop("stages", None) or rows_gemv_stages("ln" in ln)
     if tau is not None and tau_dots_wanted() and kern.tau_dots_problem(tau.wq, tau.wv, w1.shape[1]) is None:
         from kestrel_jax.pallas.qkv_epilogue import TauDots
@@ -650,12 +638,16 @@ def rows_gemv_stages(ln: bool = False, moe: bool = False) -> int:
     session), one CTA per 64 of its 6,208 columns (97 CTAs on 132 SMs); on the H100 8 stages beat 16
     and 24 (seventeenth session). With the LayerNorm inside, 6 beat 8 for MD2's joined dense product
     and tied for MD3 (fifty-sixth session, H100: MD2 W1 +2.5% with the early bias load). With `ln` and
-    `moe` (an MoE layer's QKV + router kernel: 97 CTAs, one per SM, where a dense layer's has 224)
-    KESTREL_JAX_GEMV_ROWS_STAGES_MOE, if set, takes precedence (an A/B switch for that kernel alone)."""
+    `moe` (an MoE layer's QKV + router kernel: 97 CTAs, one per SM, where a dense layer's has 224):
+    KESTREL_JAX_GEMV_ROWS_STAGES_MOE, default the kernel's ROWS_STAGES_MOE_LN (8), or else
+    KESTREL_JAX_GEMV_ROWS_STAGES where only that is set."""
     from kestrel_jax.pallas import gemv_mgpu as kern
 
     both = integer("KESTREL_JAX_GEMV_ROWS_STAGES", kern.ROWS_STAGES_LN if ln else kern.ROWS_STAGES, low=1, high=32)
-    return integer("KESTREL_JAX_GEMV_ROWS_STAGES_MOE", both, low=1, high=32) if ln and moe else both
+    if not (ln and moe):
+        return both
+    return integer("KESTREL_JAX_GEMV_ROWS_STAGES_MOE", both if "KESTREL_JAX_GEMV_ROWS_STAGES" in os.environ
+                   else kern.ROWS_STAGES_MOE_LN, low=1, high=32)
 
 
 def tau_dots_wanted() -> bool:

@@ -132,7 +132,7 @@ def test_decode_ln_qkv_router_dispatch(monkeypatch: pytest.MonkeyPatch):
         out = call()
         assert out is not None and [o.shape for o in out if o is not None] == [(8, 192), (8, 64), (8, K)]
         assert out[2] is None
-        assert seen == [((1, K), True, 1e-6, False, g.ROWS_STAGES_LN, False)]  # the one-row LN kernels' ring
+        assert seen == [((1, K), True, 1e-6, False, g.ROWS_STAGES_MOE_LN, False)]  # the MoE LN kernel's ring
         monkeypatch.setenv("KESTREL_JAX_LN_IN_ROWS", "ahead")  # the x tiles formed before the first MMA
         assert call() is not None and seen[-1][-1] is True
         seen.pop()
@@ -149,49 +149,42 @@ def test_decode_ln_qkv_router_dispatch(monkeypatch: pytest.MonkeyPatch):
     assert len(seen) == 1
 
 
-def test_decode_ln_qkv_router_ring_and_expert_order_switches(monkeypatch: pytest.MonkeyPatch):
-    """KESTREL_JAX_GEMV_ROWS_STAGES_MOE sets the MoE QKV + router rows kernel's ring alone (over
-    KESTREL_JAX_GEMV_ROWS_STAGES, which still sets every rows kernel's); KESTREL_JAX_ROWS_EXPERT_AFTER_FILL
-    reaches the kernel only with an MoE layer's expert rows in the residual."""
+def test_decode_ln_qkv_router_ring_switches(monkeypatch: pytest.MonkeyPatch):
+    """The MoE QKV + router rows kernel runs its own ring depth (ROWS_STAGES_MOE_LN), set alone by
+    KESTREL_JAX_GEMV_ROWS_STAGES_MOE; KESTREL_JAX_GEMV_ROWS_STAGES alone still sets every rows
+    kernel's, this one's included; the dense LayerNorm rows kernels keep ROWS_STAGES_LN."""
     seen: list[dict] = []
 
     def fake(x, w1, b1, w2=None, b2=None, **kw):
         seen.append(kw)
         pad = 8 - x.shape[0]
-        out = (jnp.pad(x @ w1, ((0, pad), (0, 0))), jnp.pad(x @ w2, ((0, pad), (0, 0))), jnp.pad(x, ((0, pad), (0, 0))))
-        return out if kw.get("residual") is None else (*out, x)
+        return (jnp.pad(x @ w1, ((0, pad), (0, 0))), jnp.pad(x @ w2, ((0, pad), (0, 0))),
+                jnp.pad(x, ((0, pad), (0, 0))))
 
     monkeypatch.setattr(g, "gemv_rows", fake)
     monkeypatch.setattr(g, "gemv_supported", lambda x, w: True)
-    for name in ("KESTREL_JAX_GEMV_ROWS_STAGES", "KESTREL_JAX_GEMV_ROWS_STAGES_MOE",
-                 "KESTREL_JAX_ROWS_EXPERT_AFTER_FILL", "KESTREL_JAX_LN_IN_ROWS"):
+    for name in ("KESTREL_JAX_GEMV_ROWS_STAGES", "KESTREL_JAX_GEMV_ROWS_STAGES_MOE", "KESTREL_JAX_LN_IN_ROWS"):
         monkeypatch.delenv(name, raising=False)
     K = 1024
     experts = ExpertWeights(jnp.zeros((4, 512, K), jnp.float8_e4m3fn), jnp.zeros((4, K, 256), jnp.float8_e4m3fn),
                             jnp.ones((4, 512), jnp.float32), jnp.ones((4, K), jnp.float32))
     x, scale, bias = jnp.ones((1, K), BF16), jnp.ones((K,), BF16), jnp.zeros((K,), BF16)
     w1, w2 = jnp.ones((K, 192), BF16), jnp.ones((K, 64), BF16)
-    rows = (jnp.zeros((16, K), BF16), jnp.zeros((8, 8), jnp.int32), jnp.zeros((8, 8), jnp.float32),
-            jnp.ones((1,), jnp.int32))
-    moe_res = ops.PendingResidual(x, jnp.zeros((4, K), jnp.float32), bias, rows)
-    dense_res = ops.PendingResidual(x, jnp.zeros((4, K), jnp.float32), bias)
 
-    def call(residual=None):
+    def call():
         ops._jitted.cache_clear()
-        return ops.decode_ln_qkv_router(x, scale, bias, w1, None, w2, None, experts, eps=1e-6, max_rows=64,
-                                        residual=residual)
+        assert ops.decode_ln_qkv_router(x, scale, bias, w1, None, w2, None, experts, eps=1e-6, max_rows=64) is not None
+        return seen[-1]["stages"]
 
+    assert g.ROWS_STAGES_MOE_LN != g.ROWS_STAGES_LN  # (else this test shows nothing)
     with ops.use_backend("kernel"):
-        assert call() is not None and seen[-1]["stages"] == g.ROWS_STAGES_LN and "expert_after_fill" not in seen[-1]
-        assert call(moe_res) is not None and seen[-1]["expert_after_fill"] is False
-        assert call(dense_res) is not None and "expert_after_fill" not in seen[-1]
-        monkeypatch.setenv("KESTREL_JAX_ROWS_EXPERT_AFTER_FILL", "1")
-        assert call(moe_res) is not None and seen[-1]["expert_after_fill"] is True
+        assert call() == g.ROWS_STAGES_MOE_LN and ops.rows_gemv_stages(ln=True) == g.ROWS_STAGES_LN
         monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS_STAGES", "5")
-        assert call() is not None and seen[-1]["stages"] == 5
+        assert call() == 5 and ops.rows_gemv_stages(ln=True) == 5 and ops.rows_gemv_stages() == 5
         monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS_STAGES_MOE", "12")
-        assert call() is not None and seen[-1]["stages"] == 12
-        assert ops.rows_gemv_stages(ln=True) == 5 and ops.rows_gemv_stages() == 5  # the dense LN kernels keep theirs
+        assert call() == 12 and ops.rows_gemv_stages(ln=True) == 5
+        monkeypatch.delenv("KESTREL_JAX_GEMV_ROWS_STAGES")
+        assert call() == 12 and ops.rows_gemv_stages(ln=True) == g.ROWS_STAGES_LN
         monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS_STAGES_MOE", "0")
         with pytest.raises(ValueError, match="KESTREL_JAX_GEMV_ROWS_STAGES_MOE must be an integer"):
             call()

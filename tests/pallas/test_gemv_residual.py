@@ -126,14 +126,13 @@ def _exact_moe_residual(x: jax.Array, parts: jax.Array, bias: jax.Array | None, 
     return (first + m.astype(BF16).astype(np.float32)[None]).astype(BF16)
 
 
-@pytest.mark.parametrize("valid,after", [(1, False), (0, False), (1, True)])
-def test_rows_kernel_adds_an_moe_layers_residual(valid: int, after: bool):
+@pytest.mark.parametrize("valid", [1, 0])
+def test_rows_kernel_adds_an_moe_layers_residual(valid: int):
     """With expert rows (an MoE layer's output before its weighted sum): x' = (x + finished
     partials) + bf16(the weighted sum of token 0's k rows, in order), as the numpy reference rounds
     each operation, and within one bf16 rounding of `residual_row_ref` (XLA sums the k rows in an
     order of its own); rows no choice points at (NaN) are never read, and an empty step (n_valid 0)
-    adds nothing of them; the products are the rows kernel's fed x'. `after`: the expert rows loaded
-    after the weight ring's fill is issued (`expert_after_fill`), the same outputs."""
+    adds nothing of them; the products are the rows kernel's fed x'."""
     rng = fresh_rng()
     K, S = 512, 4
     x = jnp.asarray(rng.standard_normal((1, K)) * 2, BF16)
@@ -144,8 +143,7 @@ def test_rows_kernel_adds_an_moe_layers_residual(valid: int, after: bool):
     w1, b1 = _bf16(rng, (K, 192), 0.05), _bf16(rng, (192,), 1.0)
     w2, b2 = _bf16(rng, (K, 64), 0.05), _bf16(rng, (64,), 1.0)
     run = functools.partial(g.gemv_rows, stages=3, interpret=True, ln=(scale, shift), ln_eps=1e-5)
-    y1, y2, n, xr = jax.jit(functools.partial(run, residual=(parts, rbias, expert), expert_after_fill=after))(
-        x, w1, b1, w2, b2)
+    y1, y2, n, xr = jax.jit(functools.partial(run, residual=(parts, rbias, expert)))(x, w1, b1, w2, b2)
     want = _exact_moe_residual(x, parts, rbias, expert).astype(np.float32)
     got = as_f32(xr)
     assert np.isfinite(got).all()
@@ -243,18 +241,16 @@ def test_residual_kernels_lower_at_md2_shapes():
         assert "kestrel_gemv_rows" in text
 
 
-@pytest.mark.parametrize("after", [False, True])
-def test_moe_residual_lowers_at_md3_shapes(after: bool):
+def test_moe_residual_lowers_at_md3_shapes():
     """Mosaic GPU lowering for an H100 of an MoE layer's QKV + router rows kernel ([2048, 6144] +
     [2048, 64], tau dots) adding the previous MoE layer's residual: the projection's row-0 partials
-    [4, 2048] and bias, 8 expert rows gathered from [64, 2048] by the [8, 8] tables (`after`: loaded
-    after the weight ring's fill is issued)."""
+    [4, 2048] and bias, 8 expert rows gathered from [64, 2048] by the [8, 8] tables."""
     H = g.TAU_ROWS // 2
     f32, i32 = jnp.float32, jnp.int32
 
     def rows(x, w1, b1, w2, b2, wq, wv, sc, sh, p, rb, y, d, w, nv):
         return g.gemv_rows(x, w1, b1, w2, b2, tau_w=(wq, wv), ln=(sc, sh), ln_eps=1e-5,
-                           residual=(p, rb, (y, d, w, nv)), expert_after_fill=after)
+                           residual=(p, rb, (y, d, w, nv)))
 
     with jax.sharding.use_abstract_mesh(_h100_mesh()):
         text = jax.jit(rows).trace(
