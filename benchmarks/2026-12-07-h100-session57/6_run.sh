@@ -4,7 +4,8 @@
 # alone with the residual (new bench case md3_res): the expert rows loaded after the ring's fill is issued
 # (`expert_after_fill`) and ring depths 6 (default) / 8 / 12 / 16; (2) MD3 W1, default against the order
 # switch, then against the best ring depth from (1) (KESTREL_JAX_GEMV_ROWS_STAGES_MOE), each run its own
-# process and compile cache.
+# process and compile cache. Ran at 9f118ce (call 1 of the lease); the `_after` cases and the
+# KESTREL_JAX_ROWS_EXPERT_AFTER_FILL switch were removed after it (measured equal).
 FILT='cuda_event.cc\|cuda_stream.cc\|^===\|^external\|^$\|cuda_executor\|cuda_host_alloc\|local_device_state\|cuda_device_alloc\|JIT session error\|cuda_timer.cc'
 export PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv > $OUT/6_env.txt

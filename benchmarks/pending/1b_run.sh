@@ -1,3 +1,7 @@
+# Session 57 split 1_run.sh in two calls (1a_run.sh: our W1; 1b_run.sh: Kestrel, then MD2 W2) after its first
+# call was taken back mid-run with nothing returned; neither stage ran (no H200 came in session 57).
+# Run 1a, then 1b on the same machine kept warm (1b carries [".peerx"]); move both into the
+# session's dated folder first.
 # Prepared in session 53 for an H200 (kind nvidia-h200, carry [".peerx"]: .peer with its big wheel packed
 # by `bash tools/peer_carry.sh pack`, since .peer and the tree passed 64 MiB). Session 56 ran it on the H100
 # it was lent instead (benchmarks/2026-12-07-h100-session56/1_*); on an H200 it is still wanted. Move this
@@ -9,21 +13,16 @@
 FILT='cuda_event.cc\|cuda_stream.cc\|^===\|^external\|^$\|cuda_executor\|cuda_host_alloc\|local_device_state\|cuda_device_alloc\|JIT session error\|cuda_timer.cc'
 export PYTHONPATH=$PWD
 bash tools/peer_carry.sh unpack > /tmp/unpack.log 2>&1 || { echo unpack failed; cat /tmp/unpack.log; }
-X=/tmp/x1; rm -rf $X; mkdir -p $X/peer
-save() { tar czf $OUT/1_all.tgz -C /tmp x1; }
+X=/tmp/x1; mkdir -p $X/peer
+save() { tar czf $OUT/1b_all.tgz -C /tmp x1; }
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv > $X/1_env.txt
 ARGS="--engine-args decode_buckets=1,64 prefill_token_buckets=768,1536,2048,3072 runner.vision_buckets=1"
-for M in md3 md2; do
-  timeout 200 python3 tools/benchmark.py --model $M --random-weights --compile-cache /tmp/cc_$M \
-    --workloads w1 $ARGS --out $X/1_${M}_w1.json 2>&1 | grep -v "$FILT" > $X/1_${M}_w1.log
-  echo "$M W1 ($SECONDS s): $(grep "w1:\|rror" $X/1_${M}_w1.log | cut -c1-120 | tr '\n' ' ')"; save
-done
-OUT=$X/peer PEER_DEADLINE_S=$((480 - SECONDS)) \
+OUT=$X/peer PEER_DEADLINE_S=$((300 - SECONDS)) \
   PEER_BENCH_ARGS="--requests-per-client 8 --concurrency 64 --ttft-image-sizes 378" \
   bash .peer/run_device.sh > $X/1_peer.log 2>&1
 echo "peer ($SECONDS s): $(grep SUMMARY $X/1_peer.log | cut -c1-300 | tr '\n' ' ')"; save
 W2ARGS="--concurrency 64 --requests-per-client 16 $ARGS"
-[ $SECONDS -lt 440 ] && timeout $((580 - SECONDS)) python3 tools/benchmark.py --model md2 --random-weights \
+[ $SECONDS -lt 320 ] && timeout $((580 - SECONDS)) python3 tools/benchmark.py --model md2 --random-weights \
   --compile-cache /tmp/cc_md2 --workloads w2 $W2ARGS --out $X/1_md2_w2.json 2>&1 \
   | grep -v "$FILT" > $X/1_md2_w2.log
 echo "md2 W2 ($SECONDS s): $(grep "w2 C=64\|rror" $X/1_md2_w2.log | cut -c1-160 | tr '\n' ' ')"; save
