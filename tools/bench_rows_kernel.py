@@ -103,26 +103,26 @@ def md2_case(layers: int, stages: int, early: bool) -> tuple[Any, tuple[Any, ...
         "kestrel_gemv_rows": D * (3 * D + FF) * 2, "kestrel_gemv": (D + FF) * D * 2}
 
 
-def md3_case(layers: int, stages: int, early: bool) -> tuple[Any, tuple[Any, ...], dict[str, int]]:
+def _md3_operands(layers: int) -> tuple[Any, ...]:
+    """x, then per layer the QKV and router weights and biases, the tau weights, the LayerNorm's."""
     w1, b1 = _bf16(20, (layers, D, MD3_QKV), 0.02), _bf16(21, (layers, MD3_QKV), 0.1)
     w2, b2 = _bf16(22, (layers, D, 64), 0.02), _bf16(23, (layers, 64), 0.1)
     wq, wv = _bf16(24, (32, MD3_QKV), 0.05), _bf16(25, (32, MD3_QKV), 0.05)
     scale, shift, x0 = jnp.ones((D,), jnp.bfloat16), _bf16(26, (D,), 0.1), _bf16(27, (1, D), 1.0)
+    return x0, w1, b1, w2, b2, wq, wv, scale, shift
+
+
+def md3_case(layers: int, stages: int, early: bool) -> tuple[Any, tuple[Any, ...], dict[str, int]]:
     rows = jax.jit(functools.partial(g.gemv_rows, stages=stages, ln_eps=1e-5, bias_early=early))
 
     def step(x, w1, b1, w2, b2, wq, wv, scale, shift):
         return [rows(x, w1[i], b1[i], w2[i], b2[i], tau_w=(wq, wv), ln=(scale, shift))
                 for i in range(w1.shape[0])]  # every output returned: no launch is dead code
 
-    return jax.jit(step), (x0, w1, b1, w2, b2, wq, wv, scale, shift), {
-        "kestrel_gemv_rows": D * (MD3_QKV + 64) * 2}
+    return jax.jit(step), _md3_operands(layers), {"kestrel_gemv_rows": D * (MD3_QKV + 64) * 2}
 
 
 def md3_res_case(layers: int, stages: int) -> tuple[Any, tuple[Any, ...], dict[str, int]]:
-    w1, b1 = _bf16(20, (layers, D, MD3_QKV), 0.02), _bf16(21, (layers, MD3_QKV), 0.1)
-    w2, b2 = _bf16(22, (layers, D, 64), 0.02), _bf16(23, (layers, 64), 0.1)
-    wq, wv = _bf16(24, (32, MD3_QKV), 0.05), _bf16(25, (32, MD3_QKV), 0.05)
-    scale, shift, x0 = jnp.ones((D,), jnp.bfloat16), _bf16(26, (D,), 0.1), _bf16(27, (1, D), 1.0)
     parts = jax.random.normal(jax.random.key(28), (4, D), jnp.float32) * 0.1
     rbias, y = _bf16(29, (D,), 0.1), _bf16(35, (64, D), 0.1)
     dest = jnp.tile(jnp.arange(0, 64, 8, dtype=jnp.int32)[:, None], (1, 8))  # token 0's 8 rows, one per block
@@ -138,7 +138,7 @@ def md3_res_case(layers: int, stages: int) -> tuple[Any, tuple[Any, ...], dict[s
             outs.append(o)  # every output returned: no launch is dead code; x' feeds the next layer
         return outs, x
 
-    return jax.jit(step), (x0, w1, b1, w2, b2, wq, wv, scale, shift, parts, rbias, y, dest, weights, n_valid), {
+    return jax.jit(step), (*_md3_operands(layers), parts, rbias, y, dest, weights, n_valid), {
         "kestrel_gemv_rows": D * (MD3_QKV + 64) * 2}
 
 
