@@ -473,8 +473,19 @@ def decode_ln_qkv_router(x: jax.Array, scale: jax.Array, bias: jax.Array, w1: ja
         if kern.residual_problem(x, *res) is not None:
             return None
         kw["residual"] = res
+    split = rows_k_split()
+    if split > 1:
+        kw["k_split"] = split
     return _rows_kernel(x, w1c, b1, w2c, b2, tau, ln=(scale, bias), ln_eps=float(eps),
                         ln_tiles_ahead=ln_in_rows_mode() == "ahead", stages=rows_gemv_stages(ln=True, moe=True), **kw)
+
+
+def rows_k_split() -> int:
+    """CTAs per column block of an MoE layer's one-row QKV + router rows kernel (`decode_ln_qkv_router`;
+    `gemv_mgpu.gemv_rows(k_split=...)`: a cluster of that many CTAs splitting K, 194 or 388 CTAs
+    instead of 97 on 132 SMs): KESTREL_JAX_ROWS_K_SPLIT, 1 (default), 2 or 4, read at trace time. Built
+    in the fifty-seventh session, not yet measured on a GPU (an A/B switch)."""
+    return int(choice("KESTREL_JAX_ROWS_K_SPLIT", "1", ("1", "2", "4")))
 
 
 def dense_ln_in_rows_wanted() -> bool:
@@ -619,7 +630,7 @@ def _rows_kernel(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Arra
     allow, and `ln`'s keywords if given) -> (rows 1, rows 2, `TauDots` or None, *appended outputs)."""
     from kestrel_jax.pallas import gemv_mgpu as kern
 
-    run = _jitted(kern.gemv_rows, ("stages", "ln_eps", "ln_tiles_ahead"))
+    run = _jitted(kern.gemv_rows, ("stages", "ln_eps", "ln_tiles_ahead") + (("k_split",) if "k_split" in ln else ()))
     stages = ln.pop("stages", None) or rows_gemv_stages("ln" in ln)
     if tau is not None and tau_dots_wanted() and kern.tau_dots_problem(tau.wq, tau.wv, w1.shape[1]) is None:
         from kestrel_jax.pallas.qkv_epilogue import TauDots

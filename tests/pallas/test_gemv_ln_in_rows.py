@@ -152,7 +152,8 @@ def test_decode_ln_qkv_router_dispatch(monkeypatch: pytest.MonkeyPatch):
 def test_decode_ln_qkv_router_ring_switches(monkeypatch: pytest.MonkeyPatch):
     """The MoE QKV + router rows kernel runs its own ring depth (ROWS_STAGES_MOE_LN), set alone by
     KESTREL_JAX_GEMV_ROWS_STAGES_MOE; KESTREL_JAX_GEMV_ROWS_STAGES alone still sets every rows
-    kernel's, this one's included; the dense LayerNorm rows kernels keep ROWS_STAGES_LN."""
+    kernel's, this one's included; the dense LayerNorm rows kernels keep ROWS_STAGES_LN.
+    KESTREL_JAX_ROWS_K_SPLIT (1, 2 or 4) reaches the kernel as its k_split, unset not at all."""
     seen: list[dict] = []
 
     def fake(x, w1, b1, w2=None, b2=None, **kw):
@@ -163,7 +164,8 @@ def test_decode_ln_qkv_router_ring_switches(monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setattr(g, "gemv_rows", fake)
     monkeypatch.setattr(g, "gemv_supported", lambda x, w: True)
-    for name in ("KESTREL_JAX_GEMV_ROWS_STAGES", "KESTREL_JAX_GEMV_ROWS_STAGES_MOE", "KESTREL_JAX_LN_IN_ROWS"):
+    for name in ("KESTREL_JAX_GEMV_ROWS_STAGES", "KESTREL_JAX_GEMV_ROWS_STAGES_MOE", "KESTREL_JAX_LN_IN_ROWS",
+                 "KESTREL_JAX_ROWS_K_SPLIT"):
         monkeypatch.delenv(name, raising=False)
     K = 1024
     experts = ExpertWeights(jnp.zeros((4, 512, K), jnp.float8_e4m3fn), jnp.zeros((4, K, 256), jnp.float8_e4m3fn),
@@ -187,6 +189,14 @@ def test_decode_ln_qkv_router_ring_switches(monkeypatch: pytest.MonkeyPatch):
         assert call() == 12 and ops.rows_gemv_stages(ln=True) == g.ROWS_STAGES_LN
         monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS_STAGES_MOE", "0")
         with pytest.raises(ValueError, match="KESTREL_JAX_GEMV_ROWS_STAGES_MOE must be an integer"):
+            call()
+        monkeypatch.delenv("KESTREL_JAX_GEMV_ROWS_STAGES_MOE")
+        assert "k_split" not in seen[-1]  # (unset: the unsplit kernel, its keyword not passed)
+        monkeypatch.setenv("KESTREL_JAX_ROWS_K_SPLIT", "2")
+        call()
+        assert seen[-1]["k_split"] == 2
+        monkeypatch.setenv("KESTREL_JAX_ROWS_K_SPLIT", "3")
+        with pytest.raises(ValueError, match="KESTREL_JAX_ROWS_K_SPLIT must be one of 1, 2, 4"):
             call()
 
 

@@ -1,0 +1,115 @@
+"""`gemv_mgpu.gemv_rows(k_split=...)`: each column block a cluster of CTAs that split K, CTA 0 adding
+the others' partial blocks (handed over through global memory behind a cluster barrier) before its
+epilogue. Interpreted on the CPU (clusters of 2: the interpreter runs a cluster's CTAs as threads,
+and larger clusters starve CI's two cores) against the unsplit kernel and an f32 reference, with the
+LayerNorm, an MoE layer's residual and MD3's tau dots inside; refusals; the Mosaic lowering for an
+H100 at MD3's shapes in clusters of 2 and 4."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+from kernel_helpers import as_f32, fresh_rng
+
+from kestrel_jax.pallas import gemv_mgpu as g
+
+BF16 = jnp.bfloat16
+_SDS = jax.ShapeDtypeStruct
+
+
+def _bf16(rng: np.random.Generator, shape, std: float) -> jax.Array:
+    return jnp.asarray(rng.standard_normal(shape) * std, BF16)
+
+
+def _ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a - b| in units of bf16's last place at b's magnitude."""
+    return np.abs(a - b) / 2.0 ** (np.floor(np.log2(np.maximum(np.abs(b), 2.0**-126))) - 7)
+
+
+def _product_ref(xn: np.ndarray, w: jax.Array, b: jax.Array) -> np.ndarray:
+    """bf16(x @ w in f64) + b in bf16, as the kernel's epilogue rounds it."""
+    y = (xn.astype(np.float64) @ as_f32(w).astype(np.float64)).astype(np.float32)
+    return as_f32((jnp.asarray(y).astype(BF16).astype(jnp.float32) + as_f32(b)).astype(BF16))
+
+
+def test_split_k_rows_with_the_layer_norm_residual_and_tau_dots():
+    """Clusters of 2 over an MoE layer's QKV + router-like pair with everything inside: the
+    normalised rows and the residual stream's new row are the unsplit kernel's bit for bit (every
+    CTA forms them as before); the products are within one bf16 rounding of the unsplit kernel's
+    (the f32 sum runs in another order) and of an f64 reference on the normalised row; the tau dots
+    within f32 rounding of the unsplit kernel's."""
+    rng = fresh_rng()
+    K, N1, N2 = 512, 192, 64
+    x = jnp.asarray(rng.standard_normal((1, K)) * 2, BF16)
+    w1, b1 = _bf16(rng, (K, N1), 0.05), _bf16(rng, (N1,), 1.0)
+    w2, b2 = _bf16(rng, (K, N2), 0.05), _bf16(rng, (N2,), 1.0)
+    wq, wv = _bf16(rng, (g.TAU_ROWS // 2, N1), 0.1), _bf16(rng, (g.TAU_ROWS // 2, N1), 0.1)
+    scale, shift = jnp.asarray(rng.uniform(0.5, 1.5, K), BF16), _bf16(rng, (K,), 0.1)
+    parts = jnp.asarray(rng.standard_normal((4, K)), jnp.float32)
+    dest = np.tile(np.arange(0, 64, 8, dtype=np.int32)[:, None], (1, 8))
+    expert = (_bf16(rng, (64, K), 1.0), jnp.asarray(dest), jnp.asarray(rng.dirichlet(np.ones(8), 8).T, jnp.float32),
+              jnp.ones((1,), jnp.int32))
+    run = functools.partial(g.gemv_rows, stages=3, interpret=True, tau_w=(wq, wv), ln=(scale, shift), ln_eps=1e-5,
+                            residual=(parts, _bf16(rng, (K,), 0.5), expert))
+    ref = jax.jit(run)(x, w1, b1, w2, b2)
+    got = jax.jit(functools.partial(run, k_split=2))(x, w1, b1, w2, b2)
+    assert [o.shape for o in got] == [o.shape for o in ref] and len(got) == 5  # rows 1, rows 2, dots, n, x'
+    y1, y2, dots, n, xr = (as_f32(o) for o in got)
+    r1, r2, rdots, rn, rxr = (as_f32(o) for o in ref)
+    np.testing.assert_array_equal(n, rn)
+    np.testing.assert_array_equal(xr, rxr)
+    assert np.isfinite(y1).all() and np.isfinite(y2).all() and np.abs(y1).max() > 0
+    for a, b, w, bias in ((y1, r1, w1, b1), (y2, r2, w2, b2)):
+        assert (_ulps(a, b) <= 1.0).all()
+        assert (_ulps(a[:1], _product_ref(n[:1], w, bias)) <= 1.0).all()
+        np.testing.assert_array_equal(a[1:], b[1:])  # the padding rows: the bias alone
+    np.testing.assert_allclose(dots, rdots, rtol=2e-2, atol=1e-3 * np.abs(rdots).max())
+
+
+def test_split_k_rows_of_several_rows_without_the_layer_norm():
+    """Three rows of x, no LayerNorm, one product with a bias: within one bf16 rounding of the f64
+    reference; rows past 3 (the padding rows x gains) hold the bias alone."""
+    rng = fresh_rng()
+    K, N = 512, 128
+    x, w, b = _bf16(rng, (3, K), 1.0), _bf16(rng, (K, N), 0.05), _bf16(rng, (N,), 1.0)
+    (y,) = jax.jit(functools.partial(g.gemv_rows, stages=2, interpret=True, k_split=2))(x, w, b, None, None)
+    y = as_f32(y)
+    assert y.shape == (8, N)
+    assert (_ulps(y[:3], _product_ref(as_f32(x), w, b)) <= 1.0).all()
+    np.testing.assert_array_equal(y[3:], np.broadcast_to(as_f32(b), (5, N)))
+
+
+@pytest.mark.parametrize("k_split", [3, 8, 0])
+def test_split_k_refuses_what_it_cannot_split(k_split: int):
+    with pytest.raises(ValueError, match="k_split must be 1, 2 or 4"):
+        jax.eval_shape(functools.partial(g.gemv_rows, k_split=k_split), _SDS((1, 512), BF16), _SDS((512, 64), BF16),
+                       None)
+    with pytest.raises(ValueError, match="k_split must be 1, 2 or 4 and divide the 2 K steps"):
+        jax.eval_shape(functools.partial(g.gemv_rows, k_split=4), _SDS((1, 128), BF16), _SDS((128, 64), BF16), None)
+
+
+@pytest.mark.parametrize("k_split", [2, 4])
+def test_split_k_lowers_at_md3_shapes(k_split: int):
+    """Mosaic GPU lowering for an H100 of MD3's QKV + router rows kernel ([2048, 6144] + [2048, 64],
+    tau dots, LayerNorm, the previous MoE layer's residual with 8 expert rows) in clusters."""
+    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    H = g.TAU_ROWS // 2
+    f32, i32 = jnp.float32, jnp.int32
+
+    def rows(x, w1, b1, w2, b2, wq, wv, sc, sh, p, rb, y, d, w, nv):
+        return g.gemv_rows(x, w1, b1, w2, b2, tau_w=(wq, wv), ln=(sc, sh), ln_eps=1e-5,
+                           residual=(p, rb, (y, d, w, nv)), stages=8, k_split=k_split)
+
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(rows).trace(
+            _SDS((1, 2048), BF16), _SDS((2048, 6144), BF16), _SDS((6144,), BF16), _SDS((2048, 64), BF16),
+            _SDS((64,), BF16), _SDS((H, 6144), BF16), _SDS((H, 6144), BF16), _SDS((2048,), BF16), _SDS((2048,), BF16),
+            _SDS((4, 2048), f32), _SDS((2048,), BF16), _SDS((64, 2048), BF16), _SDS((8, 8), i32), _SDS((8, 8), f32),
+            _SDS((1,), i32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "kestrel_gemv_rows" in text
