@@ -14,7 +14,8 @@ Cases:
   with the LayerNorm and the previous layer's residual inside ([1, 2048] x [2048, 14336] + bias),
   then the joined output + fc2 product's row-0 split partials ([1, 10240] x [10240, 2048], 4
   splits, 8 stages). Variants: `_late` (the rows kernel's bias loaded after its K loop, not before:
-  `bias_early=False`) and ring depths (`_st<n>`; the default is `gemv_mgpu.ROWS_STAGES_LN`, the one-row step's).
+  `bias_early=False`), ring depths (`_st<n>`; the default is `gemv_mgpu.ROWS_STAGES_LN`, the one-row step's)
+  and clusters of 2 CTAs splitting K (`_k2`: 448 CTAs; `gemv_rows(k_split=2)`).
 - `md3`: an MD3 MoE layer's QKV + router rows kernel with the LayerNorm and the tau dots
   ([2048, 6144] + [2048, 64], biases), with the same variants (its default ring:
   `gemv_mgpu.ROWS_STAGES_MOE_LN`).
@@ -86,12 +87,12 @@ def _bf16(key: int, shape: tuple[int, ...], std: float) -> jax.Array:
     return (jax.random.normal(jax.random.key(key), shape, jnp.float32) * std).astype(jnp.bfloat16)
 
 
-def md2_case(layers: int, stages: int, early: bool) -> tuple[Any, tuple[Any, ...], dict[str, int]]:
+def md2_case(layers: int, stages: int, early: bool, k_split: int = 1) -> tuple[Any, tuple[Any, ...], dict[str, int]]:
     w_in, b_in = _bf16(10, (layers, D, 3 * D + FF), 0.02), _bf16(11, (layers, 3 * D + FF), 0.1)
     w_out, b_out = _bf16(12, (layers, D + FF, D), 0.01), _bf16(13, (layers, D), 0.1)
     scale, shift = jnp.ones((D,), jnp.bfloat16), _bf16(14, (D,), 0.1)
     x0, gin = _bf16(15, (1, D), 1.0), _bf16(16, (1, D + FF), 1.0)
-    rows = jax.jit(functools.partial(g.gemv_rows, stages=stages, ln_eps=1e-5, bias_early=early))
+    rows = jax.jit(functools.partial(g.gemv_rows, stages=stages, ln_eps=1e-5, bias_early=early, k_split=k_split))
     out = jax.jit(functools.partial(g.gemv_partials, splits=4, stages=8, row0=True))
 
     def step(x, gin, w_in, b_in, w_out, b_out, scale, shift):
@@ -177,6 +178,8 @@ CASES = {  # (the fifty-sixth session's first run, BENCHMARKS.md, had 8 stages a
     "md2_late": lambda L: md2_case(L, g.ROWS_STAGES_LN, False),
     "md2_st5": lambda L: md2_case(L, 5, True),
     "md2_st8": lambda L: md2_case(L, 8, True),
+    "md2_k2": lambda L: md2_case(L, g.ROWS_STAGES_LN, True, 2),
+    "md2_k2_st4": lambda L: md2_case(L, 4, True, 2),
     "md3": lambda L: md3_case(L, g.ROWS_STAGES_MOE_LN, True),
     "md3_late": lambda L: md3_case(L, g.ROWS_STAGES_MOE_LN, False),
     "md3_st6": lambda L: md3_case(L, 6, True),

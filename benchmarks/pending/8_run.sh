@@ -13,7 +13,7 @@ FILT='cuda_event.cc\|cuda_stream.cc\|^===\|^external\|^$\|cuda_executor\|cuda_ho
 export PYTHONPATH=$PWD
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv > $OUT/8_env.txt
 timeout 170 python3 tools/bench_rows_kernel.py --layers 16 --rounds 2 --budget-s 130 \
-  --cases md3_plain,md3_plain_k2,md3_split2,md3_split4,md3_res,md3_res_k2,md3_res_k4,md3,md3_k2 \
+  --cases md3_plain,md3_plain_k2,md3_split2,md3_split4,md3_res,md3_res_k2,md3_res_k4,md3,md3_k2,md2,md2_k2,md2_k2_st4 \
   --out $OUT/8_rows.json 2>&1 | grep -v "$FILT" > $OUT/8_rows.log
 grep "^{" $OUT/8_rows.log | cut -c1-220
 timeout 120 python3 tools/check_decode_fusion.py --model md3 --switch KESTREL_JAX_ROWS_K_SPLIT=2,1 --batches 1 \
