@@ -480,12 +480,15 @@ def decode_ln_qkv_router(x: jax.Array, scale: jax.Array, bias: jax.Array, w1: ja
                         ln_tiles_ahead=ln_in_rows_mode() == "ahead", stages=rows_gemv_stages(ln=True, moe=True), **kw)
 
 
-def rows_k_split() -> int:
+def rows_k_split(dense: bool = False) -> int:
     """CTAs per column block of an MoE layer's one-row QKV + router rows kernel (`decode_ln_qkv_router`;
     `gemv_mgpu.gemv_rows(k_split=...)`: a cluster of that many CTAs splitting K, 194 or 388 CTAs
-    instead of 97 on 132 SMs): KESTREL_JAX_ROWS_K_SPLIT, 1 (default), 2 or 4, read at trace time. Built
-    in the fifty-seventh session, not yet measured on a GPU (an A/B switch)."""
-    return int(choice("KESTREL_JAX_ROWS_K_SPLIT", "1", ("1", "2", "4")))
+    instead of 97 on 132 SMs): KESTREL_JAX_ROWS_K_SPLIT, 1 (default), 2 or 4; with `dense`, a dense
+    layer's joined QKV + fc1 rows kernel's (`decode_ln_dense_in`, 224 CTAs unsplit):
+    KESTREL_JAX_ROWS_K_SPLIT_DENSE. Read at trace time. Built in the fifty-seventh session, not yet
+    measured on a GPU (A/B switches)."""
+    name = "KESTREL_JAX_ROWS_K_SPLIT_DENSE" if dense else "KESTREL_JAX_ROWS_K_SPLIT"
+    return int(choice(name, "1", ("1", "2", "4")))
 
 
 def dense_ln_in_rows_wanted() -> bool:
@@ -529,9 +532,13 @@ def decode_ln_dense_in(x: jax.Array, scale: jax.Array, bias: jax.Array, w: jax.A
     res = None if residual is None else residual.kernel_args()
     if res is not None and kern.residual_problem(x, *res) is not None:
         return None
-    run = _jitted(kern.gemv_rows, ("stages", "ln_eps", "ln_tiles_ahead"))
+    kw: dict[str, Any] = {} if res is None else {"residual": res}
+    split = rows_k_split(dense=True)
+    if split > 1:
+        kw["k_split"] = split
+    run = _jitted(kern.gemv_rows, ("stages", "ln_eps", "ln_tiles_ahead") + (("k_split",) if split > 1 else ()))
     return tuple(run(x, wc, b, stages=rows_gemv_stages(ln=True), ln=(scale, bias), ln_eps=float(eps),
-                     ln_tiles_ahead=ln_in_rows_mode() == "ahead", **({} if res is None else {"residual": res})))
+                     ln_tiles_ahead=ln_in_rows_mode() == "ahead", **kw))
 
 
 class PendingResidual(NamedTuple):

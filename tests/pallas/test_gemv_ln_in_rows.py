@@ -224,13 +224,19 @@ def test_decode_ln_dense_in_dispatch(monkeypatch: pytest.MonkeyPatch):
     """`ops.decode_ln_dense_in` takes the rows kernel with the LayerNorm over a dense layer's joined
     weight unless switched off (KESTREL_JAX_DENSE_LN_IN_ROWS=0), on the kernel path, at one row, with
     the rows kernel on, for a LayerNorm the kernel takes; the tiles' order follows
-    KESTREL_JAX_LN_IN_ROWS (`ahead`); it hands back (product rows, normalised rows)."""
+    KESTREL_JAX_LN_IN_ROWS (`ahead`); it hands back (product rows, normalised rows). Its rows kernel
+    splits K in clusters as KESTREL_JAX_ROWS_K_SPLIT_DENSE says (not KESTREL_JAX_ROWS_K_SPLIT, the MoE
+    kernel's)."""
     seen: list[tuple] = []
     rings: list[int] = []
 
-    def fake(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=None, tau_w=None, stages=None, ln_tiles_ahead=None):
+    splits: list[int] = []
+
+    def fake(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=None, tau_w=None, stages=None, ln_tiles_ahead=None,
+             k_split=1):
         seen.append((x.shape, w1.shape, w2 is None, ln is not None, ln_eps, ln_tiles_ahead))
         rings.append(stages)
+        splits.append(k_split)
         return jnp.pad(x @ w1, ((0, 7), (0, 0))), jnp.pad(x, ((0, 7), (0, 0)))
 
     monkeypatch.setattr(g, "gemv_rows", fake)
@@ -254,6 +260,12 @@ def test_decode_ln_dense_in_dispatch(monkeypatch: pytest.MonkeyPatch):
         n_seen = len(seen)
         assert call(x=jnp.ones((2, K), BF16)) is None  # one row only
         assert call(scale=jnp.ones((K,), jnp.float32)) is None  # a scale the kernel refuses
+        monkeypatch.setenv("KESTREL_JAX_ROWS_K_SPLIT", "2")  # the MoE kernel's: not this one's
+        monkeypatch.setenv("KESTREL_JAX_ROWS_K_SPLIT_DENSE", "4")
+        ops._jitted.cache_clear()
+        assert call() is not None and splits[-1] == 4 and set(splits[:-1]) == {1}  # (unset before: 1)
+        monkeypatch.delenv("KESTREL_JAX_ROWS_K_SPLIT_DENSE")
+        n_seen = len(seen)
         monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS", "0")
         assert call() is None
         assert len(seen) == n_seen
