@@ -2,8 +2,8 @@
 the others' partial blocks (handed over through global memory behind a cluster barrier) before its
 epilogue. Interpreted on the CPU (clusters of 2: the interpreter runs a cluster's CTAs as threads,
 and larger clusters starve CI's two cores) against the unsplit kernel and an f32 reference, with the
-LayerNorm, an MoE layer's residual and MD3's tau dots inside; refusals; the Mosaic lowering for an
-H100 at MD3's shapes in clusters of 2 and 4."""
+LayerNorm, an MoE layer's residual and MD3's tau dots inside; refusals. (The Mosaic lowering for an
+H100 at MD3's shapes in clusters of 2 and 4: `test_gemv_residual.test_moe_residual_lowers_at_md3_shapes`.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 from kernel_helpers import as_f32, fresh_rng
 
 from kestrel_jax.pallas import gemv_mgpu as g
@@ -91,25 +90,3 @@ def test_split_k_refuses_what_it_cannot_split(k_split: int):
                        None)
     with pytest.raises(ValueError, match="k_split must be 1, 2 or 4 and divide the 2 K steps"):
         jax.eval_shape(functools.partial(g.gemv_rows, k_split=4), _SDS((1, 128), BF16), _SDS((128, 64), BF16), None)
-
-
-@pytest.mark.parametrize("k_split", [2, 4])
-def test_split_k_lowers_at_md3_shapes(k_split: int):
-    """Mosaic GPU lowering for an H100 of MD3's QKV + router rows kernel ([2048, 6144] + [2048, 64],
-    tau dots, LayerNorm, the previous MoE layer's residual with 8 expert rows) in clusters."""
-    device = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
-    H = g.TAU_ROWS // 2
-    f32, i32 = jnp.float32, jnp.int32
-
-    def rows(x, w1, b1, w2, b2, wq, wv, sc, sh, p, rb, y, d, w, nv):
-        return g.gemv_rows(x, w1, b1, w2, b2, tau_w=(wq, wv), ln=(sc, sh), ln_eps=1e-5,
-                           residual=(p, rb, (y, d, w, nv)), stages=8, k_split=k_split)
-
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(rows).trace(
-            _SDS((1, 2048), BF16), _SDS((2048, 6144), BF16), _SDS((6144,), BF16), _SDS((2048, 64), BF16),
-            _SDS((64,), BF16), _SDS((H, 6144), BF16), _SDS((H, 6144), BF16), _SDS((2048,), BF16), _SDS((2048,), BF16),
-            _SDS((4, 2048), f32), _SDS((2048,), BF16), _SDS((64, 2048), BF16), _SDS((8, 8), i32), _SDS((8, 8), f32),
-            _SDS((1,), i32)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "kestrel_gemv_rows" in text

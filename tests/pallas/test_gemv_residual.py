@@ -241,16 +241,18 @@ def test_residual_kernels_lower_at_md2_shapes():
         assert "kestrel_gemv_rows" in text
 
 
-def test_moe_residual_lowers_at_md3_shapes():
+@pytest.mark.parametrize("k_split", [1, 2, 4])
+def test_moe_residual_lowers_at_md3_shapes(k_split: int):
     """Mosaic GPU lowering for an H100 of an MoE layer's QKV + router rows kernel ([2048, 6144] +
     [2048, 64], tau dots) adding the previous MoE layer's residual: the projection's row-0 partials
-    [4, 2048] and bias, 8 expert rows gathered from [64, 2048] by the [8, 8] tables."""
+    [4, 2048] and bias, 8 expert rows gathered from [64, 2048] by the [8, 8] tables; unsplit and in
+    clusters of CTAs splitting K (`k_split`)."""
     H = g.TAU_ROWS // 2
     f32, i32 = jnp.float32, jnp.int32
 
     def rows(x, w1, b1, w2, b2, wq, wv, sc, sh, p, rb, y, d, w, nv):
         return g.gemv_rows(x, w1, b1, w2, b2, tau_w=(wq, wv), ln=(sc, sh), ln_eps=1e-5,
-                           residual=(p, rb, (y, d, w, nv)))
+                           residual=(p, rb, (y, d, w, nv)), k_split=k_split)
 
     with jax.sharding.use_abstract_mesh(_h100_mesh()):
         text = jax.jit(rows).trace(
