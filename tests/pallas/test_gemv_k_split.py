@@ -25,22 +25,31 @@ def _bf16(rng: np.random.Generator, shape, std: float) -> jax.Array:
     return jnp.asarray(rng.standard_normal(shape) * std, BF16)
 
 
-def _ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """|a - b| in units of bf16's last place at b's magnitude."""
-    return np.abs(a - b) / 2.0 ** (np.floor(np.log2(np.maximum(np.abs(b), 2.0**-126))) - 7)
+def _ulp(v: np.ndarray) -> np.ndarray:
+    """bf16's last place at v's magnitude."""
+    return 2.0 ** (np.floor(np.log2(np.maximum(np.abs(v), 2.0**-126))) - 7)
 
 
-def _product_ref(xn: np.ndarray, w: jax.Array, b: jax.Array) -> np.ndarray:
-    """bf16(x @ w in f64) + b in bf16, as the kernel's epilogue rounds it."""
-    y = (xn.astype(np.float64) @ as_f32(w).astype(np.float64)).astype(np.float32)
-    return as_f32((jnp.asarray(y).astype(BF16).astype(jnp.float32) + as_f32(b)).astype(BF16))
+def _product_ref(xn: np.ndarray, w: jax.Array, b: jax.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(bf16(x @ w in f64) + b in bf16, as the kernel's epilogue rounds it; the exact product)."""
+    p = xn.astype(np.float64) @ as_f32(w).astype(np.float64)
+    y = jnp.asarray(p.astype(np.float32)).astype(BF16).astype(jnp.float32)
+    return as_f32((y + as_f32(b)).astype(BF16)), p
+
+
+def _within_two_roundings(got: np.ndarray, want: np.ndarray, product: np.ndarray) -> bool:
+    """|got - want| within one bf16 rounding of the product and one of the biased sum: an f32 sum in
+    another order may round the product to its other neighbour (a tie at most one last place away),
+    which the bias add's rounding can carry to two last places of a smaller result."""
+    return bool((np.abs(got - want) <= _ulp(product) + _ulp(want)).all())
 
 
 def test_split_k_rows_with_the_layer_norm_residual_and_tau_dots():
     """Clusters of 2 over an MoE layer's QKV + router-like pair with everything inside: the
     normalised rows and the residual stream's new row are the unsplit kernel's bit for bit (every
     CTA forms them as before); the products are within one bf16 rounding of the unsplit kernel's
-    (the f32 sum runs in another order) and of an f64 reference on the normalised row; the tau dots
+    (the f32 sum runs in another order; `_within_two_roundings`) and of an f64 reference on the
+    normalised row, and equal to the reference in at least 90% of places; the tau dots
     within f32 rounding of the unsplit kernel's."""
     rng = fresh_rng()
     K, N1, N2 = 512, 192, 64
@@ -64,22 +73,25 @@ def test_split_k_rows_with_the_layer_norm_residual_and_tau_dots():
     np.testing.assert_array_equal(xr, rxr)
     assert np.isfinite(y1).all() and np.isfinite(y2).all() and np.abs(y1).max() > 0
     for a, b, w, bias in ((y1, r1, w1, b1), (y2, r2, w2, b2)):
-        assert (_ulps(a, b) <= 1.0).all()
-        assert (_ulps(a[:1], _product_ref(n[:1], w, bias)) <= 1.0).all()
+        want, product = _product_ref(n[:1], w, bias)
+        assert _within_two_roundings(a[:1], b[:1], product) and _within_two_roundings(a[:1], want, product)
+        assert (np.abs(a[:1] - want) > 0).mean() < 0.1  # (mostly the same rows: a bound that is not loose)
         np.testing.assert_array_equal(a[1:], b[1:])  # the padding rows: the bias alone
     np.testing.assert_allclose(dots, rdots, rtol=2e-2, atol=1e-3 * np.abs(rdots).max())
 
 
 def test_split_k_rows_of_several_rows_without_the_layer_norm():
-    """Three rows of x, no LayerNorm, one product with a bias: within one bf16 rounding of the f64
-    reference; rows past 3 (the padding rows x gains) hold the bias alone."""
+    """Three rows of x, no LayerNorm, one product with a bias: within the two bf16 roundings of the
+    f64 reference (`_within_two_roundings`), equal to it in at least 90% of places; rows past 3 (the
+    padding rows x gains) hold the bias alone."""
     rng = fresh_rng()
     K, N = 512, 128
     x, w, b = _bf16(rng, (3, K), 1.0), _bf16(rng, (K, N), 0.05), _bf16(rng, (N,), 1.0)
     (y,) = jax.jit(functools.partial(g.gemv_rows, stages=2, interpret=True, k_split=2))(x, w, b, None, None)
     y = as_f32(y)
     assert y.shape == (8, N)
-    assert (_ulps(y[:3], _product_ref(as_f32(x), w, b)) <= 1.0).all()
+    want, product = _product_ref(as_f32(x), w, b)
+    assert _within_two_roundings(y[:3], want, product) and (np.abs(y[:3] - want) > 0).mean() < 0.1
     np.testing.assert_array_equal(y[3:], np.broadcast_to(as_f32(b), (5, N)))
 
 
