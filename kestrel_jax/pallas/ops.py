@@ -473,11 +473,8 @@ def decode_ln_qkv_router(x: jax.Array, scale: jax.Array, bias: jax.Array, w1: ja
         if kern.residual_problem(x, *res) is not None:
             return None
         kw["residual"] = res
-    split = rows_k_split()
-    if split > 1:
-        kw["k_split"] = split
-    return _rows_kernel(x, w1c, b1, w2c, b2, tau, ln=(scale, bias), ln_eps=float(eps),
-                        ln_tiles_ahead=ln_in_rows_mode() == "ahead", stages=rows_gemv_stages(ln=True, moe=True), **kw)
+    return _rows_kernel(x, w1c, b1, w2c, b2, tau, stages=rows_gemv_stages(ln=True, moe=True), ln=(scale, bias),
+                        ln_eps=float(eps), ln_tiles_ahead=ln_in_rows_mode() == "ahead", k_split=rows_k_split(), **kw)
 
 
 def rows_k_split(dense: bool = False) -> int:
@@ -532,13 +529,10 @@ def decode_ln_dense_in(x: jax.Array, scale: jax.Array, bias: jax.Array, w: jax.A
     res = None if residual is None else residual.kernel_args()
     if res is not None and kern.residual_problem(x, *res) is not None:
         return None
-    kw: dict[str, Any] = {} if res is None else {"residual": res}
-    split = rows_k_split(dense=True)
-    if split > 1:
-        kw["k_split"] = split
-    run = _jitted(kern.gemv_rows, ("stages", "ln_eps", "ln_tiles_ahead") + (("k_split",) if split > 1 else ()))
+    run = _jitted(kern.gemv_rows, ROWS_STATIC)
     return tuple(run(x, wc, b, stages=rows_gemv_stages(ln=True), ln=(scale, bias), ln_eps=float(eps),
-                     ln_tiles_ahead=ln_in_rows_mode() == "ahead", **kw))
+                     ln_tiles_ahead=ln_in_rows_mode() == "ahead", k_split=rows_k_split(dense=True),
+                     **({} if res is None else {"residual": res})))
 
 
 class PendingResidual(NamedTuple):
@@ -631,14 +625,19 @@ def _rows_biases_ok(w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.
                for b, w in ((b1, w1), (b2, w2)))
 
 
+# `gemv_mgpu.gemv_rows`' static keywords as the decode paths call it
+ROWS_STATIC = ("stages", "ln_eps", "ln_tiles_ahead", "k_split")
+
+
 def _rows_kernel(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None, tau: Any,
-                 **ln: Any) -> tuple[Any, ...]:
+                 stages: int | None = None, **ln: Any) -> tuple[Any, ...]:
     """`gemv_mgpu.gemv_rows` over the pair (with MD3's tau dots where `tau` and `tau_dots_wanted()`
-    allow, and `ln`'s keywords if given) -> (rows 1, rows 2, `TauDots` or None, *appended outputs)."""
+    allow, its ring `stages` (default `rows_gemv_stages`) and `ln`'s keywords if given) -> (rows 1,
+    rows 2, `TauDots` or None, *appended outputs)."""
     from kestrel_jax.pallas import gemv_mgpu as kern
 
-    run = _jitted(kern.gemv_rows, ("stages", "ln_eps", "ln_tiles_ahead") + (("k_split",) if "k_split" in ln else ()))
-    stages = ln.pop("stages", None) or rows_gemv_stages("ln" in ln)
+    run = _jitted(kern.gemv_rows, ROWS_STATIC)
+    stages = stages or rows_gemv_stages("ln" in ln)
     if tau is not None and tau_dots_wanted() and kern.tau_dots_problem(tau.wq, tau.wv, w1.shape[1]) is None:
         from kestrel_jax.pallas.qkv_epilogue import TauDots
 

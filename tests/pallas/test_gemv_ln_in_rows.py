@@ -109,7 +109,8 @@ def test_decode_ln_qkv_router_dispatch(monkeypatch: pytest.MonkeyPatch):
     router rows, dots, normalised rows)."""
     seen: list[tuple] = []
 
-    def fake(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=None, tau_w=None, stages=None, ln_tiles_ahead=None):
+    def fake(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=None, tau_w=None, stages=None, ln_tiles_ahead=None,
+             k_split=1):
         seen.append((x.shape, ln is not None, ln_eps, tau_w is not None, stages, ln_tiles_ahead))
         pad = 8 - x.shape[0]
         return (jnp.pad(x @ w1, ((0, pad), (0, 0))), jnp.pad(x @ w2, ((0, pad), (0, 0))),
@@ -153,7 +154,7 @@ def test_decode_ln_qkv_router_ring_switches(monkeypatch: pytest.MonkeyPatch):
     """The MoE QKV + router rows kernel runs its own ring depth (ROWS_STAGES_MOE_LN), set alone by
     KESTREL_JAX_GEMV_ROWS_STAGES_MOE; KESTREL_JAX_GEMV_ROWS_STAGES alone still sets every rows
     kernel's, this one's included; the dense LayerNorm rows kernels keep ROWS_STAGES_LN.
-    KESTREL_JAX_ROWS_K_SPLIT (1, 2 or 4) reaches the kernel as its k_split, unset not at all."""
+    KESTREL_JAX_ROWS_K_SPLIT (1, 2 or 4; unset 1) reaches the kernel as its k_split."""
     seen: list[dict] = []
 
     def fake(x, w1, b1, w2=None, b2=None, **kw):
@@ -191,7 +192,7 @@ def test_decode_ln_qkv_router_ring_switches(monkeypatch: pytest.MonkeyPatch):
         with pytest.raises(ValueError, match="KESTREL_JAX_GEMV_ROWS_STAGES_MOE must be an integer"):
             call()
         monkeypatch.delenv("KESTREL_JAX_GEMV_ROWS_STAGES_MOE")
-        assert "k_split" not in seen[-1]  # (unset: the unsplit kernel, its keyword not passed)
+        assert seen[-1]["k_split"] == 1  # (unset: the unsplit kernel)
         monkeypatch.setenv("KESTREL_JAX_ROWS_K_SPLIT", "2")
         call()
         assert seen[-1]["k_split"] == 2

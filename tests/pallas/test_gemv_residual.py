@@ -182,7 +182,7 @@ def test_decode_ln_dense_in_hands_the_residual_on(monkeypatch: pytest.MonkeyPatc
     (the model then adds in XLA)."""
     seen: list[tuple] = []
 
-    def fake(x, w, b, *, ln=None, ln_eps=None, stages=None, ln_tiles_ahead=None, residual=None):
+    def fake(x, w, b, *, ln=None, ln_eps=None, stages=None, ln_tiles_ahead=None, residual=None, k_split=1):
         seen.append((x.shape, None if residual is None else (residual[0].shape, residual[1] is not None)))
         out = (jnp.pad(x @ w, ((0, 7), (0, 0))), jnp.pad(x, ((0, 7), (0, 0))))
         return out if residual is None else (*out, x + 1)
