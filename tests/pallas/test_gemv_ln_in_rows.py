@@ -49,8 +49,11 @@ def test_rows_kernel_normalises_its_input_as_the_layer_norm(K: int, N2: int | No
     want = as_f32(g.ln_rows_ref(x, scale, bias, 1e-5))
     got = as_f32(n)
     assert not got[M:].any()
-    # one bf16 rounding apart at most (2^-8 of the value's magnitude, and of the largest near zero)
-    assert (np.abs(got - want) <= 2.0**-8 * np.maximum(np.abs(want), 2.0**-6 * np.abs(want).max())).all()
+    # one bf16 last place apart at most, at the value's magnitude (near zero: at 2^-6 of the largest's).
+    # (Written before as 2^-8 of the magnitude, under one last place in the lower part of each binade:
+    # CI seed 1561298777 gave 0.10058594 against 0.100097656, one last place, 2^-11.)
+    mag = np.maximum(np.abs(want), 2.0**-6 * np.abs(want).max())
+    assert (np.abs(got - want) <= 2.0 ** (np.floor(np.log2(mag)) - 7)).all()
     plain = jax.jit(functools.partial(g.gemv_rows, stages=3, interpret=True))(n[:M], *args[1:])
     for y, p in zip(ys, plain, strict=True):
         assert y.shape == p.shape == (8, p.shape[1])
