@@ -16,7 +16,7 @@ grep "^{" $OUT/4_rows.log | cut -c1-200
 A="--random-weights --workloads w1 --engine-args decode_buckets=1,64 prefill_token_buckets=768,1536,2048,3072 runner.vision_buckets=1"
 for c in "md2 6" "md2 5" "md2 5" "md2 6" "md3 6" "md3 5"; do
   set -- $c; [ $SECONDS -gt 520 ] && break
-  KESTREL_JAX_GEMV_ROWS_STAGES=$2 timeout $((580 - SECONDS)) python3 tools/benchmark.py --model $1 $A \
+  KESTREL_JAX_GEMV_ROWS_STAGES_MOE=8 KESTREL_JAX_GEMV_ROWS_STAGES=$2 timeout $((580 - SECONDS)) python3 tools/benchmark.py --model $1 $A \
     --compile-cache /tmp/cc_$1_$2 --out $OUT/4_w1_$1_st$2_$SECONDS.json > /tmp/w1.log 2>&1
   echo "$1 slots $2 ($SECONDS s): $(grep -o 'w1: .*of copy)' /tmp/w1.log)" | tee -a $OUT/4_w1.txt
 done
