@@ -14,21 +14,21 @@ Cases:
   with the LayerNorm and the previous layer's residual inside ([1, 2048] x [2048, 14336] + bias),
   then the joined output + fc2 product's row-0 split partials ([1, 10240] x [10240, 2048], 4
   splits, 8 stages). Variants: `_late` (the rows kernel's bias loaded after its K loop, not before:
-  `bias_early=False`), ring depths (`_st<n>`; the default is `gemv_mgpu.ROWS_STAGES_LN`, the one-row step's)
-  and clusters of 2 CTAs splitting K (`_k2`: 448 CTAs; `gemv_rows(k_split=2)`).
+  `bias_early=False`) and ring depths (`_st<n>`; the default is `gemv_mgpu.ROWS_STAGES_LN`, the one-row
+  step's).
 - `md3`: an MD3 MoE layer's QKV + router rows kernel with the LayerNorm and the tau dots
   ([2048, 6144] + [2048, 64], biases), with the same variants (its default ring:
   `gemv_mgpu.ROWS_STAGES_MOE_LN`).
 - `md3_res`: the same with the previous MoE layer's residual inside, as the default step runs it
   (`KESTREL_JAX_MOE_RESIDUAL_IN_ROWS`): the output projection's row-0 partials [4, 2048] f32 and
   bias, and the token's 8 expert rows gathered from [64, 2048] by the [8, 8] tables, at the MoE
-  kernel's ring depth (`gemv_mgpu.ROWS_STAGES_MOE_LN`) and others (`_st<n>`). `_k<s>` (also
-  `md3_k2`): each column block a cluster of s CTAs splitting K (`gemv_rows(k_split=s)`).
+  kernel's ring depth (`gemv_mgpu.ROWS_STAGES_MOE_LN`) and others (`_st<n>`).
 - `md3_plain` / `md3_split<s>`: MD3's QKV + router pair ([2048, 6144] + [2048, 64]) with nothing
   else in the launch: the rows kernel (97 CTAs, one per 64 columns, each streaming all of K) against
   the split decode GEMM's row-0 partials (`gemv_partials`, s K ranges per column block: 97 s CTAs,
-  each streaming K / s), to see whether the 35 SMs the rows kernel leaves idle would stream;
-  `md3_plain_k2`: the rows kernel in clusters of 2 splitting K.
+  each streaming K / s), to see whether the 35 SMs the rows kernel leaves idle would stream (H100,
+  fifty-eighth session: no; 97, 194 and 388 CTAs 10.4, 10.4 and 11.5 us. The rows kernel in
+  clusters of 2 or 4 CTAs splitting K, built then for this, was slower in every case and removed).
 - `plain`: the rows kernel alone (no LayerNorm, no bias) at N = 14,336 (224 CTAs, MD2's joined
   product) and at N = 8,448 and 16,896 (132 and 264 CTAs: whole waves on 132 SMs), to see whether
   224 CTAs on 132 SMs cost a wave's imbalance.
@@ -87,12 +87,12 @@ def _bf16(key: int, shape: tuple[int, ...], std: float) -> jax.Array:
     return (jax.random.normal(jax.random.key(key), shape, jnp.float32) * std).astype(jnp.bfloat16)
 
 
-def md2_case(layers: int, stages: int, early: bool, k_split: int = 1) -> tuple[Any, tuple[Any, ...], dict[str, int]]:
+def md2_case(layers: int, stages: int, early: bool) -> tuple[Any, tuple[Any, ...], dict[str, int]]:
     w_in, b_in = _bf16(10, (layers, D, 3 * D + FF), 0.02), _bf16(11, (layers, 3 * D + FF), 0.1)
     w_out, b_out = _bf16(12, (layers, D + FF, D), 0.01), _bf16(13, (layers, D), 0.1)
     scale, shift = jnp.ones((D,), jnp.bfloat16), _bf16(14, (D,), 0.1)
     x0, gin = _bf16(15, (1, D), 1.0), _bf16(16, (1, D + FF), 1.0)
-    rows = jax.jit(functools.partial(g.gemv_rows, stages=stages, ln_eps=1e-5, bias_early=early, k_split=k_split))
+    rows = jax.jit(functools.partial(g.gemv_rows, stages=stages, ln_eps=1e-5, bias_early=early))
     out = jax.jit(functools.partial(g.gemv_partials, splits=4, stages=8, row0=True))
 
     def step(x, gin, w_in, b_in, w_out, b_out, scale, shift):
@@ -115,8 +115,8 @@ def _md3_operands(layers: int) -> tuple[Any, ...]:
     return x0, w1, b1, w2, b2, wq, wv, scale, shift
 
 
-def md3_case(layers: int, stages: int, early: bool, k_split: int = 1) -> tuple[Any, tuple[Any, ...], dict[str, int]]:
-    rows = jax.jit(functools.partial(g.gemv_rows, stages=stages, ln_eps=1e-5, bias_early=early, k_split=k_split))
+def md3_case(layers: int, stages: int, early: bool) -> tuple[Any, tuple[Any, ...], dict[str, int]]:
+    rows = jax.jit(functools.partial(g.gemv_rows, stages=stages, ln_eps=1e-5, bias_early=early))
 
     def step(x, w1, b1, w2, b2, wq, wv, scale, shift):
         return [rows(x, w1[i], b1[i], w2[i], b2[i], tau_w=(wq, wv), ln=(scale, shift))
@@ -125,13 +125,13 @@ def md3_case(layers: int, stages: int, early: bool, k_split: int = 1) -> tuple[A
     return jax.jit(step), _md3_operands(layers), {"kestrel_gemv_rows": D * (MD3_QKV + 64) * 2}
 
 
-def md3_res_case(layers: int, stages: int, k_split: int = 1) -> tuple[Any, tuple[Any, ...], dict[str, int]]:
+def md3_res_case(layers: int, stages: int) -> tuple[Any, tuple[Any, ...], dict[str, int]]:
     parts = jax.random.normal(jax.random.key(28), (4, D), jnp.float32) * 0.1
     rbias, y = _bf16(29, (D,), 0.1), _bf16(35, (64, D), 0.1)
     dest = jnp.tile(jnp.arange(0, 64, 8, dtype=jnp.int32)[:, None], (1, 8))  # token 0's 8 rows, one per block
     weights = jnp.full((8, 8), 1 / 8, jnp.float32)
     n_valid = jnp.ones((1,), jnp.int32)
-    rows = jax.jit(functools.partial(g.gemv_rows, stages=stages, ln_eps=1e-5, k_split=k_split))
+    rows = jax.jit(functools.partial(g.gemv_rows, stages=stages, ln_eps=1e-5))
 
     def step(x, w1, b1, w2, b2, wq, wv, scale, shift, parts, rbias, y, dest, weights, n_valid):
         outs = []
@@ -145,15 +145,15 @@ def md3_res_case(layers: int, stages: int, k_split: int = 1) -> tuple[Any, tuple
         "kestrel_gemv_rows": D * (MD3_QKV + 64) * 2}
 
 
-def md3_pair_case(layers: int, splits: int, k_split: int = 1) -> tuple[Any, tuple[Any, ...], dict[str, int]]:
-    """The pair with nothing else: `gemv_rows` (splits 0; in clusters of `k_split`) or
+def md3_pair_case(layers: int, splits: int) -> tuple[Any, tuple[Any, ...], dict[str, int]]:
+    """The pair with nothing else: `gemv_rows` (splits 0) or
     `gemv_partials(row0=True)` in `splits`."""
     w1, w2 = _bf16(40, (layers, D, MD3_QKV), 0.02), _bf16(41, (layers, D, 64), 0.02)
     x = _bf16(42, (1, D), 1.0)
     if splits:
         kern = jax.jit(functools.partial(g.gemv_partials, splits=splits, stages=8, row0=True))
     else:
-        kern = jax.jit(functools.partial(g.gemv_rows, stages=g.ROWS_STAGES, k_split=k_split))
+        kern = jax.jit(functools.partial(g.gemv_rows, stages=g.ROWS_STAGES))
 
     def step(x, w1, w2):
         return [kern(x, w1[i], w2[i]) if splits else kern(x, w1[i], None, w2[i], None) for i in range(w1.shape[0])]
@@ -173,26 +173,22 @@ def plain_case(layers: int, n: int, stages: int) -> tuple[Any, tuple[Any, ...], 
 
 
 CASES = {  # (the fifty-sixth session's first run, BENCHMARKS.md, had 8 stages and the late bias as its defaults;
-    # the fifty-seventh session's ran `md3` at 6 stages, then the default of every one-row LN kernel)
+    # the fifty-seventh session's ran `md3` at 6 stages, then the default of every one-row LN kernel; the
+    # fifty-eighth session's `md2` ran at 6, then ROWS_STAGES_LN)
     "md2": lambda L: md2_case(L, g.ROWS_STAGES_LN, True),
     "md2_late": lambda L: md2_case(L, g.ROWS_STAGES_LN, False),
-    "md2_st5": lambda L: md2_case(L, 5, True),
+    "md2_st4": lambda L: md2_case(L, 4, True),
     "md2_st8": lambda L: md2_case(L, 8, True),
-    "md2_k2": lambda L: md2_case(L, g.ROWS_STAGES_LN, True, 2),
-    "md2_k2_st4": lambda L: md2_case(L, 4, True, 2),
+    "md2_st6": lambda L: md2_case(L, 6, True),
     "md3": lambda L: md3_case(L, g.ROWS_STAGES_MOE_LN, True),
     "md3_late": lambda L: md3_case(L, g.ROWS_STAGES_MOE_LN, False),
     "md3_st6": lambda L: md3_case(L, 6, True),
     "md3_res": lambda L: md3_res_case(L, g.ROWS_STAGES_MOE_LN),
     "md3_res_st6": lambda L: md3_res_case(L, 6),
     "md3_res_st12": lambda L: md3_res_case(L, 12),
-    "md3_res_k2": lambda L: md3_res_case(L, g.ROWS_STAGES_MOE_LN, 2),
-    "md3_res_k4": lambda L: md3_res_case(L, g.ROWS_STAGES_MOE_LN, 4),
-    "md3_k2": lambda L: md3_case(L, g.ROWS_STAGES_MOE_LN, True, 2),
     "md3_plain": lambda L: md3_pair_case(L, 0),
     "md3_split2": lambda L: md3_pair_case(L, 2),
     "md3_split4": lambda L: md3_pair_case(L, 4),
-    "md3_plain_k2": lambda L: md3_pair_case(L, 0, 2),
     "plain_224": lambda L: plain_case(L, 224 * g.BLOCK_N, g.ROWS_STAGES),
     "plain_132": lambda L: plain_case(L, 132 * g.BLOCK_N, g.ROWS_STAGES),
     "plain_264": lambda L: plain_case(L, 264 * g.BLOCK_N, g.ROWS_STAGES),

@@ -311,8 +311,11 @@ ROWS_STAGES = 8
 # 14336] product with the LayerNorm and residual, 6 stages 22.84 / 22.91 us, 8 stages 23.89 / 23.68,
 # 12 stages 25.50 / 25.43; MD2 W1 with the bias loaded early 4 stages 764.9 tok/s, 5 stages 799.4,
 # 6 stages 792.4 / 790.9 (8 stages with the late bias, the defaults before: 774.3 / 765.2 / 776.4);
-# MD3 W1 (early bias) 6 stages 813.7 against 8 stages 815.1 / 811.5.
-ROWS_STAGES_LN = 6
+# MD3 W1 (early bias) 6 stages 813.7 against 8 stages 815.1 / 811.5. Fifty-eighth session (another
+# H100): the same MD2 product 5 stages 21.84 / 21.83 us, 6 stages 22.29 / 22.18, 8 stages 22.93 /
+# 22.89; MD2 W1 5 stages 802.9 / 804.5 against 6 stages 798.6 / 800.4 (alternating runs), MD3 W1
+# (the MoE kernel's ring at 8) 828.5 against 825.7.
+ROWS_STAGES_LN = 5
 # ... but 8 for an MoE layer's QKV + router kernel with the LayerNorm (97 CTAs on 132 SMs: one each, so
 # a deeper ring costs no residency). H100, fifty-seventh session, with the previous MoE layer's residual
 # and expert rows inside as the decode step runs it (`tools/bench_rows_kernel.py` md3_res, 16 cold
@@ -337,7 +340,6 @@ def gemv_rows(
     residual: tuple[Any, ...] | None = None,
     stages: int = ROWS_STAGES,
     bias_early: bool = True,
-    k_split: int = 1,
     interpret: bool = False,
     detect_races: bool = False,
 ) -> tuple[jax.Array, ...]:  # ([Mp, N1] bf16,) or ([Mp, N1], [Mp, N2]); rows >= M are x's padding rows' products
@@ -383,15 +385,7 @@ def gemv_rows(
     n_valid [1] int32: `decode_residual.ExpertRows`), x' = (x + that) + m, m = sum_j weights[j, 0]
     y[dest[j, 0]] in f32 over j in order (0 where n_valid is 0), rounded to bf16, each add rounded
     to bf16 (`residual_row_ref`): the parallel block's residual of an MoE layer whose projection
-    the down GEMM streamed (its row-0 partials, `moe_mgpu.SideProduct.row0`).
-
-    `k_split` (2 or 4; default 1): each column block is a cluster of that many CTAs, CTA c
-    streaming the c-th part of K (with `ln`, normalising the whole row as before and forming its
-    part's x tiles); the others hand their f32 partial blocks to CTA 0 through global memory behind
-    one cluster barrier, and CTA 0 adds them in order to its own and finishes the block as above:
-    twice or four times the CTAs, for products whose one-per-64-columns grid leaves SMs idle (MD3's
-    QKV + router: 97 CTAs on 132 SMs). The sum's order differs from the unsplit kernel's, so the
-    rows can differ from it in the last bits."""
+    the down GEMM streamed (its row-0 partials, `moe_mgpu.SideProduct.row0`)."""
     ws = (w1,) if w2 is None else (w1, w2)
     bs = (b1,) if w2 is None else (b1, b2)
     for ww, bb in zip(ws, bs, strict=True):
@@ -409,12 +403,9 @@ def gemv_rows(
     if problem is not None:
         raise ValueError(f"gemv_rows: {problem}")
     mp = -(-M // 8) * 8
-    steps = K // BLOCK_K
-    if k_split not in (1, 2, 4) or steps % k_split:
-        raise ValueError(f"gemv_rows: k_split must be 1, 2 or 4 and divide the {steps} K steps, got {k_split}")
     if mp != M and ln is None:
         x = jnp.pad(x, ((0, mp - M), (0, 0)))
-    own = steps // k_split  # K steps per CTA
+    steps = K // BLOCK_K
     has_ln = ln is not None
     has_res = residual is not None
     res_bias = has_res and residual is not None and residual[1] is not None
@@ -424,8 +415,8 @@ def gemv_rows(
     # with `ln` the x tiles are formed in the kernel and stay resident: the ring carries weights only
     per_stage = (BLOCK_K * BLOCK_N + (0 if has_ln else mp * BLOCK_K)) * 2
     tau_smem = 0 if tau_w is None else TAU_ROWS * BLOCK_N * 2 + mp * BLOCK_N * 2 + TAU_ROWS * mp * 4 + 64
-    ln_smem = 0 if not has_ln else (own * mp * BLOCK_K + K * (2 if has_res else 1)) * 2
-    n_stages = max(1, min(stages, own, (_SMEM_LIMIT - mp * BLOCK_N * 2 - 2048 - tau_smem - ln_smem) // per_stage))
+    ln_smem = 0 if not has_ln else (steps * mp * BLOCK_K + K * (2 if has_res else 1)) * 2
+    n_stages = max(1, min(stages, steps, (_SMEM_LIMIT - mp * BLOCK_N * 2 - 2048 - tau_smem - ln_smem) // per_stage))
     n_blocks = sum(ww.shape[1] for ww in ws) // BLOCK_N
     w_refs_n, b_present = len(ws), [bb is not None for bb in bs]
     has_tau = tau_w is not None
@@ -444,22 +435,17 @@ def gemv_rows(
         d_ref = rest.pop(0) if has_tau else None
         n_ref = rest.pop(0) if has_ln else None
         r_ref = rest.pop(0) if has_res else None
-        xchg_ref = rest.pop(0) if k_split > 1 else None
         w_buf, x_buf, o_smem, bars = rest[:4]
         rest = rest[4:]
         n_row = rest.pop(0) if has_ln else None
         r_row = rest.pop(0) if has_res else None
-        c_bar = rest.pop(0) if k_split > 1 and interpret else None
         nb = lax.axis_index("n")
         n0 = pl.multiple_of(nb * BLOCK_N, BLOCK_N)
-        ks = lax.axis_index("c") if k_split > 1 else 0  # this CTA's part of K: steps k0 .. k0 + own - 1
-        k0 = ks * own
-        lead = ks == 0  # the CTA that finishes the block
         if has_tau:
             t_smem, g_smem, d_smem, t_bar = rest
             assert wq_ref is not None and wv_ref is not None
 
-            @pl.when((n0 < N1) & lead)
+            @pl.when(n0 < N1)
             def _tau_tile():  # [wq; wv] columns of this block, in flight beside the ring
                 cols = pl.ds(jnp.minimum(n0, N1 - BLOCK_N), BLOCK_N)
                 plgpu.copy_gmem_to_smem(wq_ref.at[:, cols], t_smem.at[pl.ds(0, h_tau)], t_bar.at[0])
@@ -486,7 +472,7 @@ def gemv_rows(
                  for m in range(w_refs_n)]
 
         def fetch(i, slot):
-            rows = pl.ds(pl.multiple_of((k0 + i) * BLOCK_K, BLOCK_K), BLOCK_K)
+            rows = pl.ds(pl.multiple_of(i * BLOCK_K, BLOCK_K), BLOCK_K)
             for m in range(w_refs_n):
                 on_matrix(m, lambda col, m=m: plgpu.copy_gmem_to_smem(
                     w_refs[m].at[rows, pl.ds(col, BLOCK_N)], w_buf.at[slot], bars.at[slot]))
@@ -542,7 +528,7 @@ def gemv_rows(
             plgpu.commit_smem()
             if has_res:
 
-                @pl.when((nb == 0) & lead)
+                @pl.when(nb == 0)
                 def _write_residual():  # in slices of at most 256 elements (a TMA box's limit)
                     assert r_row is not None and r_ref is not None
                     for c in range(0, K, _BOX):
@@ -550,11 +536,10 @@ def gemv_rows(
                                                 r_ref.at[0, pl.ds(c, min(_BOX, K - c))])
 
         def ln_tile(i, commit: bool = True):
-            """Step i's x tile (of this CTA's part of K) from the normalised row (row 0; the padding
-            rows zero); block 0's CTAs also write it out (the normalised rows the expert GEMMs read)."""
+            """Step i's x tile from the normalised row (row 0; the padding rows zero); CTA 0 also
+            writes it out (the normalised rows the expert GEMMs read)."""
             assert n_row is not None and n_ref is not None
-            c0 = (k0 + i) * BLOCK_K
-            cols = pl.ds(c0 if isinstance(c0, int) else pl.multiple_of(c0, BLOCK_K), BLOCK_K)
+            cols = pl.ds(i * BLOCK_K if isinstance(i, int) else pl.multiple_of(i * BLOCK_K, BLOCK_K), BLOCK_K)
             _row_tile(n_row, x_buf.at[i], cols, mp)
             if commit:
                 plgpu.commit_smem()
@@ -566,42 +551,21 @@ def gemv_rows(
                 _fill(fetch, n_stages)
                 normalise(loaded)
                 if ln_tiles_ahead:  # every tile before the first MMA (the forty-ninth session's order)
-                    for i in range(own):
+                    for i in range(steps):
                         ln_tile(i, commit=False)
                     plgpu.commit_smem()
 
                     @pl.when(nb == 0)
                     def _write():
                         assert n_ref is not None
-                        for i in range(own):
-                            c0 = (k0 + i) * BLOCK_K
-                            plgpu.copy_smem_to_gmem(x_buf.at[i], n_ref.at[:, pl.ds(
-                                c0 if isinstance(c0, int) else pl.multiple_of(c0, BLOCK_K), BLOCK_K)])
+                        for i in range(steps):
+                            plgpu.copy_smem_to_gmem(x_buf.at[i], n_ref.at[:, pl.ds(i * BLOCK_K, BLOCK_K)])
 
-                _stream(acc_ref, w_buf, x_buf, bars, fetch, own, n_stages, resident=True,
+                _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages, resident=True,
                         prepare=None if ln_tiles_ahead else ln_tile)
             else:
-                _stream(acc_ref, w_buf, x_buf, bars, fetch, own, n_stages)
-            if k_split == 1:
-                finish(acc_ref[...])
-                return
-            assert xchg_ref is not None
-
-            @pl.when(~lead)
-            def _hand_over():  # this CTA's partial block, for CTA 0 of the cluster
-                xchg_ref.at[nb, ks - 1][...] = acc_ref[...]
-
-            _cluster_sync(c_bar)
-
-            @pl.when(lead)
-            def _finish():  # CTA 0: its own block plus the others' in order
-                parts = [plgpu.load(xchg_ref.at[nb, j], layout=plgpu.Layout.WGMMA, optimized=False)
-                         for j in range(k_split - 1)]
-                finish(functools.reduce(jnp.add, parts, acc_ref[...]))
-
-        def finish(total):
-            """The block's epilogue from its f32 product: bias, bf16 rows, tau dots."""
-            y = total.astype(jnp.bfloat16)
+                _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages)
+            y = acc_ref[...].astype(jnp.bfloat16)
 
             for m in range(w_refs_n):
                 def store(col, m=m):
@@ -639,8 +603,8 @@ def gemv_rows(
     out_type = [jax.ShapeDtypeStruct((mp, ww.shape[1]), jnp.bfloat16) for ww in ws]
     scratch: list[Any] = [
         plgpu.SMEM((n_stages, BLOCK_K, BLOCK_N), x.dtype, transforms=_TRANSFORMS),
-        # x tiles: the ring's, or with `ln` every step's of this CTA's part of K (formed in the kernel, resident)
-        plgpu.SMEM((own if has_ln else n_stages, mp, BLOCK_K), x.dtype, transforms=_TRANSFORMS),
+        # x tiles: the ring's, or with `ln` every step's (formed in the kernel, resident)
+        plgpu.SMEM((steps if has_ln else n_stages, mp, BLOCK_K), x.dtype, transforms=_TRANSFORMS),
         plgpu.SMEM((mp, BLOCK_N), jnp.bfloat16, transforms=_OUT_TRANSFORMS),
         plgpu.Barrier(num_arrivals=1 if has_ln else 2, num_barriers=n_stages),
     ]
@@ -648,8 +612,6 @@ def gemv_rows(
         scratch.append(plgpu.SMEM((K,), jnp.bfloat16))  # the normalised row, on its way into the tiles
     if has_res:
         scratch.append(plgpu.SMEM((K,), jnp.bfloat16))  # the residual stream's new row, on its way out
-    if k_split > 1 and interpret:  # (compiled: `_cluster_sync`'s PTX barrier instead)
-        scratch.append(plgpu.ClusterBarrier(collective_axes=("c",), num_arrivals=1))
     if has_tau:
         out_type.append(jax.ShapeDtypeStruct((N1 // BLOCK_N, TAU_ROWS, mp), jnp.float32))
         scratch += [
@@ -662,15 +624,11 @@ def gemv_rows(
         out_type.append(jax.ShapeDtypeStruct((mp, K), jnp.bfloat16))
     if has_res:
         out_type.append(jax.ShapeDtypeStruct((1, K), jnp.bfloat16))
-    if k_split > 1:  # the partial blocks CTAs 1.. of each cluster hand to CTA 0 (dropped)
-        out_type.append(jax.ShapeDtypeStruct((n_blocks, k_split - 1, BLOCK_N, mp), jnp.float32))
-    cluster: dict[str, Any] = {} if k_split == 1 else {"cluster": (k_split,), "cluster_names": ("c",)}
     kern = plgpu.kernel(
         body,
         out_type=tuple(out_type),
         grid=(n_blocks,),
         grid_names=("n",),
-        **cluster,
         kernel_name="kestrel_gemv_rows",
         scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -682,29 +640,7 @@ def gemv_rows(
         args += [ln[0], ln[1]]
     if residual is not None:
         args += [residual[0], *([] if residual[1] is None else [residual[1]]), *(expert or ())]
-    outs = tuple(kern(*args))
-    return outs[:-1] if k_split > 1 else outs
-
-
-def _cluster_sync(barrier: Any) -> None:
-    """Every CTA of the cluster meets here, and global-memory writes before it are visible after
-    it. Compiled: the hardware cluster barrier with release / acquire semantics (Pallas's
-    ClusterBarrier has one thread arrive, which releases no other thread's writes). Interpreted
-    (`barrier` given): the ClusterBarrier (the interpreter runs a cluster's CTAs as threads and has
-    no inline PTX)."""
-    if barrier is not None:
-        plgpu.barrier_arrive(barrier)
-        plgpu.barrier_wait(barrier)
-        return
-
-    @plgpu.inline_mgpu()
-    def _sync(ctx):
-        from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-        mgpu_utils.inline_ptx("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;",
-                              has_side_effects=True)
-
-    _sync()
+    return tuple(kern(*args))
 
 
 LN_VEC = 8  # elements per thread per load of the LayerNorm's operands (16 bytes of bf16)

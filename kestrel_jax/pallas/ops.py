@@ -474,18 +474,7 @@ def decode_ln_qkv_router(x: jax.Array, scale: jax.Array, bias: jax.Array, w1: ja
             return None
         kw["residual"] = res
     return _rows_kernel(x, w1c, b1, w2c, b2, tau, stages=rows_gemv_stages(ln=True, moe=True), ln=(scale, bias),
-                        ln_eps=float(eps), ln_tiles_ahead=ln_in_rows_mode() == "ahead", k_split=rows_k_split(), **kw)
-
-
-def rows_k_split(dense: bool = False) -> int:
-    """CTAs per column block of an MoE layer's one-row QKV + router rows kernel (`decode_ln_qkv_router`;
-    `gemv_mgpu.gemv_rows(k_split=...)`: a cluster of that many CTAs splitting K, 194 or 388 CTAs
-    instead of 97 on 132 SMs): KESTREL_JAX_ROWS_K_SPLIT, 1 (default), 2 or 4; with `dense`, a dense
-    layer's joined QKV + fc1 rows kernel's (`decode_ln_dense_in`, 224 CTAs unsplit):
-    KESTREL_JAX_ROWS_K_SPLIT_DENSE. Read at trace time. Built in the fifty-seventh session, not yet
-    measured on a GPU (A/B switches)."""
-    name = "KESTREL_JAX_ROWS_K_SPLIT_DENSE" if dense else "KESTREL_JAX_ROWS_K_SPLIT"
-    return int(choice(name, "1", ("1", "2", "4")))
+                        ln_eps=float(eps), ln_tiles_ahead=ln_in_rows_mode() == "ahead", **kw)
 
 
 def dense_ln_in_rows_wanted() -> bool:
@@ -531,8 +520,7 @@ def decode_ln_dense_in(x: jax.Array, scale: jax.Array, bias: jax.Array, w: jax.A
         return None
     run = _jitted(kern.gemv_rows, ROWS_STATIC)
     return tuple(run(x, wc, b, stages=rows_gemv_stages(ln=True), ln=(scale, bias), ln_eps=float(eps),
-                     ln_tiles_ahead=ln_in_rows_mode() == "ahead", k_split=rows_k_split(dense=True),
-                     **({} if res is None else {"residual": res})))
+                     ln_tiles_ahead=ln_in_rows_mode() == "ahead", **({} if res is None else {"residual": res})))
 
 
 class PendingResidual(NamedTuple):
@@ -626,7 +614,7 @@ def _rows_biases_ok(w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.
 
 
 # `gemv_mgpu.gemv_rows`' static keywords as the decode paths call it
-ROWS_STATIC = ("stages", "ln_eps", "ln_tiles_ahead", "k_split")
+ROWS_STATIC = ("stages", "ln_eps", "ln_tiles_ahead")
 
 
 def _rows_kernel(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None, tau: Any,
@@ -650,11 +638,12 @@ def _rows_kernel(x: jax.Array, w1: jax.Array, b1: jax.Array | None, w2: jax.Arra
 def rows_gemv_stages(ln: bool = False, moe: bool = False) -> int:
     """Ring stages of `gemv_mgpu.gemv_rows` (an MoE layer's decode QKV + router product; with `ln`,
     the one-row kernels that normalise their input, MoE and dense): KESTREL_JAX_GEMV_ROWS_STAGES,
-    default the kernel's ROWS_STAGES (8; with `ln` ROWS_STAGES_LN, 6), read at trace time, for A/B
+    default the kernel's ROWS_STAGES (8; with `ln` ROWS_STAGES_LN, 5), read at trace time, for A/B
     runs (it sets both). At one row it streams ~25 MB in 9.2 us on an H200 (68% of copy, forty-fourth
     session), one CTA per 64 of its 6,208 columns (97 CTAs on 132 SMs); on the H100 8 stages beat 16
     and 24 (seventeenth session). With the LayerNorm inside, 6 beat 8 for MD2's joined dense product
-    and tied for MD3 (fifty-sixth session, H100: MD2 W1 +2.5% with the early bias load). With `ln` and
+    and tied for MD3 (fifty-sixth session, H100: MD2 W1 +2.5% with the early bias load); 5 beat 6
+    (fifty-eighth session, H100: MD2's kernel -0.4 us, MD2 W1 +0.5%, MD3 W1 +0.3%). With `ln` and
     `moe` (an MoE layer's QKV + router kernel: 97 CTAs, one per SM, where a dense layer's has 224):
     KESTREL_JAX_GEMV_ROWS_STAGES_MOE, default the kernel's ROWS_STAGES_MOE_LN (8), or else
     KESTREL_JAX_GEMV_ROWS_STAGES where only that is set."""

@@ -112,8 +112,7 @@ def test_decode_ln_qkv_router_dispatch(monkeypatch: pytest.MonkeyPatch):
     router rows, dots, normalised rows)."""
     seen: list[tuple] = []
 
-    def fake(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=None, tau_w=None, stages=None, ln_tiles_ahead=None,
-             k_split=1):
+    def fake(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=None, tau_w=None, stages=None, ln_tiles_ahead=None):
         seen.append((x.shape, ln is not None, ln_eps, tau_w is not None, stages, ln_tiles_ahead))
         pad = 8 - x.shape[0]
         return (jnp.pad(x @ w1, ((0, pad), (0, 0))), jnp.pad(x @ w2, ((0, pad), (0, 0))),
@@ -156,8 +155,7 @@ def test_decode_ln_qkv_router_dispatch(monkeypatch: pytest.MonkeyPatch):
 def test_decode_ln_qkv_router_ring_switches(monkeypatch: pytest.MonkeyPatch):
     """The MoE QKV + router rows kernel runs its own ring depth (ROWS_STAGES_MOE_LN), set alone by
     KESTREL_JAX_GEMV_ROWS_STAGES_MOE; KESTREL_JAX_GEMV_ROWS_STAGES alone still sets every rows
-    kernel's, this one's included; the dense LayerNorm rows kernels keep ROWS_STAGES_LN.
-    KESTREL_JAX_ROWS_K_SPLIT (1, 2 or 4; unset 1) reaches the kernel as its k_split."""
+    kernel's, this one's included; the dense LayerNorm rows kernels keep ROWS_STAGES_LN."""
     seen: list[dict] = []
 
     def fake(x, w1, b1, w2=None, b2=None, **kw):
@@ -168,8 +166,7 @@ def test_decode_ln_qkv_router_ring_switches(monkeypatch: pytest.MonkeyPatch):
 
     monkeypatch.setattr(g, "gemv_rows", fake)
     monkeypatch.setattr(g, "gemv_supported", lambda x, w: True)
-    for name in ("KESTREL_JAX_GEMV_ROWS_STAGES", "KESTREL_JAX_GEMV_ROWS_STAGES_MOE", "KESTREL_JAX_LN_IN_ROWS",
-                 "KESTREL_JAX_ROWS_K_SPLIT"):
+    for name in ("KESTREL_JAX_GEMV_ROWS_STAGES", "KESTREL_JAX_GEMV_ROWS_STAGES_MOE", "KESTREL_JAX_LN_IN_ROWS"):
         monkeypatch.delenv(name, raising=False)
     K = 1024
     experts = ExpertWeights(jnp.zeros((4, 512, K), jnp.float8_e4m3fn), jnp.zeros((4, K, 256), jnp.float8_e4m3fn),
@@ -193,14 +190,6 @@ def test_decode_ln_qkv_router_ring_switches(monkeypatch: pytest.MonkeyPatch):
         assert call() == 12 and ops.rows_gemv_stages(ln=True) == g.ROWS_STAGES_LN
         monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS_STAGES_MOE", "0")
         with pytest.raises(ValueError, match="KESTREL_JAX_GEMV_ROWS_STAGES_MOE must be an integer"):
-            call()
-        monkeypatch.delenv("KESTREL_JAX_GEMV_ROWS_STAGES_MOE")
-        assert seen[-1]["k_split"] == 1  # (unset: the unsplit kernel)
-        monkeypatch.setenv("KESTREL_JAX_ROWS_K_SPLIT", "2")
-        call()
-        assert seen[-1]["k_split"] == 2
-        monkeypatch.setenv("KESTREL_JAX_ROWS_K_SPLIT", "3")
-        with pytest.raises(ValueError, match="KESTREL_JAX_ROWS_K_SPLIT must be one of 1, 2, 4"):
             call()
 
 
@@ -228,19 +217,13 @@ def test_decode_ln_dense_in_dispatch(monkeypatch: pytest.MonkeyPatch):
     """`ops.decode_ln_dense_in` takes the rows kernel with the LayerNorm over a dense layer's joined
     weight unless switched off (KESTREL_JAX_DENSE_LN_IN_ROWS=0), on the kernel path, at one row, with
     the rows kernel on, for a LayerNorm the kernel takes; the tiles' order follows
-    KESTREL_JAX_LN_IN_ROWS (`ahead`); it hands back (product rows, normalised rows). Its rows kernel
-    splits K in clusters as KESTREL_JAX_ROWS_K_SPLIT_DENSE says (not KESTREL_JAX_ROWS_K_SPLIT, the MoE
-    kernel's)."""
+    KESTREL_JAX_LN_IN_ROWS (`ahead`); it hands back (product rows, normalised rows)."""
     seen: list[tuple] = []
     rings: list[int] = []
 
-    splits: list[int] = []
-
-    def fake(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=None, tau_w=None, stages=None, ln_tiles_ahead=None,
-             k_split=1):
+    def fake(x, w1, b1, w2=None, b2=None, *, ln=None, ln_eps=None, tau_w=None, stages=None, ln_tiles_ahead=None):
         seen.append((x.shape, w1.shape, w2 is None, ln is not None, ln_eps, ln_tiles_ahead))
         rings.append(stages)
-        splits.append(k_split)
         return jnp.pad(x @ w1, ((0, 7), (0, 0))), jnp.pad(x, ((0, 7), (0, 0)))
 
     monkeypatch.setattr(g, "gemv_rows", fake)
@@ -264,12 +247,6 @@ def test_decode_ln_dense_in_dispatch(monkeypatch: pytest.MonkeyPatch):
         n_seen = len(seen)
         assert call(x=jnp.ones((2, K), BF16)) is None  # one row only
         assert call(scale=jnp.ones((K,), jnp.float32)) is None  # a scale the kernel refuses
-        monkeypatch.setenv("KESTREL_JAX_ROWS_K_SPLIT", "2")  # the MoE kernel's: not this one's
-        monkeypatch.setenv("KESTREL_JAX_ROWS_K_SPLIT_DENSE", "4")
-        ops._jitted.cache_clear()
-        assert call() is not None and splits[-1] == 4 and set(splits[:-1]) == {1}  # (unset before: 1)
-        monkeypatch.delenv("KESTREL_JAX_ROWS_K_SPLIT_DENSE")
-        n_seen = len(seen)
         monkeypatch.setenv("KESTREL_JAX_GEMV_ROWS", "0")
         assert call() is None
         assert len(seen) == n_seen

@@ -182,7 +182,7 @@ def test_decode_ln_dense_in_hands_the_residual_on(monkeypatch: pytest.MonkeyPatc
     (the model then adds in XLA)."""
     seen: list[tuple] = []
 
-    def fake(x, w, b, *, ln=None, ln_eps=None, stages=None, ln_tiles_ahead=None, residual=None, k_split=1):
+    def fake(x, w, b, *, ln=None, ln_eps=None, stages=None, ln_tiles_ahead=None, residual=None):
         seen.append((x.shape, None if residual is None else (residual[0].shape, residual[1] is not None)))
         out = (jnp.pad(x @ w, ((0, 7), (0, 0))), jnp.pad(x, ((0, 7), (0, 0))))
         return out if residual is None else (*out, x + 1)
@@ -241,18 +241,16 @@ def test_residual_kernels_lower_at_md2_shapes():
         assert "kestrel_gemv_rows" in text
 
 
-@pytest.mark.parametrize("k_split", [1, 2, 4])
-def test_moe_residual_lowers_at_md3_shapes(k_split: int):
+def test_moe_residual_lowers_at_md3_shapes():
     """Mosaic GPU lowering for an H100 of an MoE layer's QKV + router rows kernel ([2048, 6144] +
     [2048, 64], tau dots) adding the previous MoE layer's residual: the projection's row-0 partials
-    [4, 2048] and bias, 8 expert rows gathered from [64, 2048] by the [8, 8] tables; unsplit and in
-    clusters of CTAs splitting K (`k_split`)."""
+    [4, 2048] and bias, 8 expert rows gathered from [64, 2048] by the [8, 8] tables."""
     H = g.TAU_ROWS // 2
     f32, i32 = jnp.float32, jnp.int32
 
     def rows(x, w1, b1, w2, b2, wq, wv, sc, sh, p, rb, y, d, w, nv):
         return g.gemv_rows(x, w1, b1, w2, b2, tau_w=(wq, wv), ln=(sc, sh), ln_eps=1e-5,
-                           residual=(p, rb, (y, d, w, nv)), k_split=k_split)
+                           residual=(p, rb, (y, d, w, nv)))
 
     with jax.sharding.use_abstract_mesh(_h100_mesh()):
         text = jax.jit(rows).trace(
