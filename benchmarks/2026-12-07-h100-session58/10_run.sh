@@ -5,6 +5,6 @@
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 echo "card: $G"
 case "$G" in
-  *H200*) bash benchmarks/2026-12-07-session58/1a_run.sh ;;
-  *) bash benchmarks/2026-12-07-session58/4_run.sh ;;
+  *H200*) bash benchmarks/2026-12-07-h100-session58/1a_run.sh ;;
+  *) bash benchmarks/2026-12-07-h100-session58/4_run.sh ;;
 esac
