@@ -868,6 +868,15 @@ def gemv_merged(o: jax.Array, lse: jax.Array, w: jax.Array, bias: jax.Array | No
                    jnp.dtype(jnp.bfloat16))
 
 
+def gemv_dense_out_row0(o: jax.Array, lse: jax.Array, h: jax.Array, w: jax.Array, *, col0: int, splits: int,
+                        stages: int = 4, interpret: bool = False) -> jax.Array:
+    """A dense layer's one-row joined output + fc2 product's row-0 partials [splits, N] f32 with its
+    input row formed in the launch: [merge_splits(o, lse)[0] | GELU(h[0, col0:])] @ w
+    (`gemv_partials`' `gelu_tail`)."""
+    return gemv_partials(None, w, merge=(o, lse, 1), gelu_tail=(h, col0), splits=splits, stages=stages, row0=True,
+                         interpret=interpret)
+
+
 def gemv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, splits: int | None = None,
          stages: int = 4, row_major: bool = False, interpret: bool = False, rows: int | None = None,
          gate: Gate | None = None) -> jax.Array:
