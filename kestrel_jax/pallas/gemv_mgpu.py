@@ -167,20 +167,22 @@ def _merged_tile(o_ref, lse_ref, head, rows: int, n_splits: int) -> jax.Array:
     return jnp.where(row < rows, acc / rows_of(jnp.where(den > 0, den, 1.0)), 0.0).astype(jnp.bfloat16)
 
 
-def _merged_row0_tile(o_ref, lse_ref, head, n_splits: int) -> jax.Array:
-    """Row 0 of head `head`'s attention output merged from its split partials as
-    `paged_attention_mgpu.merge_splits` does, as an [8, 64] bf16 tile in `_XROWS` whose rows 1.. are
-    zero: `_merged_tile` for one real row, reading row 0's partials alone (1 KB of the 8 KB)."""
-    lses = [lse_ref[0, head, s] for s in range(n_splits)]
+def _merged_row0_loads(o_ref, lse_ref, head, n_splits: int) -> tuple[list[Any], list[Any]]:
+    """Row 0's partials of head `head` for `_merged_row0`: its splits' log2-sum-exp2 scalars and
+    output rows [64] (in `_XROWS.reduce(0)`), 1 KB of the 8 KB `_merged_tile` reads."""
+    return ([lse_ref[0, head, s] for s in range(n_splits)],
+            [plgpu.load(o_ref.at[0, head, s, :], layout=_XROWS.reduce(0), optimized=False) for s in range(n_splits)])
+
+
+def _merged_row0(lses: list[Any], rows: list[Any]) -> jax.Array:
+    """Row 0 of a head's attention output from `_merged_row0_loads`, merged as
+    `paged_attention_mgpu.merge_splits` does, bf16 [64]."""
     top = functools.reduce(jnp.maximum, lses)
     safe = jnp.where(top > -jnp.inf, top, 0.0)
     ws = [jnp.where(x > -jnp.inf, jnp.exp2(x - safe), 0.0) for x in lses]  # empty split: weight 0
     den = functools.reduce(jnp.add, ws)
-    acc = functools.reduce(jnp.add, [
-        ws[s] * plgpu.load(o_ref.at[0, head, s, :], layout=_XROWS.reduce(0), optimized=False)
-        for s in range(n_splits)])
-    v = (acc / jnp.where(den > 0, den, 1.0)).astype(jnp.bfloat16)
-    return _row0_tile(v)
+    acc = functools.reduce(jnp.add, [w * r for w, r in zip(ws, rows, strict=True)])
+    return (acc / jnp.where(den > 0, den, 1.0)).astype(jnp.bfloat16)
 
 
 def _row0_tile(v: jax.Array) -> jax.Array:
@@ -260,7 +262,8 @@ def gemv_partials(
     activation, the concatenation and the pad to 8 rows need no launch of their own. The K steps go
     to the splits interleaved (split s takes steps s, s + splits, ...; the sum is the same product,
     in another order), so every CTA merges heads / splits heads (row 0's partials alone) and forms
-    the rest of its tiles from h before its stream starts.
+    the rest of its tiles from h before its stream starts, all their loads issued before the weight
+    ring's fill (~12 KB a CTA at MD2's shapes, as the LayerNorm's operands in `gemv_rows`).
 
     `row0` (one row of x: M = 1, or `merge` of one row): the partials of that row
     alone, [splits, N] f32, contiguous (each CTA sums its accumulator over the 8 columns, 7 of them
@@ -340,17 +343,21 @@ def gemv_partials(
 
         def scope(acc_ref):
             if merge is not None:  # the weight ring fills while the heads of this K range merge
-                _fill(fetch, n_stages)
-                for i in range(steps):
-                    if not tail:
-                        x_buf.at[i][...] = _merged_tile(part_ref, lse_ref, step(i), M, n_splits)
-                    elif i < heads // s_count:  # (static: step(i) < heads exactly for these i)
-                        x_buf.at[i][...] = _merged_row0_tile(part_ref, lse_ref, step(i), n_splits)
-                    else:  # GELU of h's row 0, the columns of K step step(i) past the heads
-                        assert h_ref is not None and gelu_tail is not None
-                        col = gelu_tail[1] + (step(i) - heads) * BLOCK_K
-                        v = plgpu.load(h_ref.at[0, pl.ds(col, BLOCK_K)], layout=_XROWS.reduce(0), optimized=False)
+                if tail:  # every operand load issued before the fill (not queued behind it), then the tiles
+                    assert h_ref is not None and gelu_tail is not None
+                    n_m = heads // s_count  # steps i < n_m are heads (static: step(i) < heads exactly there)
+                    merged = [_merged_row0_loads(part_ref, lse_ref, step(i), n_splits) for i in range(n_m)]
+                    fc1 = [plgpu.load(h_ref.at[0, pl.ds(gelu_tail[1] + (step(i) - heads) * BLOCK_K, BLOCK_K)],
+                                      layout=_XROWS.reduce(0), optimized=False) for i in range(n_m, steps)]
+                    _fill(fetch, n_stages)
+                    for i, (lses, rows) in enumerate(merged):
+                        x_buf.at[i][...] = _row0_tile(_merged_row0(lses, rows))
+                    for i, v in enumerate(fc1, start=n_m):  # GELU of h's row 0 at K step step(i)'s columns
                         x_buf.at[i][...] = _row0_tile(gelu_tanh_f32(v.astype(jnp.float32)).astype(jnp.bfloat16))
+                else:
+                    _fill(fetch, n_stages)
+                    for i in range(steps):
+                        x_buf.at[i][...] = _merged_tile(part_ref, lse_ref, step(i), M, n_splits)
                 plgpu.commit_smem()
                 _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages, resident=True)
             elif gate_ref is None:
