@@ -147,15 +147,21 @@ def _row_tile(row_ref, tile_ref, cols, mp: int) -> None:
     tile_ref[...] = jnp.where(row == 0, t, jnp.zeros_like(t))
 
 
+def _split_weights(lses: list[Any]) -> tuple[list[Any], Any]:
+    """The merge's weights exp2(lse_s - max) (0 for an empty split, lse -inf) and their sum, as
+    `paged_attention_mgpu.merge_splits` forms them."""
+    top = functools.reduce(jnp.maximum, lses)
+    safe = jnp.where(top > -jnp.inf, top, 0.0)
+    ws = [jnp.where(x > -jnp.inf, jnp.exp2(x - safe), 0.0) for x in lses]  # empty split: weight 0
+    return ws, functools.reduce(jnp.add, ws)
+
+
 def _merged_tile(o_ref, lse_ref, head, rows: int, n_splits: int) -> jax.Array:
     """Rows [0, 8) of head `head`'s attention output, merged from its split partials as
     `paged_attention_mgpu.merge_splits` does (rows >= `rows` zero), as bf16 in `_XROWS`."""
     lses = [plgpu.load(lse_ref.at[:, head, s], layout=_XROWS.reduce(1), optimized=False)
             for s in range(n_splits)]
-    top = functools.reduce(jnp.maximum, lses)
-    safe = jnp.where(top > -jnp.inf, top, 0.0)
-    ws = [jnp.where(x > -jnp.inf, jnp.exp2(x - safe), 0.0) for x in lses]  # empty split: weight 0
-    den = functools.reduce(jnp.add, ws)
+    ws, den = _split_weights(lses)
 
     def rows_of(v):
         return lax.broadcast_in_dim(v, (8, BLOCK_K), (0,))
@@ -177,10 +183,7 @@ def _merged_row0_loads(o_ref, lse_ref, head, n_splits: int) -> tuple[list[Any], 
 def _merged_row0(lses: list[Any], rows: list[Any]) -> jax.Array:
     """Row 0 of a head's attention output from `_merged_row0_loads`, merged as
     `paged_attention_mgpu.merge_splits` does, bf16 [64]."""
-    top = functools.reduce(jnp.maximum, lses)
-    safe = jnp.where(top > -jnp.inf, top, 0.0)
-    ws = [jnp.where(x > -jnp.inf, jnp.exp2(x - safe), 0.0) for x in lses]  # empty split: weight 0
-    den = functools.reduce(jnp.add, ws)
+    ws, den = _split_weights(lses)
     acc = functools.reduce(jnp.add, [w * r for w, r in zip(ws, rows, strict=True)])
     return (acc / jnp.where(den > 0, den, 1.0)).astype(jnp.bfloat16)
 
