@@ -1,0 +1,12 @@
+# Prepared in session 58 (2026-12-07): the next session's first call, one plan per card (sessions 56-58
+# asked for `nvidia-h200` five times and were lent an H100 each time but once, which was then taken back).
+# An H200 runs 1a_run.sh (issue 6's MD3 / MD2 W1 on the card its targets name; then 1b_run.sh as the next
+# call on the same machine, carrying [".peerx"]); an H100 runs 14_run.sh (KESTREL_JAX_DENSE_OUT_MERGED's
+# check, probe and W1 pairs). Move the scripts it names into the session's dated folder first and edit
+# the paths below to match.
+G=$(nvidia-smi --query-gpu=name --format=csv,noheader)
+echo "card: $G"
+case "$G" in
+  *H200*) bash benchmarks/pending/1a_run.sh ;;
+  *) bash benchmarks/pending/14_run.sh ;;
+esac
