@@ -597,14 +597,20 @@ def dense_out_row0(g: jax.Array, w: jax.Array, b: jax.Array | None) -> tuple[jax
 
     splits = dense_out_splits(g.shape[1], one_row=True)
     n = w.shape[1]
-    if not splits or (g.shape[1] // kern.BLOCK_K) % splits or (b is not None and b.shape != (n,)):
-        return None
-    if kern.residual_problem(jax.ShapeDtypeStruct((1, n), g.dtype), jax.ShapeDtypeStruct((splits, n), jnp.float32),
-                             None) is not None:
+    if not splits or (g.shape[1] // kern.BLOCK_K) % splits or not _row0_handable(n, splits, b):
         return None
     parts = _jitted(kern.gemv_partials, ("splits", "stages", "row0"))(
         g, w.astype(g.dtype), splits=splits, stages=dense_decode_gemv()[2], row0=True)
     return parts, None if b is None else b.astype(g.dtype)
+
+
+def _row0_handable(n: int, splits: int, b: jax.Array | None) -> bool:
+    """Whether a one-row product's [splits, n] row-0 partials and bias b ([n] or None) are what the
+    next rows kernel's residual takes (`gemv_mgpu.residual_problem`)."""
+    from kestrel_jax.pallas import gemv_mgpu as kern
+
+    return (b is None or b.shape == (n,)) and kern.residual_problem(
+        jax.ShapeDtypeStruct((1, n), jnp.bfloat16), jax.ShapeDtypeStruct((splits, n), jnp.float32), None) is None
 
 
 def dense_out_merged_wanted() -> bool:
@@ -634,9 +640,7 @@ def dense_out_row0_merged(parts: tuple[jax.Array, jax.Array], wide: jax.Array, c
     splits = dense_out_splits(w.shape[0], one_row=True)
     if not splits or kern.gelu_tail_problem(o, lse, wide, col0, w16, splits) is not None:
         return None
-    n = w.shape[1]
-    if (b is not None and b.shape != (n,)) or kern.residual_problem(
-            jax.ShapeDtypeStruct((1, n), jnp.bfloat16), jax.ShapeDtypeStruct((splits, n), jnp.float32), None):
+    if not _row0_handable(w.shape[1], splits, b):
         return None
     out = _jitted(kern.gemv_dense_out_row0, ("col0", "splits", "stages"))(
         o, lse, wide, w16, col0=col0, splits=splits, stages=dense_decode_gemv()[2])
