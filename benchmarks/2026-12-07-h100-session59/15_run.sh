@@ -7,6 +7,6 @@
 G=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 echo "card: $G"
 case "$G" in
-  *H200*) bash benchmarks/pending/1a_run.sh ;;
-  *) bash benchmarks/pending/14_run.sh ;;
+  *H200*) bash benchmarks/2026-12-07-h100-session59/1a_run.sh ;;
+  *) bash benchmarks/2026-12-07-h100-session59/14_run.sh ;;
 esac
