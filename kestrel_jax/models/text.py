@@ -460,16 +460,6 @@ class Block(nnx.Module):
     def _dense_out_row(o: jax.Array, h: jax.Array) -> jax.Array:
         return jnp.concatenate([o, gelu_tanh(h)], axis=1)
 
-    def dense_decode_out_pending_merged(self, x: jax.Array, parts: tuple[jax.Array, jax.Array],
-                                        wide: jax.Array) -> ops.PendingResidual | None:
-        """`dense_decode_out_pending` with the joined product's input formed in its own launch
-        (`ops.dense_out_row0_merged`, opt-in): split-KV attention's partials `parts` merged and GELU of
-        the fc1 columns of `wide`, the joined QKV + fc1 product's rows; None where that does not apply."""
-        assert self.dense_out_w is not None and self.dense_out_b is not None
-        col0 = self.attn.qkv.kernel.shape[1]
-        out = ops.dense_out_row0_merged(parts, wide, col0, self.dense_out_w[...], self.dense_out_b[...])
-        return None if out is None else ops.PendingResidual(x, *out)
-
     def dense_decode_out_pending(self, x: jax.Array, o: jax.Array, h: jax.Array) -> ops.PendingResidual | None:
         """`x + dense_decode_out(o, h)` at one row, left for the next dense layer's rows kernel to add
         (`ops.dense_residual_in_rows_wanted`): the joined product's row-0 split partials with the
@@ -641,19 +631,12 @@ class TextModel(nnx.Module):
             # unless the opt-in merged projection (attention's split-KV merge in its launch) asks for it
             side_proj = (rows_path and block.attn.decode_gemm_kernel and t <= SIDE_PROJ_ROWS
                          and ops.proj_in_down_wanted() and not ops.merged_projection_wanted())
-            nxt_block = self.blocks[i + 1] if i + 1 < len(self.blocks) else None
-            # a one-row dense layer whose residual add goes to the next dense layer's rows kernel
-            dense_pend = (out_joined and t == 1 and ln_kernel and nxt_block is not None
-                          and not isinstance(nxt_block.mlp, MoE) and nxt_block.dense_w is not None
-                          and ops.dense_in_one_row())
-            # (opt-in) its joined output + fc2 product then merges attention's split-KV partials itself
-            dense_merged = dense_pend and ops.dense_out_merged_wanted()
             a_out, ks[i], vs[i], routed = block.attn(
                 n, batch, ks[i], vs[i], cache.k_scale[i], cache.v_scale[i], aux, router=router, route_top_k=top_k,
                 experts=block.mlp.experts() if isinstance(block.mlp, MoE) else None,
                 u=None if dense_in is None else dense_in[0], u_wide=None if dense_in is None else dense_in[2],
                 project=not (out_joined or h_one is not None or side_proj),
-                partials=(side_proj and ops.merge_in_up_wanted()) or dense_merged, pre=pre)
+                partials=side_proj and ops.merge_in_up_wanted(), pre=pre)
             # split-KV partials (`ops.merge_in_up_wanted`): the up GEMM's launch merges them for the
             # projection's side product; where it does not, the merge here feeds the projection below
             # (where it does, nothing reads this merge and XLA drops it: the H200 step listings of the
@@ -665,6 +648,7 @@ class TextModel(nnx.Module):
                 a = a_out
             logits, route = (None, routed) if isinstance(routed, DenseRoute) else (routed, None)
             rows = None
+            nxt_block = self.blocks[i + 1] if i + 1 < len(self.blocks) else None
             # (on by default) this MoE layer's residual add inside the next MoE layer's rows kernel, from
             # the projection's row-0 partials (streamed by the down GEMM) and the unreduced expert rows;
             # at one row it comes before the opt-in residual + LayerNorm launch below
@@ -700,10 +684,10 @@ class TextModel(nnx.Module):
             if rows is not None:
                 m = combine_rows(rows, t, x.dtype)
             elif out_joined and dense_in is not None:  # `a`: attention's output before its projection
-                if dense_pend:  # (on by default) the residual add inside the next dense layer's rows kernel
-                    pending = None if parts is None else block.dense_decode_out_pending_merged(x, parts, dense_in[2])
-                    if pending is None:
-                        pending = block.dense_decode_out_pending(x, a, dense_in[1])
+                if (t == 1 and ln_kernel and nxt_block is not None and not isinstance(nxt_block.mlp, MoE)
+                        and nxt_block.dense_w is not None and ops.dense_in_one_row()):
+                    # (on by default) the residual add inside the next dense layer's rows kernel
+                    pending = block.dense_decode_out_pending(x, a, dense_in[1])
                     if pending is not None:
                         continue
                 x = x + block.dense_decode_out(a, dense_in[1])

@@ -147,21 +147,15 @@ def _row_tile(row_ref, tile_ref, cols, mp: int) -> None:
     tile_ref[...] = jnp.where(row == 0, t, jnp.zeros_like(t))
 
 
-def _split_weights(lses: list[Any]) -> tuple[list[Any], Any]:
-    """The merge's weights exp2(lse_s - max) (0 for an empty split, lse -inf) and their sum, as
-    `paged_attention_mgpu.merge_splits` forms them."""
-    top = functools.reduce(jnp.maximum, lses)
-    safe = jnp.where(top > -jnp.inf, top, 0.0)
-    ws = [jnp.where(x > -jnp.inf, jnp.exp2(x - safe), 0.0) for x in lses]  # empty split: weight 0
-    return ws, functools.reduce(jnp.add, ws)
-
-
 def _merged_tile(o_ref, lse_ref, head, rows: int, n_splits: int) -> jax.Array:
     """Rows [0, 8) of head `head`'s attention output, merged from its split partials as
     `paged_attention_mgpu.merge_splits` does (rows >= `rows` zero), as bf16 in `_XROWS`."""
     lses = [plgpu.load(lse_ref.at[:, head, s], layout=_XROWS.reduce(1), optimized=False)
             for s in range(n_splits)]
-    ws, den = _split_weights(lses)
+    top = functools.reduce(jnp.maximum, lses)
+    safe = jnp.where(top > -jnp.inf, top, 0.0)
+    ws = [jnp.where(x > -jnp.inf, jnp.exp2(x - safe), 0.0) for x in lses]  # empty split: weight 0
+    den = functools.reduce(jnp.add, ws)
 
     def rows_of(v):
         return lax.broadcast_in_dim(v, (8, BLOCK_K), (0,))
@@ -173,67 +167,6 @@ def _merged_tile(o_ref, lse_ref, head, rows: int, n_splits: int) -> jax.Array:
     return jnp.where(row < rows, acc / rows_of(jnp.where(den > 0, den, 1.0)), 0.0).astype(jnp.bfloat16)
 
 
-def _merged_row0_loads(o_ref, lse_ref, head, n_splits: int) -> tuple[list[Any], list[Any]]:
-    """Row 0's partials of head `head` for `_merged_row0`: its splits' log2-sum-exp2 scalars and
-    output rows [64] (in `_XROWS.reduce(0)`), 1 KB of the 8 KB `_merged_tile` reads."""
-    return ([lse_ref[0, head, s] for s in range(n_splits)],
-            [plgpu.load(o_ref.at[0, head, s, :], layout=_XROWS.reduce(0), optimized=False) for s in range(n_splits)])
-
-
-def _merged_row0(lses: list[Any], rows: list[Any]) -> jax.Array:
-    """Row 0 of a head's attention output from `_merged_row0_loads`, merged as
-    `paged_attention_mgpu.merge_splits` does, bf16 [64]."""
-    ws, den = _split_weights(lses)
-    acc = functools.reduce(jnp.add, [w * r for w, r in zip(ws, rows, strict=True)])
-    return (acc / jnp.where(den > 0, den, 1.0)).astype(jnp.bfloat16)
-
-
-def _row0_tile(v: jax.Array) -> jax.Array:
-    """[64] (in `_XROWS.reduce(0)`) -> [8, 64] tile in `_XROWS`: v in row 0, the other rows zero."""
-    row = plgpu.broadcasted_iota(jnp.int32, (8, BLOCK_K), 0, layout=_XROWS)
-    t = lax.broadcast_in_dim(v, (8, BLOCK_K), (1,))
-    return jnp.where(row == 0, t, jnp.zeros_like(t))
-
-
-def gelu_tanh_f32(x: jax.Array) -> jax.Array:
-    """GELU, tanh form, in float32 (`jax.nn.gelu(approximate=True)`'s formula): what the decode GEMM
-    applies to fc1's rows when it forms the joined output + fc2 product's input itself."""
-    return 0.5 * x * (1.0 + jnp.tanh(0.7978845608028654 * (x + 0.044715 * (x * x * x))))
-
-
-def dense_out_input_ref(o: jax.Array, lse: jax.Array, h: jax.Array, col0: int) -> jax.Array:
-    """The joined output + fc2 product's input row that `gemv_partials(gelu_tail=...)` forms, [1, K]
-    bf16: split-KV attention's row 0 merged (`merge_splits`), then GELU (tanh, f32, rounded once)
-    of h's row 0 from column `col0` on (K = heads x 64 + h.shape[1] - col0)."""
-    from kestrel_jax.pallas.paged_attention_mgpu import merge_splits
-
-    a = merge_splits(o[:1], lse[:1], jnp.bfloat16).reshape(1, -1)
-    g = gelu_tanh_f32(h[:1, col0:].astype(jnp.float32)).astype(jnp.bfloat16)
-    return jnp.concatenate([a, g], axis=1)
-
-
-def gelu_tail_problem(o: Any, lse: Any, h: Any, col0: int, w: Any, splits: int) -> str | None:
-    """Why `gemv_partials(merge=(o, lse, 1), gelu_tail=(h, col0), splits=splits, row0=True)` refuses
-    these operands, or None: o [8, H, S, 64] / lse [8, H, S] f32 partials and w [H * 64 + Kt, N]
-    bf16 (`merge_supported` but for w's extra rows), h [R, col0 + Kt] bf16 (R <= 64), Kt a multiple
-    of 64, and H and the K steps divisible by `splits`."""
-    heads = o.shape[1] if o.ndim == 4 else 0
-    if not (o.ndim == 4 and o.shape[0] == 8 and o.shape[3] == BLOCK_K and lse.shape == o.shape[:3]
-            and o.dtype == jnp.float32 and lse.dtype == jnp.float32):
-        return f"attention partials o {o.shape} {o.dtype}, lse {lse.shape} {lse.dtype} (need [8, H, S, 64] f32)"
-    if h.ndim != 2 or jnp.dtype(h.dtype) != jnp.dtype(jnp.bfloat16) or not 1 <= h.shape[0] <= 64:
-        return f"fc1 rows {h.shape} {h.dtype} (need [<= 64, N] bf16)"
-    kt = h.shape[1] - col0
-    if col0 < 0 or kt <= 0 or kt % BLOCK_K or col0 % 8:
-        return f"fc1 columns from {col0} of {h.shape[1]} (need a multiple of {BLOCK_K} of them, from a multiple of 8)"
-    if (w.ndim != 2 or w.shape[0] != heads * BLOCK_K + kt or w.shape[1] % BLOCK_N
-            or jnp.dtype(w.dtype) != jnp.dtype(jnp.bfloat16)):
-        return f"w {w.shape} {w.dtype} (need bf16 [{heads * BLOCK_K + kt}, a multiple of {BLOCK_N}])"
-    if splits < 1 or heads % splits or (w.shape[0] // BLOCK_K) % splits:
-        return f"splits {splits} (need to divide the {heads} heads and the {w.shape[0] // BLOCK_K} K steps)"
-    return None
-
-
 def gemv_partials(
     x: jax.Array | None,  # [M, K] bf16, M <= 64 (None with `merge`)
     w: jax.Array,  # [K, N] bf16
@@ -242,7 +175,6 @@ def gemv_partials(
     splits: int | None = None,
     stages: int = 4,
     merge: tuple[jax.Array, jax.Array, int] | None = None,
-    gelu_tail: tuple[jax.Array, int] | None = None,
     gate: Gate | None = None,
     row_major: bool = False,
     row0: bool = False,
@@ -259,35 +191,17 @@ def gemv_partials(
     forty-third session's MD2 decode step: its residual stream, then the LayerNorm reading it
     strided).
 
-    `gelu_tail` = (h, col0), with `merge` of one row (a dense layer's one-row joined output + fc2
-    product, `gelu_tail_problem`): x is [the merged attention row | GELU(h[0, col0:])], GELU in its
-    tanh form in f32, rounded to bf16 once (`dense_out_input_ref`): the attention merge, fc1's
-    activation, the concatenation and the pad to 8 rows need no launch of their own. The K steps go
-    to the splits interleaved (split s takes steps s, s + splits, ...; the sum is the same product,
-    in another order), so every CTA merges heads / splits heads (row 0's partials alone) and forms
-    the rest of its tiles from h before its stream starts, all their loads issued before the weight
-    ring's fill (~12 KB a CTA at MD2's shapes, as the LayerNorm's operands in `gemv_rows`).
-
     `row0` (one row of x: M = 1, or `merge` of one row): the partials of that row
     alone, [splits, N] f32, contiguous (each CTA sums its accumulator over the 8 columns, 7 of them
     the exact zeros of the padding rows): what a consumer that finishes the row itself reads
     (`gemv_rows`' `residual`), 32 bytes of every 256 of the padded layout."""
     if merge is not None:
         o, lse, M = merge
-        if x is not None or w2 is not None or gate is not None or not 1 <= M <= 8:
+        if x is not None or w2 is not None or gate is not None or not merge_supported(o, lse, w) or not 1 <= M <= 8:
             raise ValueError(f"merged-input gemv does not support o {o.shape} {o.dtype}, lse {lse.shape}, "
                              f"w {w.shape} {w.dtype}, rows {M} (nor x, a second product or a gate beside it)")
         K, mp, n_splits = w.shape[0], 8, o.shape[2]
         x_dtype = jnp.dtype(jnp.bfloat16)
-        if gelu_tail is not None:
-            problem = gelu_tail_problem(o, lse, gelu_tail[0], gelu_tail[1], w, splits or 0)
-            if problem is not None or M != 1:
-                raise ValueError(f"gemv_partials with gelu_tail: {problem or f'one merged row only, got {M}'}")
-        elif not merge_supported(o, lse, w):
-            raise ValueError(f"merged-input gemv does not support o {o.shape} {o.dtype}, lse {lse.shape}, "
-                             f"w {w.shape} {w.dtype}")
-    elif gelu_tail is not None:
-        raise ValueError("gemv_partials: gelu_tail needs `merge` (the attention partials of its first K rows)")
     else:
         assert x is not None
         for ww in (w,) if w2 is None else (w, w2):
@@ -311,15 +225,12 @@ def gemv_partials(
     steps = steps_total // s_count
     n_stages = max(1, min(stages, steps))
     resident = merge is not None  # x tiles formed in the kernel, every step's
-    tail = gelu_tail is not None
-    heads = 0 if merge is None else merge[0].shape[1]
 
     def body(*refs):
         if merge is not None:
             part_ref, lse_ref, w_ref, *rest = refs
         else:
             x_ref, w_ref, *rest = refs
-        h_ref = rest.pop(0) if tail else None
         w2_ref = rest.pop(0) if w2 is not None else None
         gate_ref = rest.pop(0) if gate is not None else None
         o_ref, w_buf, x_buf, o_smem, bars = rest
@@ -328,11 +239,8 @@ def gemv_partials(
         k0 = s * (steps * BLOCK_K)
         n0 = pl.multiple_of(nb * BLOCK_N, BLOCK_N)
 
-        def step(i):  # split s's i-th K step: its range's, or with `gelu_tail` every splits-th from s
-            return s + s_count * i if tail else lax.div(k0, BLOCK_K) + i
-
         def fetch(i, slot):
-            k = pl.multiple_of(step(i) * BLOCK_K, BLOCK_K)
+            k = pl.multiple_of(k0 + i * BLOCK_K, BLOCK_K)
             rows = pl.ds(k, BLOCK_K)
             if w2_ref is None:
                 plgpu.copy_gmem_to_smem(w_ref.at[rows, pl.ds(n0, BLOCK_N)], w_buf.at[slot], bars.at[slot])
@@ -346,21 +254,9 @@ def gemv_partials(
 
         def scope(acc_ref):
             if merge is not None:  # the weight ring fills while the heads of this K range merge
-                if tail:  # every operand load issued before the fill (not queued behind it), then the tiles
-                    assert h_ref is not None and gelu_tail is not None
-                    n_m = heads // s_count  # steps i < n_m are heads (static: step(i) < heads exactly there)
-                    merged = [_merged_row0_loads(part_ref, lse_ref, step(i), n_splits) for i in range(n_m)]
-                    fc1 = [plgpu.load(h_ref.at[0, pl.ds(gelu_tail[1] + (step(i) - heads) * BLOCK_K, BLOCK_K)],
-                                      layout=_XROWS.reduce(0), optimized=False) for i in range(n_m, steps)]
-                    _fill(fetch, n_stages)
-                    for i, (lses, rows) in enumerate(merged):
-                        x_buf.at[i][...] = _row0_tile(_merged_row0(lses, rows))
-                    for i, v in enumerate(fc1, start=n_m):  # GELU of h's row 0 at K step step(i)'s columns
-                        x_buf.at[i][...] = _row0_tile(gelu_tanh_f32(v.astype(jnp.float32)).astype(jnp.bfloat16))
-                else:
-                    _fill(fetch, n_stages)
-                    for i in range(steps):
-                        x_buf.at[i][...] = _merged_tile(part_ref, lse_ref, step(i), M, n_splits)
+                _fill(fetch, n_stages)
+                for i in range(steps):
+                    x_buf.at[i][...] = _merged_tile(part_ref, lse_ref, lax.div(k0, BLOCK_K) + i, M, n_splits)
                 plgpu.commit_smem()
                 _stream(acc_ref, w_buf, x_buf, bars, fetch, steps, n_stages, resident=True)
             elif gate_ref is None:
@@ -402,7 +298,7 @@ def gemv_partials(
         interpret=_interpret_params(interpret, detect_races),
     )
     if merge is not None:
-        return kern(merge[0], merge[1], w, *([] if gelu_tail is None else [gelu_tail[0]]))
+        return kern(merge[0], merge[1], w)
     return kern(x, w, *([] if w2 is None else [w2]), *([] if gate is None else [gate.table]))
 
 
@@ -876,15 +772,6 @@ def gemv_merged(o: jax.Array, lse: jax.Array, w: jax.Array, bias: jax.Array | No
     bf16, the merge done inside the GEMM's launch (`gemv_partials`' merge)."""
     return _finish(_summed(gemv_partials(None, w, merge=(o, lse, rows), interpret=interpret), rows), bias,
                    jnp.dtype(jnp.bfloat16))
-
-
-def gemv_dense_out_row0(o: jax.Array, lse: jax.Array, h: jax.Array, w: jax.Array, *, col0: int, splits: int,
-                        stages: int = 4, interpret: bool = False) -> jax.Array:
-    """A dense layer's one-row joined output + fc2 product's row-0 partials [splits, N] f32 with its
-    input row formed in the launch: [merge_splits(o, lse)[0] | GELU(h[0, col0:])] @ w
-    (`gemv_partials`' `gelu_tail`)."""
-    return gemv_partials(None, w, merge=(o, lse, 1), gelu_tail=(h, col0), splits=splits, stages=stages, row0=True,
-                         interpret=interpret)
 
 
 def gemv(x: jax.Array, w: jax.Array, bias: jax.Array | None = None, *, splits: int | None = None,

@@ -597,54 +597,14 @@ def dense_out_row0(g: jax.Array, w: jax.Array, b: jax.Array | None) -> tuple[jax
 
     splits = dense_out_splits(g.shape[1], one_row=True)
     n = w.shape[1]
-    if not splits or (g.shape[1] // kern.BLOCK_K) % splits or not _row0_handable(n, splits, b):
+    if not splits or (g.shape[1] // kern.BLOCK_K) % splits or (b is not None and b.shape != (n,)):
+        return None
+    if kern.residual_problem(jax.ShapeDtypeStruct((1, n), g.dtype), jax.ShapeDtypeStruct((splits, n), jnp.float32),
+                             None) is not None:
         return None
     parts = _jitted(kern.gemv_partials, ("splits", "stages", "row0"))(
         g, w.astype(g.dtype), splits=splits, stages=dense_decode_gemv()[2], row0=True)
     return parts, None if b is None else b.astype(g.dtype)
-
-
-def _row0_handable(n: int, splits: int, b: jax.Array | None) -> bool:
-    """Whether a one-row product's [splits, n] row-0 partials and bias b ([n] or None) are what the
-    next rows kernel's residual takes (`gemv_mgpu.residual_problem`)."""
-    from kestrel_jax.pallas import gemv_mgpu as kern
-
-    return (b is None or b.shape == (n,)) and kern.residual_problem(
-        jax.ShapeDtypeStruct((1, n), jnp.bfloat16), jax.ShapeDtypeStruct((splits, n), jnp.float32), None) is None
-
-
-def dense_out_merged_wanted() -> bool:
-    """Whether a dense layer's one-row joined output + fc2 product forms its input row in its own
-    launch (`dense_out_row0_merged`: split-KV attention's merge, fc1's GELU, the concatenation and
-    the pad to 8 rows, which XLA runs as one fusion of their own: 24 x 1.37 us of MD2's batch-1 step
-    on an H100, fifty-eighth session) where the residual add goes to the next dense layer's rows
-    kernel. KESTREL_JAX_DENSE_OUT_MERGED=1 (read at trace time), opt-in until measured on a GPU."""
-    return flag("KESTREL_JAX_DENSE_OUT_MERGED", False)
-
-
-def dense_out_row0_merged(parts: tuple[jax.Array, jax.Array], wide: jax.Array, col0: int, w: jax.Array,
-                          b: jax.Array | None) -> tuple[jax.Array, jax.Array | None] | None:
-    """`dense_out_row0` for the one-row input [merged attention row | GELU(fc1 row)] formed inside the
-    decode GEMM kernel (`gemv_mgpu.gemv_dense_out_row0`): parts = split-KV attention's (o, lse)
-    (`decode_attention_partials`), `wide` the joined QKV + fc1 product's rows with fc1's columns from
-    `col0` on. (row-0 partials [S, N] f32, the bias as bf16) for the next dense layer's rows kernel,
-    or None where that does not apply (`dense_out_merged_wanted` off, the residual not handed on,
-    or shapes the kernel refuses)."""
-    if not (dense_out_merged_wanted() and dense_residual_in_rows_wanted() and dense_ln_in_rows_wanted()
-            and gemv_rows_wanted() and _want_kernel()):
-        return None
-    from kestrel_jax.pallas import gemv_mgpu as kern
-
-    o, lse = parts
-    w16 = w.astype(jnp.bfloat16)
-    splits = dense_out_splits(w.shape[0], one_row=True)
-    if not splits or kern.gelu_tail_problem(o, lse, wide, col0, w16, splits) is not None:
-        return None
-    if not _row0_handable(w.shape[1], splits, b):
-        return None
-    out = _jitted(kern.gemv_dense_out_row0, ("col0", "splits", "stages"))(
-        o, lse, wide, w16, col0=col0, splits=splits, stages=dense_decode_gemv()[2])
-    return out, None if b is None else b.astype(jnp.bfloat16)
 
 
 def _rows_biases_ok(w1: jax.Array, b1: jax.Array | None, w2: jax.Array, b2: jax.Array | None) -> bool:

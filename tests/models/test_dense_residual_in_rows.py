@@ -17,10 +17,8 @@ from test_decode_fusion import _partials, stand_ins  # noqa: F401 (a fixture)
 from test_ln_in_rows import _case, _kernel_forward
 
 from kestrel_jax.pallas import gemv_mgpu, ops
-from kestrel_jax.pallas import paged_attention as pa
 
 NAME = "KESTREL_JAX_DENSE_RESIDUAL_IN_ROWS"
-_REAL_PARTIALS = gemv_mgpu.gemv_partials  # (the stand-ins fixture replaces it)
 
 
 def _count_xla_adds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -184,103 +182,3 @@ def test_moe_layers_add_the_residual_in_the_next_rows_kernel(stand_ins: list[str
         assert np.abs(got - want).max() <= 2.0**-6 * np.abs(want).max(), switch
         outs[switch] = got
     assert np.abs(outs["1"] - outs["0"]).max() <= 2.0**-6 * np.abs(outs["0"]).max()
-
-
-@pytest.mark.parametrize("family", ["md2", "md3"])
-def test_dense_out_merged_switch(stand_ins: list[str], monkeypatch: pytest.MonkeyPatch,  # noqa: F811
-                                 family: str) -> None:
-    """KESTREL_JAX_DENSE_OUT_MERGED=1 (opt-in): a one-row dense layer that hands its residual to the
-    next dense layer's rows kernel asks decode attention for its split partials (the stand-in: the
-    reference output as one split, a second split of 7s with lse -inf, NaN padding rows) and hands
-    them, with the joined QKV + fc1 rows, to the joined output + fc2 product's kernel (interpreted),
-    which forms its input row itself: the hidden states lie within bf16 rounding of the reference
-    path and of the switch off. Unset (the default), no partials are asked for and that kernel is
-    not called."""
-    rows_calls: list[tuple] = []
-    model, x1, batch1, cache, want = _case(monkeypatch, rows_calls, 14, family)
-    cfg = model.cfg
-    model.fuse_dense_decode(True)
-    dense = [not cfg.is_moe_layer(i) for i in range(cfg.n_layers)]
-    handed = sum(dense[i] and dense[i + 1] for i in range(cfg.n_layers - 1))
-    moe_layers = cfg.n_layers - sum(dense)
-    asked: list[int] = []
-    merged: list[tuple] = []
-
-    def partials(q, kp, vp, lens, table, ks, vs, *, sm_scale, **_):
-        asked.append(q.shape[0])
-        o = pa.decode_attention_ref(q, kp, vp, lens, table, ks, vs, sm_scale=sm_scale).astype(jnp.float32)
-        t = q.shape[0]
-        o8 = jnp.full((8, q.shape[1], 2, q.shape[2]), jnp.nan, jnp.float32).at[:t, :, 0].set(o).at[:t, :, 1].set(7.0)
-        lse = jnp.full((8, q.shape[1], 2), jnp.nan, jnp.float32).at[:t, :, 0].set(0.0).at[:t, :, 1].set(-jnp.inf)
-        return o8, lse
-
-    real = gemv_mgpu.gemv_dense_out_row0
-
-    def interpreted(o, lse, h, w, *, col0, splits, stages=4):
-        merged.append((o.shape, h.shape, w.shape, col0, splits))
-        stand_in = gemv_mgpu.gemv_partials
-        gemv_mgpu.gemv_partials = _REAL_PARTIALS  # the real kernel, interpreted
-        try:
-            return real(o, lse, h, w, col0=col0, splits=splits, stages=stages, interpret=True)
-        finally:
-            gemv_mgpu.gemv_partials = stand_in
-
-    monkeypatch.setattr(ops, "decode_attention_partials", partials)
-    monkeypatch.setattr(gemv_mgpu, "gemv_dense_out_row0", interpreted)
-    name = "KESTREL_JAX_DENSE_OUT_MERGED"
-    qkv = cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim
-    counted = _count_xla_adds(monkeypatch)
-    outs = {}
-    for switch in (None, "1"):
-        got = _kernel_forward(model, x1, batch1, cache, monkeypatch, name, switch, rows_calls, asked, merged)
-        on = switch == "1"
-        assert asked == [1] * ((handed if on else 0) + moe_layers), switch  # (MoE layers': the merge in the up GEMM)
-        # traced once (the layers share the jitted call)
-        assert merged == ([((8, cfg.n_heads, 2, cfg.head_dim), (8, qkv + cfg.ff_dim), (cfg.dim + cfg.ff_dim, cfg.dim),
-                            qkv, ops.dense_out_splits(cfg.dim + cfg.ff_dim, one_row=True))] if on else []), switch
-        assert counted == [], "every pending residual was added in a rows kernel"
-        assert np.isfinite(got).all()
-        assert np.abs(got - want).max() <= 2.0**-6 * np.abs(want).max(), switch
-        outs[switch] = got
-    assert np.abs(outs["1"] - outs[None]).max() <= 2.0**-6 * np.abs(outs[None]).max()
-    model.fuse_dense_decode(False)
-
-
-def test_dense_out_row0_merged_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`ops.dense_out_row0_merged` calls the kernel only with KESTREL_JAX_DENSE_OUT_MERGED=1, on the
-    kernel path, with the residual handed on (KESTREL_JAX_DENSE_RESIDUAL_IN_ROWS, the LayerNorm in
-    the rows kernel, the rows kernel on), in `dense_out_splits(one_row=True)` interleaved K ranges
-    that divide the heads, at fc1's column offset; the bias comes back as bf16."""
-    seen: list[tuple] = []
-
-    def fake(o, lse, h, w, *, col0, splits, stages=4):
-        seen.append((o.shape, h.shape, w.shape, col0, splits, stages))
-        return jnp.zeros((splits, w.shape[1]), jnp.float32)
-
-    monkeypatch.setattr(gemv_mgpu, "gemv_dense_out_row0", fake)
-    ops._jitted.cache_clear()
-    H, col0, ff, N = 8, 1536, 1024, 512
-    parts = (jnp.zeros((8, H, 4, 64), jnp.float32), jnp.zeros((8, H, 4), jnp.float32))
-    wide, w, b = jnp.ones((8, col0 + ff), jnp.bfloat16), jnp.ones((H * 64 + ff, N), jnp.bfloat16), jnp.ones((N,))
-    name = "KESTREL_JAX_DENSE_OUT_MERGED"
-    with ops.use_backend("kernel"):
-        monkeypatch.delenv(name, raising=False)
-        assert ops.dense_out_row0_merged(parts, wide, col0, w, b) is None  # off by default
-        monkeypatch.setenv(name, "1")
-        out = ops.dense_out_row0_merged(parts, wide, col0, w, b)
-        assert out is not None and out[0].shape == (4, N) and out[1] is not None and out[1].dtype == jnp.bfloat16
-        assert seen == [((8, H, 4, 64), wide.shape, w.shape, col0, 4, ops.dense_decode_gemv()[2])]
-        assert ops.dense_out_row0_merged(parts, wide, col0 + 64, w, b) is None  # fc1's columns do not fit w
-        for env, value in ((NAME, "0"), ("KESTREL_JAX_DENSE_LN_IN_ROWS", "0"), ("KESTREL_JAX_GEMV_ROWS", "0"),
-                           ("KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW", "0"),
-                           ("KESTREL_JAX_GEMV_DENSE_OUT_ONE_ROW", "3")):  # 3 splits do not divide 8 heads
-            monkeypatch.setenv(env, value)
-            assert ops.dense_out_row0_merged(parts, wide, col0, w, b) is None, (env, value)
-            monkeypatch.delenv(env)
-        assert len(seen) == 1
-    with ops.use_backend("reference"):
-        assert ops.dense_out_row0_merged(parts, wide, col0, w, b) is None
-    monkeypatch.setenv(name, "maybe")
-    with ops.use_backend("kernel"), pytest.raises(ValueError, match=name):
-        ops.dense_out_row0_merged(parts, wide, col0, w, b)
-    jax.clear_caches()
