@@ -107,12 +107,18 @@ def point_prompt(cfg: MoondreamConfig, encode: Encode, obj: str, *, spatial_refs
     return _object_prompt(cfg, encode, obj, tm.point_prefix, tm.point_suffix, max_prompt_tokens, spatial_refs)
 
 
+def has_segment(cfg: MoondreamConfig) -> bool:
+    """Whether the model has the segment skill (its prompt template: the Moondream 3 family)."""
+    tm = cfg.tokenizer.templates
+    return tm.segment_prefix is not None and tm.segment_suffix is not None
+
+
 def segment_prompt(cfg: MoondreamConfig, encode: Encode, obj: str, *, spatial_refs: Sequence[SpatialRef] = (),
                    max_prompt_tokens: int | None = None) -> Prompt:
     """prefix + refs + enc(object) + suffix (no leading space; MOONDREAM.md §6.2). MD3-family
     models only: a model without the segment template raises PromptError."""
     tm = cfg.tokenizer.templates
-    if tm.segment_prefix is None or tm.segment_suffix is None:
+    if tm.segment_prefix is None or tm.segment_suffix is None:  # (has_segment, spelt out for the type checker)
         raise PromptError(f"{cfg.name} has no segment skill (the Moondream 3 family has; Moondream 2 has not)")
     _check_text(obj, "object")
     ids = list(tm.segment_prefix)

@@ -292,6 +292,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=64, help="decode rows (decode and mixed steps)")
     ap.add_argument("--context", type=int, default=800, help="position of each decode row's new token")
     ap.add_argument("--steps", type=int, default=1, help="decode iterations per decode launch")
+    ap.add_argument("--text-step", action="store_true",
+                    help="decode: the text step (no region heads; what multi-step launches of text rows run)")
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--wall-rounds", type=int, default=20,
@@ -357,7 +359,7 @@ def main() -> int:
             step_fn = runner._mixed.jitted
             args = (runner.lm_params, runner.cache, *dec, runner._feed(None), *pre, images)
         elif kind == "decode":
-            step_fn = runner._decode_fn(a.steps).jitted
+            step_fn = runner._decode_fn(a.steps, not a.text_step).jitted
             args = (runner.lm_params, runner.cache, *dec, runner._feed(None))
         elif kind == "vision":
             step_fn = runner._vision

@@ -24,6 +24,7 @@ import numpy as np
 
 from kestrel_jax.models.device_crops import empty_plan
 from kestrel_jax.models.loader import load_model
+from kestrel_jax.prompts import has_segment
 from kestrel_jax.serving import batch as bt
 from kestrel_jax.serving.buckets import pick_bucket
 from kestrel_jax.serving.encode_ahead import EncodeAhead
@@ -204,7 +205,13 @@ class EngineWorker:
         variants: list[tuple[str, str, tuple[Any, ...]]] = []
         for b in self.config.decode_buckets:
             ints, floats = bt.empty_decode(b, p)
-            variants += [(f"decode_b{b}_k{k}", "decode", (ints, floats, None, k)) for k in self._step_variants(b)]
+            for k, region in self._step_variants(b):
+                step_ints = ints
+                if k > 1 and region:  # a multi-step launch holding a segment row (`Runner.decode_region`)
+                    step_ints = ints.copy()
+                    step_ints[:, bt.D_REGION] = 1
+                variants.append((f"decode_b{b}_k{k}" + ("" if region else "_text"), "decode",
+                                 (step_ints, floats, None, k)))
         for t in self.config.prefill_token_buckets:
             variants.append((f"prefill_t{t}", "prefill", (*bt.empty_prefill(t, bsz, p), self._no_images())))
             variants += [(f"mixed_t{t}_b{b}", "mixed", (*bt.empty_decode(b, p), None, *bt.empty_prefill(t, bsz, p),
@@ -244,12 +251,19 @@ class EngineWorker:
         self.runner.images = dict.fromkeys(self.runner.images, 0)  # count served images only
         self.runner.freeze()
 
-    def _step_variants(self, bucket: int) -> tuple[int, ...]:
-        """Decode iterations per launch compiled for a batch bucket."""
+    def _step_variants(self, bucket: int) -> tuple[tuple[int, bool], ...]:
+        """The decode steps compiled for a batch bucket: (iterations per launch, with the region
+        heads). One-iteration launches always have them; a multi-step launch runs the text step
+        where `RunnerConfig.text_steps` is on, and the step with the heads only for segment rows (a
+        model with the segment skill: they run ahead too, `Job.can_run_ahead`)."""
         k, buckets = self.config.decode_steps, sorted(self.config.decode_buckets)
         # with at most multi_step_max_batch sequences running, the decode bucket is at most this
         largest = pick_bucket(min(self.config.multi_step_max_batch, buckets[-1]), buckets)
-        return (1, k) if k > 1 and bucket <= largest else (1,)
+        if not (k > 1 and bucket <= largest):
+            return ((1, True),)
+        if not self.runner.config.text_steps:
+            return ((1, True), (k, True))
+        return ((1, True), (k, False)) + (((k, True),) if has_segment(self.model.cfg) else ())
 
     def _decode_steps(self, pending: Pending | None) -> int:
         """Iterations for the next decode launch: `decode_steps` when every decoding job can run

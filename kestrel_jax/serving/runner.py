@@ -171,6 +171,11 @@ class RunnerConfig:
     # and their output projection's and fc2's stacked for another (`TextModel.fuse_dense_decode`;
     # MD2 at full size +1.4 + 1.0 GB, MD3 +0.23 + 0.17 GB): "auto" (on a GPU), "on" or "off".
     fused_dense_decode: str = "auto"
+    # Multi-step decode launches whose rows need no region heads (plain answer / caption rows: all
+    # but segment rows) run a step compiled without them (`_decode_step`'s `region`), which leaves
+    # out the region encoders, heads and argmaxes that the region gate only makes cheap. False: every
+    # decode launch runs the step with them (the default before; kept for A/B runs).
+    text_steps: bool = True
 
 
 class StepOutputs(NamedTuple):
@@ -259,8 +264,11 @@ def _sampling(ints: jax.Array, floats: jax.Array, top_k: int, seed: int, step: i
 
 
 def _heads(model: LM, hidden: jax.Array, sp: SamplingParams, backend: str, out_rows: int,
-           gate: ops.Gate | None = None) -> jax.Array:
+           gate: ops.Gate | None = None, region: bool = True) -> jax.Array:
     """hidden [B, D] (pre post_ln) -> packed outputs [out_rows, 6] (see StepOutputs.packed).
+
+    `region` off (a text decode step, `_decode_step`): no region heads and no continuation
+    decision; the coordinate, size and region_next columns are zero.
 
     The region heads run for every row and every step. A `lax.cond` on "does any row need
     them" would make XLA copy the predicate to the host and wait for it in the middle of the
@@ -277,15 +285,20 @@ def _heads(model: LM, hidden: jax.Array, sp: SamplingParams, backend: str, out_r
     # step in all).
     logits = model.text.model_logits(hidden)
     out = sample(logits, sp, return_logprobs=True, backend=backend)  # type: ignore[arg-type]
+    assert out.logprobs is not None
+    b = hidden.shape[0]
+    if not region:
+        zero = jnp.zeros((b,), jnp.float32)
+        packed = StepOutputs(out.tokens, out.logprobs, zero, jnp.zeros((b, 2), jnp.float32),
+                             jnp.zeros((b,), jnp.int32)).packed()
+        return jnp.pad(packed, ((0, out_rows - b), (0, 0)))
     if model.cfg.is_md3:
         nxt = jnp.where(logits[:, tk.coord_id] >= logits[:, tk.eos_id], tk.coord_id, tk.eos_id)
     else:
         nxt = jnp.argmax(logits, axis=-1)
-    b = hidden.shape[0]
     coord_logits, size_logits = model.region.decode_heads(hidden, kernel_rows=region_kernel_rows(), gate=gate)
     coord = coord_bin_to_value(jnp.argmax(coord_logits, axis=-1))
     size = size_bin_to_value(jnp.argmax(size_logits, axis=-1))
-    assert out.logprobs is not None
     packed = StepOutputs(out.tokens, out.logprobs, coord, size, nxt.astype(jnp.int32)).packed()
     return jnp.pad(packed, ((0, out_rows - b), (0, 0)))
 
@@ -308,9 +321,11 @@ def _copy_pages(cache: KVCache, copies: jax.Array, backend: str = "auto") -> KVC
 
 
 def _decode_inputs(model: LM, ints: jax.Array, floats: jax.Array, prev: jax.Array,
-                   src: jax.Array, gate: ops.Gate | None = None) -> tuple[jax.Array, jax.Array]:
+                   src: jax.Array, gate: ops.Gate | None = None,
+                   region: bool = True) -> tuple[jax.Array, jax.Array]:
     """Decode rows (batch.py layout) -> (input embeddings [B, D], suppressed ids [B, N_SUP]); rows
-    with src >= 0 take their input from row src of `prev`."""
+    with src >= 0 take their input from row src of `prev`. `region` off (a text decode step): every
+    input is a token's embedding (no coordinate or size encoder)."""
     tk = model.cfg.tokenizer
     use_prev = src >= 0
     p = prev[jnp.clip(src, 0, prev.shape[0] - 1)]
@@ -332,6 +347,8 @@ def _decode_inputs(model: LM, ints: jax.Array, floats: jax.Array, prev: jax.Arra
     # sample is the answer's first, with nothing suppressed
     first_answer = use_prev & reasoning & (p_tok == tk.answer_id)
     sup = jnp.where(first_answer[:, None], -1, ints[:, bt.D_SUP: bt.D_SUP + bt.N_SUP])
+    if not region:
+        return model.text.embed(jnp.clip(token, 0, model.cfg.text.vocab_size - 1), model.dtype), sup
     return _embed(model, kind, token, value, None, None, gate), sup
 
 
@@ -342,17 +359,20 @@ def _decode_sampling(ints: jax.Array, floats: jax.Array, sup: jax.Array,
 
 def _decode_once(model: LM, cache: KVCache, ints: jax.Array, floats: jax.Array, prev: jax.Array, src: jax.Array,
                  slots: jax.Array, positions: jax.Array, kv_lens: jax.Array, step_offset: jax.Array | int,
-                 backend: str, out_rows: int) -> tuple[KVCache, jax.Array]:
-    """One decode iteration; rows with src >= 0 take their input from row src of `prev`."""
-    gate = _region_gate(ints, bt.D_REGION)
-    x, sup = _decode_inputs(model, ints, floats, prev, src, gate)
+                 backend: str, out_rows: int, region: bool = True) -> tuple[KVCache, jax.Array]:
+    """One decode iteration; rows with src >= 0 take their input from row src of `prev`. `region`
+    off: a text step (`_decode_step`)."""
+    gate = _region_gate(ints, bt.D_REGION) if region else None
+    x, sup = _decode_inputs(model, ints, floats, prev, src, gate, region)
     batch = AttentionBatch(positions, slots, kv_lens, ints[:, bt.DI:], num_valid=ints[0, bt.D_NUM_VALID])
     hidden, cache, _ = model.text(x, batch, cache)
-    return cache, _heads(model, hidden, _decode_sampling(ints, floats, sup, step_offset), backend, out_rows, gate)
+    return cache, _heads(model, hidden, _decode_sampling(ints, floats, sup, step_offset), backend, out_rows, gate,
+                         region)
 
 
 def _decode_step(parts: _Parts, params: list[jax.Array], cache: KVCache, ints: jax.Array, floats: jax.Array,
-                 prev: jax.Array, backend: str, out_rows: int, steps: int) -> tuple[KVCache, jax.Array, jax.Array]:
+                 prev: jax.Array, backend: str, out_rows: int, steps: int,
+                 region: bool = True) -> tuple[KVCache, jax.Array, jax.Array]:
     """ints [B, DI + P], floats [B, DF] (batch.py layout), prev [out_rows, 6] the previous step's
     packed outputs (rows with src >= 0 take their input from it).
 
@@ -361,14 +381,20 @@ def _decode_step(parts: _Parts, params: list[jax.Array], cache: KVCache, ints: j
     position pos + j (slot from the row's page table) and samples with step counter step + j.
     Row i runs ints[i, D_NSTEPS] iterations; after those its writes are dropped (slot -1) and its
     outputs are ignored by the host. Returns (cache, outputs [steps, out_rows, 6], last
-    [out_rows, 6] = each row's output of its last iteration, the next launch's `prev`)."""
+    [out_rows, 6] = each row's output of its last iteration, the next launch's `prev`).
+
+    `region` off compiles a text step: for launches whose rows need no region heads in any
+    iteration (batch.py's D_REGION 0: plain answer / caption rows, all a multi-step launch holds
+    but segment rows), it leaves out the coordinate and size encoders, the region heads, their
+    argmaxes and the continuation decision (their columns of the outputs are zero). The region gate
+    skips those weight streams but not their ~10 launches per iteration (`Runner.decode`)."""
     model = _lm(parts, params)
     with ops.use_backend(backend):  # type: ignore[arg-type]
         ints, floats, prev = _pinned(ints, floats, prev)
         pos0, slot0, kv0 = ints[:, bt.D_POS], ints[:, bt.D_SLOT], ints[:, bt.D_KV_LEN]
         if steps == 1:
             cache, out = _decode_once(model, cache, ints, floats, prev, ints[:, bt.D_SRC], slot0, pos0, kv0, 0,
-                                      backend, out_rows)
+                                      backend, out_rows, region)
             return cache, out[None], out
         b = ints.shape[0]
         n = ints[:, bt.D_NSTEPS]
@@ -384,7 +410,8 @@ def _decode_step(parts: _Parts, params: list[jax.Array], cache: KVCache, ints: j
             page_of = jnp.take_along_axis(table, jnp.clip(pos // page, 0, table.shape[1] - 1)[:, None], axis=1)[:, 0]
             slot = jnp.where(j == 0, slot0, jnp.where(j < n, page_of * page + pos % page, -1))
             src = jnp.where(j == 0, ints[:, bt.D_SRC], own)
-            cache, out = _decode_once(model, cache, ints, floats, prev, src, slot, pos, kv, j, backend, out_rows)
+            cache, out = _decode_once(model, cache, ints, floats, prev, src, slot, pos, kv, j, backend, out_rows,
+                                      region)
             return (cache, out), out
 
         (cache, _), outs = jax.lax.scan(body, (cache, prev), jnp.arange(steps, dtype=jnp.int32))
@@ -570,7 +597,7 @@ class Runner:
         self.vision_params = _committed(self.vision_params, self.device)
         backend = self.config.backend
         self._backend = backend
-        self._decode: dict[int, Any] = {}  # iterations per launch -> jitted step
+        self._decode: dict[tuple[int, bool], Any] = {}  # (iterations per launch, region heads) -> jitted step
         export_dir = (os.path.join(self.config.compilation_cache_dir, "kestrel_jax_export")
                       if self.config.compilation_cache_dir and self.config.export_steps else None)
         self._step = functools.partial(ExportedStep, donate_argnums=(1,), directory=export_dir,
@@ -788,22 +815,36 @@ class Runner:
         return self._guarded("vision_images", self._vision_images, self.vision_params, tuple(batch), rows, cols)
 
     # ------------------------------------------------------------------------------- steps
-    def _decode_fn(self, steps: int) -> Any:
-        fn = self._decode.get(steps)
+    @staticmethod
+    def _decode_name(steps: int, region: bool) -> str:
+        return f"decode{steps}" if region else f"decode{steps}_text"
+
+    def _decode_fn(self, steps: int, region: bool = True) -> Any:
+        fn = self._decode.get((steps, region))
         if fn is None:
+            name = self._decode_name(steps, region)
             if self._frozen is not None:
-                raise RecompileError(f"no {steps}-iteration decode step was compiled at start-up")
-            fn = self._step(f"decode{steps}", functools.partial(_decode_step, self._parts, backend=self._backend,
-                                                                 out_rows=self.out_rows, steps=steps))
-            self._decode[steps] = fn
+                raise RecompileError(f"no {steps}-iteration decode step ({name}) was compiled at start-up")
+            fn = self._step(name, functools.partial(_decode_step, self._parts, backend=self._backend,
+                                                    out_rows=self.out_rows, steps=steps, region=region))
+            self._decode[(steps, region)] = fn
         return fn
+
+    def decode_region(self, ints: np.ndarray, steps: int) -> bool:
+        """Whether a decode launch of these rows (batch.py layout) runs the step with the region
+        heads: every one-iteration launch does, and a multi-step launch whose D_REGION column is
+        set (a segment row); the others run the text step (`_decode_step`'s `region` off, with
+        `RunnerConfig.text_steps`)."""
+        return steps == 1 or not self.config.text_steps or bool(np.any(np.asarray(ints)[:, bt.D_REGION]))
 
     def decode(self, ints: np.ndarray, floats: np.ndarray, prev: jax.Array | None,
                steps: int = 1) -> tuple[jax.Array, jax.Array]:
         """Dispatch a decode launch of `steps` iterations (batch.py layout) without waiting.
         Returns (outputs [steps, out_rows, 6], last [out_rows, 6]: each row's output of its last
         iteration). `prev`: the previous launch's `last` (for rows with src >= 0)."""
-        self.cache, outs, last = self._guarded(f"decode{steps}", self._decode_fn(steps), self.lm_params, self.cache,
+        region = self.decode_region(ints, steps)
+        fn = self._decode_fn(steps, region)
+        self.cache, outs, last = self._guarded(self._decode_name(steps, region), fn, self.lm_params, self.cache,
                                                *self._inputs(ints, floats, self._feed(prev)))
         return outs, last
 
@@ -831,7 +872,8 @@ class Runner:
         for kind, args in calls:
             if kind == "decode":
                 ints, floats, prev, steps = args
-                jobs.append((self._decode_fn(steps), self._inputs(ints, floats, self._feed(prev))))
+                jobs.append((self._decode_fn(steps, self.decode_region(ints, steps)),
+                             self._inputs(ints, floats, self._feed(prev))))
             elif kind == "prefill":
                 jobs.append((self._prefill, self._inputs(*args)))
             elif kind == "mixed":
@@ -874,7 +916,7 @@ class Runner:
     def _fns(self) -> dict[str, Any]:
         fns = {"prefill": self._prefill, "mixed": self._mixed, "vision": self._vision, "copy": self._copy,
                "crops": self._crops, "vision_images": self._vision_images}
-        fns.update({f"decode{k}": fn for k, fn in self._decode.items()})
+        fns.update({self._decode_name(k, region): fn for (k, region), fn in self._decode.items()})
         return fns
 
     def freeze(self) -> None:

@@ -541,10 +541,20 @@ def test_sampled_outputs_equal_reference_with_the_same_seed(engine: InferenceEng
 
 
 def test_multi_step_decode_equals_reference(engine: InferenceEngine, ref: ReferenceMoondream,
-                                           images: list[Path]) -> None:
-    """Answer/caption rows run 8 decode iterations per launch (EngineConfig.decode_steps); the
-    outputs are the single-step reference's, greedy and seeded, for lengths that are not
-    multiples of 8 (the last launch of each row runs short)."""
+                                           images: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Answer/caption rows run 8 decode iterations per launch (EngineConfig.decode_steps) of the
+    text step (no region heads, `RunnerConfig.text_steps`); the outputs are the single-step
+    reference's, greedy and seeded, for lengths that are not multiples of 8 (the last launch of
+    each row runs short)."""
+    runner = engine._worker.runner
+    chosen: list[tuple[int, bool]] = []
+    real = runner.decode_region
+
+    def spy(ints: np.ndarray, steps: int) -> bool:
+        chosen.append((steps, real(ints, steps)))
+        return chosen[-1][1]
+
+    monkeypatch.setattr(runner, "decode_region", spy)
     before = engine.stats["steps"]["decode_multi"]
     sampled = {"temperature": 0.7, "top_p": 0.95, "max_tokens": 13, "seed": 77}
 
@@ -557,6 +567,7 @@ def test_multi_step_decode_equals_reference(engine: InferenceEngine, ref: Refere
 
     cap, ans = asyncio.run(run())
     assert engine.stats["steps"]["decode_multi"] >= before + 2
+    assert {c for c in chosen if c[0] > 1} == {(8, False)}  # every multi-step launch: the text step
     assert cap.output["caption"] == ref.caption(images[0], "normal",
                                                 SamplingSettings(temperature=0.0, max_tokens=19)).output
     assert ans.output["answer"] == ref.query(images[1], "Why?", reasoning=False,
