@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from types import SimpleNamespace
+from typing import Literal
 
 import jax.numpy as jnp
 import numpy as np
@@ -88,11 +89,12 @@ def test_only_multi_step_text_launches_take_the_text_step(model: MoondreamModel)
 
 @pytest.mark.parametrize("name", ["md2", "md3"])
 @pytest.mark.parametrize("text_steps", [True, False])
-def test_the_engine_compiles_the_text_step_where_it_runs(name: str, text_steps: bool) -> None:
+def test_the_engine_compiles_the_text_step_where_it_runs(name: Literal["md2", "md3"], text_steps: bool) -> None:
     """Per decode bucket: one iteration with the heads; multi-step buckets the text step, and the
     full multi-step only for a model with the segment skill (MD3); with text_steps off, as before."""
     cfg = tiny_config(name)
-    worker = SimpleNamespace(config=EngineConfig(decode_buckets=(1, 4, 64, 128), decode_steps=8, multi_step_max_batch=64),
+    engine = EngineConfig(decode_buckets=(1, 4, 64, 128), decode_steps=8, multi_step_max_batch=64)
+    worker = SimpleNamespace(config=engine,
                              runner=SimpleNamespace(config=RunnerConfig(text_steps=text_steps)),
                              model=SimpleNamespace(cfg=cfg))
     variants = {b: EngineWorker._step_variants(worker, b) for b in (1, 64, 128)}  # type: ignore[arg-type]
