@@ -288,17 +288,15 @@ def _heads(model: LM, hidden: jax.Array, sp: SamplingParams, backend: str, out_r
     assert out.logprobs is not None
     b = hidden.shape[0]
     if not region:
-        zero = jnp.zeros((b,), jnp.float32)
-        packed = StepOutputs(out.tokens, out.logprobs, zero, jnp.zeros((b, 2), jnp.float32),
-                             jnp.zeros((b,), jnp.int32)).packed()
-        return jnp.pad(packed, ((0, out_rows - b), (0, 0)))
-    if model.cfg.is_md3:
-        nxt = jnp.where(logits[:, tk.coord_id] >= logits[:, tk.eos_id], tk.coord_id, tk.eos_id)
+        coord, size, nxt = jnp.zeros((b,), jnp.float32), jnp.zeros((b, 2), jnp.float32), jnp.zeros((b,), jnp.int32)
     else:
-        nxt = jnp.argmax(logits, axis=-1)
-    coord_logits, size_logits = model.region.decode_heads(hidden, kernel_rows=region_kernel_rows(), gate=gate)
-    coord = coord_bin_to_value(jnp.argmax(coord_logits, axis=-1))
-    size = size_bin_to_value(jnp.argmax(size_logits, axis=-1))
+        if model.cfg.is_md3:
+            nxt = jnp.where(logits[:, tk.coord_id] >= logits[:, tk.eos_id], tk.coord_id, tk.eos_id)
+        else:
+            nxt = jnp.argmax(logits, axis=-1)
+        coord_logits, size_logits = model.region.decode_heads(hidden, kernel_rows=region_kernel_rows(), gate=gate)
+        coord = coord_bin_to_value(jnp.argmax(coord_logits, axis=-1))
+        size = size_bin_to_value(jnp.argmax(size_logits, axis=-1))
     packed = StepOutputs(out.tokens, out.logprobs, coord, size, nxt.astype(jnp.int32)).packed()
     return jnp.pad(packed, ((0, out_rows - b), (0, 0)))
 
