@@ -256,10 +256,10 @@ def _embed(model: LM, kind: jax.Array, token: jax.Array, value: jax.Array,
 
 
 def _sampling(ints: jax.Array, floats: jax.Array, top_k: int, seed: int, step: int, sup: int, temp: int,
-              top_p: int, suppressed: jax.Array | None = None, step_offset: jax.Array | int = 0) -> SamplingParams:
+              top_p: int, suppressed: jax.Array | None = None) -> SamplingParams:
     return SamplingParams(
         temperature=floats[:, temp], top_k=ints[:, top_k], top_p=floats[:, top_p],
-        seed=jax.lax.bitcast_convert_type(ints[:, seed], jnp.uint32), step=ints[:, step] + step_offset,
+        seed=jax.lax.bitcast_convert_type(ints[:, seed], jnp.uint32), step=ints[:, step],
         suppressed_ids=ints[:, sup: sup + bt.N_SUP] if suppressed is None else suppressed)
 
 
@@ -350,22 +350,47 @@ def _decode_inputs(model: LM, ints: jax.Array, floats: jax.Array, prev: jax.Arra
     return _embed(model, kind, token, value, None, None, gate), sup
 
 
-def _decode_sampling(ints: jax.Array, floats: jax.Array, sup: jax.Array,
-                     step_offset: jax.Array | int = 0) -> SamplingParams:
-    return _sampling(ints, floats, bt.D_TOP_K, bt.D_SEED, bt.D_STEP, bt.D_SUP, bt.F_TEMP, bt.F_TOP_P, sup, step_offset)
+def _decode_sampling(ints: jax.Array, floats: jax.Array, sup: jax.Array) -> SamplingParams:
+    return _sampling(ints, floats, bt.D_TOP_K, bt.D_SEED, bt.D_STEP, bt.D_SUP, bt.F_TEMP, bt.F_TOP_P, sup)
 
 
-def _decode_once(model: LM, cache: KVCache, ints: jax.Array, floats: jax.Array, prev: jax.Array, src: jax.Array,
-                 slots: jax.Array, positions: jax.Array, kv_lens: jax.Array, step_offset: jax.Array | int,
-                 backend: str, out_rows: int, region: bool = True) -> tuple[KVCache, jax.Array]:
-    """One decode iteration; rows with src >= 0 take their input from row src of `prev`. `region`
-    off: a text step (`_decode_step`)."""
+class _LaunchRows(NamedTuple):
+    """The operands of a decode launch that its iterations share, sliced from ints / floats once.
+
+    A column slice of ints / floats handed to a kernel as is (the page table, the valid-row count,
+    the sampler's settings) is a copy where it is sliced: XLA does not hoist slices out of a loop
+    on its own, so sliced inside the multi-step loop's body they were copies in every iteration
+    (H100, session 59: `memcpy32_post`, ~1.1 us each, five or six per iteration)."""
+
+    table: jax.Array  # i32[B, P]
+    num_valid: jax.Array  # i32[]
+    temperature: jax.Array  # f32[B]
+    top_k: jax.Array  # i32[B]
+    top_p: jax.Array  # f32[B]
+    seed: jax.Array  # u32[B]
+    step: jax.Array  # i32[B]; the launch's first iteration's step counter
+
+
+def _launch_rows(ints: jax.Array, floats: jax.Array) -> _LaunchRows:
+    return _LaunchRows(ints[:, bt.DI:], ints[0, bt.D_NUM_VALID], floats[:, bt.F_TEMP], ints[:, bt.D_TOP_K],
+                       floats[:, bt.F_TOP_P], jax.lax.bitcast_convert_type(ints[:, bt.D_SEED], jnp.uint32),
+                       ints[:, bt.D_STEP])
+
+
+def _decode_once(model: LM, cache: KVCache, ints: jax.Array, floats: jax.Array, rows: _LaunchRows, prev: jax.Array,
+                 src: jax.Array, slots: jax.Array, positions: jax.Array, kv_lens: jax.Array,
+                 step_offset: jax.Array | int, backend: str, out_rows: int,
+                 region: bool = True) -> tuple[KVCache, jax.Array]:
+    """One decode iteration; rows with src >= 0 take their input from row src of `prev`. `rows`:
+    `_launch_rows(ints, floats)`, sliced outside the iterations' loop. `region` off: a text step
+    (`_decode_step`)."""
     gate = _region_gate(ints, bt.D_REGION) if region else None
     x, sup = _decode_inputs(model, ints, floats, prev, src, gate, region)
-    batch = AttentionBatch(positions, slots, kv_lens, ints[:, bt.DI:], num_valid=ints[0, bt.D_NUM_VALID])
+    batch = AttentionBatch(positions, slots, kv_lens, rows.table, num_valid=rows.num_valid)
     hidden, cache, _ = model.text(x, batch, cache)
-    return cache, _heads(model, hidden, _decode_sampling(ints, floats, sup, step_offset), backend, out_rows, gate,
-                         region)
+    sp = SamplingParams(temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p, seed=rows.seed,
+                        step=rows.step + step_offset, suppressed_ids=sup)
+    return cache, _heads(model, hidden, sp, backend, out_rows, gate, region)
 
 
 def _decode_step(parts: _Parts, params: list[jax.Array], cache: KVCache, ints: jax.Array, floats: jax.Array,
@@ -390,13 +415,14 @@ def _decode_step(parts: _Parts, params: list[jax.Array], cache: KVCache, ints: j
     with ops.use_backend(backend):  # type: ignore[arg-type]
         ints, floats, prev = _pinned(ints, floats, prev)
         pos0, slot0, kv0 = ints[:, bt.D_POS], ints[:, bt.D_SLOT], ints[:, bt.D_KV_LEN]
+        rows = _launch_rows(ints, floats)
         if steps == 1:
-            cache, out = _decode_once(model, cache, ints, floats, prev, ints[:, bt.D_SRC], slot0, pos0, kv0, 0,
+            cache, out = _decode_once(model, cache, ints, floats, rows, prev, ints[:, bt.D_SRC], slot0, pos0, kv0, 0,
                                       backend, out_rows, region)
             return cache, out[None], out
         b = ints.shape[0]
         n = ints[:, bt.D_NSTEPS]
-        table = ints[:, bt.DI:]
+        table = rows.table
         page = cache.page_size
         own = jnp.arange(b, dtype=jnp.int32)
 
@@ -408,8 +434,8 @@ def _decode_step(parts: _Parts, params: list[jax.Array], cache: KVCache, ints: j
             page_of = jnp.take_along_axis(table, jnp.clip(pos // page, 0, table.shape[1] - 1)[:, None], axis=1)[:, 0]
             slot = jnp.where(j == 0, slot0, jnp.where(j < n, page_of * page + pos % page, -1))
             src = jnp.where(j == 0, ints[:, bt.D_SRC], own)
-            cache, out = _decode_once(model, cache, ints, floats, prev, src, slot, pos, kv, j, backend, out_rows,
-                                      region)
+            cache, out = _decode_once(model, cache, ints, floats, rows, prev, src, slot, pos, kv, j, backend,
+                                      out_rows, region)
             return (cache, out), out
 
         (cache, _), outs = jax.lax.scan(body, (cache, prev), jnp.arange(steps, dtype=jnp.int32))
