@@ -86,6 +86,7 @@ SLOW_FIRST = (
     "pallas/test_layer_norm_blocks.py",  # 17
     "serving/test_admit_before_wait.py",  # 16
     "models/test_device_crops.py",  # 15
+    "pallas/test_lowering_cache.py",  # 15 (sixtieth session, alone)
     "tools/test_bench_vision_batch.py",  # 15
     "pallas/test_gemv_ln_in_rows.py",  # 14
     "tools/test_check_decode_fusion.py",  # 14

@@ -40,6 +40,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kestrel_jax.pallas import lowering_cache
+
+# one lowering per distinct kernel (lowering_cache.py); every kernel module imports this or mgpu_interpret
+lowering_cache.install()
+
 COLS = 256  # elements per view row: a TMA box dimension is at most 256 elements
 MAX_BOX_ROWS = 256
 

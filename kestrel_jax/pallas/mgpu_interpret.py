@@ -28,6 +28,11 @@ import jax
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from kestrel_jax.pallas import lowering_cache
+
+# one lowering per distinct kernel (lowering_cache.py); every kernel module imports this or l2_prefetch
+lowering_cache.install()
+
 _MARK = "kestrel_host_operands"
 _INTERPRETER = "jax._src.pallas.mosaic_gpu.interpret."
 
