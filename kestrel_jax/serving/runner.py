@@ -360,7 +360,9 @@ class _LaunchRows(NamedTuple):
     A column slice of ints / floats handed to a kernel as is (the page table, the valid-row count,
     the sampler's settings) is a copy where it is sliced: XLA does not hoist slices out of a loop
     on its own, so sliced inside the multi-step loop's body they were copies in every iteration
-    (H100, session 59: `memcpy32_post`, ~1.1 us each, five or six per iteration)."""
+    (`memcpy32_post`, ~1.1 us each on an H100). Sliced here once per launch: an 8-iteration batch-1
+    launch -27 (MD2) / -34 (MD3) launches and -0.5% of its kernel time (BENCHMARKS.md, sixtieth
+    session)."""
 
     table: jax.Array  # i32[B, P]
     num_valid: jax.Array  # i32[]
