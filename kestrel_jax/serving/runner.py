@@ -350,10 +350,6 @@ def _decode_inputs(model: LM, ints: jax.Array, floats: jax.Array, prev: jax.Arra
     return _embed(model, kind, token, value, None, None, gate), sup
 
 
-def _decode_sampling(ints: jax.Array, floats: jax.Array, sup: jax.Array) -> SamplingParams:
-    return _sampling(ints, floats, bt.D_TOP_K, bt.D_SEED, bt.D_STEP, bt.D_SUP, bt.F_TEMP, bt.F_TOP_P, sup)
-
-
 class _LaunchRows(NamedTuple):
     """The operands of a decode launch that its iterations share, sliced from ints / floats once.
 
@@ -371,6 +367,11 @@ class _LaunchRows(NamedTuple):
     top_p: jax.Array  # f32[B]
     seed: jax.Array  # u32[B]
     step: jax.Array  # i32[B]; the launch's first iteration's step counter
+
+    def sampling(self, suppressed: jax.Array, step_offset: jax.Array | int = 0) -> SamplingParams:
+        """The sampler's settings for the launch's iteration `step_offset`."""
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+                              step=self.step + step_offset, suppressed_ids=suppressed)
 
 
 def _launch_rows(ints: jax.Array, floats: jax.Array) -> _LaunchRows:
@@ -390,9 +391,7 @@ def _decode_once(model: LM, cache: KVCache, ints: jax.Array, floats: jax.Array, 
     x, sup = _decode_inputs(model, ints, floats, prev, src, gate, region)
     batch = AttentionBatch(positions, slots, kv_lens, rows.table, num_valid=rows.num_valid)
     hidden, cache, _ = model.text(x, batch, cache)
-    sp = SamplingParams(temperature=rows.temperature, top_k=rows.top_k, top_p=rows.top_p, seed=rows.seed,
-                        step=rows.step + step_offset, suppressed_ids=sup)
-    return cache, _heads(model, hidden, sp, backend, out_rows, gate, region)
+    return cache, _heads(model, hidden, rows.sampling(sup, step_offset), backend, out_rows, gate, region)
 
 
 def _decode_step(parts: _Parts, params: list[jax.Array], cache: KVCache, ints: jax.Array, floats: jax.Array,
@@ -488,7 +487,7 @@ def _prefill_or_mixed(model: LM, cache: KVCache, tok_ints: jax.Array, tok_floats
             slots = jnp.concatenate([ints[:, bt.D_SLOT], slots])
             num_valid = num_valid + nd  # the decode rows' padding runs too: it sits before real rows
             rows = DecodeRows(nd, ints[:, bt.D_KV_LEN], ints[:, bt.DI:])
-            sp = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), _decode_sampling(ints, floats, sup), sp)
+            sp = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), _launch_rows(ints, floats).sampling(sup), sp)
         batch = AttentionBatch(positions, slots, seq_ints[:, bt.S_KV_LEN], seq_ints[:, bt.SI:], cu,
                                seq_ints[:, bt.S_PREFIX], num_valid, rows)
         hidden, cache, _ = model.text(x, batch, cache)
