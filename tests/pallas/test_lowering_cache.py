@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from kestrel_jax.models.config import md3_config
@@ -60,6 +61,25 @@ def test_equal_kernels_share_one_lowering_and_distinct_ones_do_not() -> None:
     assert d != a
     lowering_cache.clear()
     assert _gemv_text(8, 2048, 2048) == d  # ... and that program is its fresh lowering
+
+
+def _rows_kernel(programs: int) -> Any:
+    """o[i] = x[i] + 1 for i < `programs` over a [4, 128] operand: the same jaxpr, operand and
+    result shapes for any grid, so only the kernel mesh tells two grids apart."""
+    def body(x_ref: Any, o_ref: Any) -> None:
+        i = jax.lax.axis_index("g")
+        o_ref[i] = x_ref[i] + 1.0
+
+    return plgpu.kernel(body, out_type=S((4, 128), jnp.float32), grid=(programs,), grid_names=("g",))
+
+
+def test_kernels_that_differ_only_in_their_grid_get_distinct_entries() -> None:
+    a = _lower(_rows_kernel(2), S((4, 128), jnp.float32))
+    b = _lower(_rows_kernel(4), S((4, 128), jnp.float32))
+    assert lowering_cache.stats() == {"hits": 0, "misses": 2, "fallbacks": 0, "entries": 2}
+    assert a != b
+    lowering_cache.clear()
+    assert _lower(_rows_kernel(4), S((4, 128), jnp.float32)) == b
 
 
 def test_lowering_is_deterministic_without_the_cache_too() -> None:
