@@ -7,5 +7,5 @@ G=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 echo "card: $G"
 case "$G" in
   *H200*) bash benchmarks/2026-12-07-h100-session60/1a_run.sh ;;
-  *) bash benchmarks/2026-12-07-session61/30_run.sh ;;
+  *) bash benchmarks/2026-12-07-h100-session61/30_run.sh ;;
 esac
