@@ -17,8 +17,9 @@ file: 2,130 worker-seconds over 1,076 s of wall time): XLA's CPU backend compile
 persistent cache saves another ~620 s), lowering to MLIR ~310 s, tracing ~180 s; the rest runs
 the programs, the interpreted kernels' callbacks and the subprocesses. Measured and not used, as
 no faster: a lower XLA backend optimisation level (2 or 1: the engine files' compiles no shorter;
-0: the engines' programs and the interpreted kernels run slower than it saves, and a rounding-exact
-kernel test no longer matches), one Eigen thread per process, and passing the interpreter's
+0: the engine and CLI files ran 30-90% slower, unoptimised, more than the compile-bound files
+gained: 2,330 worker-seconds against 2,168; and a rounding-exact kernel test no longer matched),
+one Eigen thread per process, and passing the interpreter's
 callbacks their NumPy operands without JAX's device_put (a profile put a sixth of test_moe.py's
 time there; measured without the profiler, the bypass was slower: 27.5 s against 24.7 s)."""
 

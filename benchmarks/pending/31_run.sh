@@ -1,7 +1,7 @@
 # Prepared in session 61 (2026-12-07): the next session's first call (session 62 got no machine in ten
 # tries; move it into the session's dated folder first, paths unchanged). An H200 runs session 60's
-# 1a_run.sh (issue 6's MD3 / MD2 W1 on the card
-# its targets name; then 1b_run.sh on the same machine, carrying [".peerx"]); an H100 runs the default-bucket
+# 1a_run.sh (issue 6's MD3 / MD2 W1 on the card its targets name; then 1b_run.sh on the same machine,
+# carrying [".peerx"]); an H100 runs the default-bucket
 # W1 question of sessions 60-61 (MD3 W1 798-804 tok/s under the default decode buckets against 827-831 with
 # 1,64 on the same machine): default buckets with decode_alone=True (decode steps autotuned alone) against
 # plain defaults, each its own cold compile cache, then 1,64 as the control. Tarred into $OUT/31_all.tgz.
