@@ -618,6 +618,7 @@ def summarize_trace(trace_dir: str, steps: dict[str, int]) -> dict[str, Any]:
         if gpu:
             out["engine_thread_in_long_gaps"] = engine_thread_in_gaps(data, long_gaps(spans))
             out["command_buffer_updates"] = command_buffer_updates(data)
+            out["graph_launch_gaps"] = graph_launch_gaps(data)
     n_steps = steps.get("decode", 0) + steps.get("prefill", 0)
     if n_steps:
         out["events_per_step"] = rnd(len(spans) / n_steps, 1)
@@ -783,6 +784,33 @@ def command_buffer_updates(data: Any) -> list[dict[str, Any]]:
     rows = [{"thread": t, "module": m, "kind": k, "num_commands": c, "count": int(n), "us": rnd(us, 1),
              "us_each": rnd(us / n, 1)} for (t, m, k, c), (n, us) in agg.items()]
     return sorted(rows, key=lambda r: -r["us"])[:20]
+
+
+def graph_launch_gaps(data: Any, min_pairs: int = 100) -> list[dict[str, Any]]:
+    """Kernel-to-kernel launch gaps inside each CUDA graph on the GPU planes: for every graph id with
+    at least `min_pairs` consecutive kernel pairs on one stream, the pairs, the median and mean gap
+    (us; negative: the next kernel started over the previous one's tail) and the fraction of pairs
+    that overlap, most pairs first. The H100's two batch-1 decode speeds (BENCHMARKS.md, sessions 14-16
+    and 63) run one graph of the same executable with ~0.45 us between its kernels at the slow level
+    and ~0.03 us, a third of them overlapping, at the fast one."""
+    pairs: dict[Any, list[float]] = defaultdict(list)
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            evs = sorted((ev.start_ns, ev.end_ns, dict(getattr(ev, "stats", None) or []).get("cuda_graph_id"))
+                         for ev in line.events)
+            for (_, e0, g0), (s1, _, g1) in zip(evs, evs[1:], strict=False):
+                if g0 is not None and g0 == g1:
+                    pairs[(plane.name, g0)].append((s1 - e0) / 1e3)
+    rows = []
+    for (_, graph), gaps in sorted(pairs.items(), key=lambda kv: -len(kv[1])):
+        if len(gaps) < min_pairs:
+            continue
+        arr = np.asarray(gaps)
+        rows.append({"graph": graph, "pairs": len(gaps), "median_gap_us": rnd(float(np.median(arr)), 3),
+                     "mean_gap_us": rnd(float(arr.mean()), 3), "overlap_fraction": rnd(float((arr < 0).mean()), 3)})
+    return rows[:5]
 
 
 def _family(kernel: str) -> str:

@@ -280,6 +280,26 @@ def test_command_buffer_updates_by_module(bench: ModuleType) -> None:
     assert bench.command_buffer_updates(NS(planes=[])) == []
 
 
+def test_graph_launch_gaps(bench: ModuleType) -> None:
+    from types import SimpleNamespace as NS
+
+    def ev(s0: int, e0: int, graph: int | None) -> NS:
+        return NS(start_ns=s0, end_ns=e0, name="k", stats=[("cuda_graph_id", graph)] if graph is not None else [])
+
+    us = 1000  # ns
+    # graph 7: four kernels, gaps 0.5, -0.25 (overlap), 1.0 us; graph 9 (other stream): one gap of 2 us;
+    # kernels outside any graph and pairs across graphs are not counted
+    compute = NS(name="Stream #14", events=[ev(3 * us + 750, 5 * us, 7), ev(0, 1 * us, 7), ev(1500, 4 * us, 7),
+                                            ev(6 * us, 7 * us, 7), ev(8 * us, 9 * us, None), ev(10 * us, 11 * us, 8)])
+    other = NS(name="Stream #15", events=[ev(0, 1 * us, 9), ev(3 * us, 4 * us, 9)])
+    data = NS(planes=[NS(name="/device:GPU:0", lines=[compute, other]), NS(name="/host:CPU", lines=[compute])])
+    assert bench.graph_launch_gaps(data, min_pairs=1) == [
+        {"graph": 7, "pairs": 3, "median_gap_us": 0.5, "mean_gap_us": 0.417, "overlap_fraction": 0.333},
+        {"graph": 9, "pairs": 1, "median_gap_us": 2.0, "mean_gap_us": 2.0, "overlap_fraction": 0.0}]
+    assert bench.graph_launch_gaps(data, min_pairs=2) == bench.graph_launch_gaps(data, min_pairs=1)[:1]
+    assert bench.graph_launch_gaps(NS(planes=[])) == []
+
+
 def test_launch_ms_per_step(bench: ModuleType) -> None:
     host = {"launch_mixed": 2.0, "launch_decode": 0.75, "launch_prefill": 0.0, "dispatch": 9.0}
     sched = {"mixed_steps": 500, "decode_steps": 250, "prefill_steps": 0, "decode_iterations": 2000}
