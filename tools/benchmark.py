@@ -1113,7 +1113,7 @@ async def run(a: argparse.Namespace, o: Output) -> int:
                            # StableHLO, XLA compile or cache load), and each step variant's warm-up
                            "phases_s": {k.rsplit("/", 1)[-1]: [len(v), rnd(sum(v))] for k, v in sorted(phases.items())
                                         if k.startswith("/jax/")},
-                           "variants_s": st.get("compile_s"),
+                           "variants_s": st.get("compile_s"), "compile_threads": st.get("compile_threads"),
                            "export_steps": st.get("export")}]  # lowered steps loaded / exported / fallback
         res["engine_stats"] = {k: st[k] for k in ("num_pages", "page_size", "kv_dtype")}
         log(f"engine ready: {res['startup'][0]}; {res['engine_stats']}")

@@ -108,7 +108,7 @@ def decode_variants(engine: Any, buckets: list[int], options: dict[str, Any] | N
         return keep
     runner.unfreeze()
     try:
-        runner.compile_ahead(calls, worker.config.compile_threads)
+        runner.compile_ahead(calls, worker.compile_threads)
         for _, (ints, floats, prev, k) in calls if run else []:
             jax.block_until_ready(runner.decode(ints, floats, prev, k))
     finally:

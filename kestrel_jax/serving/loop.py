@@ -28,7 +28,15 @@ from kestrel_jax.prompts import has_segment
 from kestrel_jax.serving import batch as bt
 from kestrel_jax.serving.buckets import pick_bucket
 from kestrel_jax.serving.encode_ahead import EncodeAhead
-from kestrel_jax.serving.engine import EngineConfig, EngineError, Metrics, Result, Submission, model_path_or_demo
+from kestrel_jax.serving.engine import (
+    EngineConfig,
+    EngineError,
+    Metrics,
+    Result,
+    Submission,
+    default_compile_threads,
+    model_path_or_demo,
+)
 from kestrel_jax.serving.request import FinishedRequest, Request, RequestRejected
 from kestrel_jax.serving.runner import Runner
 from kestrel_jax.serving.scheduler import Scheduler
@@ -69,12 +77,15 @@ def load_engine_model(config: EngineConfig, model: Any = None, tokenizer: Tokeni
 class EngineWorker:
     def __init__(self, config: EngineConfig, model: Any, tokenizer: Tokenizer):
         counts = {"decode_steps": config.decode_steps, "multi_step_max_batch": config.multi_step_max_batch,
-                  "compile_threads": config.compile_threads, "vision_ahead": config.vision_ahead,
+                  "compile_threads": 1 if config.compile_threads is None else config.compile_threads,
+                  "vision_ahead": config.vision_ahead,
                   "warmup_runs": 1 if config.warmup_runs is None else config.warmup_runs}
         bad = {k: v for k, v in counts.items() if v < 1}
         if bad:
             raise ValueError(f"these engine settings must be >= 1: {bad}")
         self.config = config
+        # EngineConfig.compile_threads, its default resolved for this machine
+        self.compile_threads = default_compile_threads() if config.compile_threads is None else config.compile_threads
         self.model = model
         self.tokenizer = tokenizer
         self.mixed_buckets = config.mixed_buckets()
@@ -167,6 +178,7 @@ class EngineWorker:
                 "page_size": self.runner.page_size, "kv_dtype": str(jnp.dtype(self.runner.kv_dtype)),
                 "kv_scales": self.runner.config.kv_scales or "checkpoint",  # a scales file, else the checkpoint's
                 "startup_s": self.startup_s, "load_s": self.load_s, "compile_s": dict(self.compile_s),
+                "compile_threads": self.compile_threads,
                 "host_s": {**self.host_s, "wait_outputs": self.stepper.wait_s, **self.stepper.launch_s},
                 "scheduler": self.scheduler.stats,
                 "images": dict(self.runner.images), "export": self.runner.export_counts,
@@ -216,11 +228,11 @@ class EngineWorker:
             variants.append((f"prefill_t{t}", "prefill", (*bt.empty_prefill(t, bsz, p), self._no_images())))
             variants += [(f"mixed_t{t}_b{b}", "mixed", (*bt.empty_decode(b, p), None, *bt.empty_prefill(t, bsz, p),
                                                        self._no_images())) for b in self.mixed_buckets]
-        if self.config.compile_threads > 1:  # compile them side by side first
+        if self.compile_threads > 1:  # compile them side by side first
             t0 = time.perf_counter()
             try:
                 for jobs, threads in compile_groups([(kind, args) for _, kind, args in variants],
-                                                    self.config.compile_threads, self.config.decode_alone):
+                                                    self.compile_threads, self.config.decode_alone):
                     self.runner.compile_ahead(jobs, threads)
                     if threads == 1:
                         self.compile_s["decode_alone"] = round(time.perf_counter() - t0, 2)

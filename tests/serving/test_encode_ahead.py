@@ -160,6 +160,22 @@ def test_engine_refuses_a_count_below_one_before_loading_anything(field: str) ->
         EngineWorker(EngineConfig(**{field: 0}), model=None, tokenizer=None)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("cores,threads", [(1, 1), (2, 1), (3, 1), (4, 2), (16, 8), (64, 8)])
+def test_default_compile_threads_are_half_the_cores_up_to_eight(cores: int, threads: int,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from kestrel_jax.serving import engine
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert engine.default_compile_threads() == threads
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)  # not on Linux: the machine's count
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    assert engine.default_compile_threads() == threads
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert engine.default_compile_threads() == 1
+
+
 class BatchRecorder(Recorder):
     def __init__(self, fail_many: bool = False, **kw: object):
         super().__init__(**kw)  # type: ignore[arg-type]

@@ -53,7 +53,12 @@ def test_step_inputs_stay_committed(engine: InferenceEngine, images: list[Path])
     a step whose outputs come back committed (a stream-annotated computation pins memory kinds)
     and are fed to the next step must find the same committedness it was compiled with, or the
     recompile guard fails the request."""
+    from kestrel_jax.serving.engine import default_compile_threads
+
     runner = engine._worker.runner
+    # (and the engine's compile threads, left to their default, are this machine's)
+    assert engine._worker.config.compile_threads is None
+    assert engine.stats["compile_threads"] == engine._worker.compile_threads == default_compile_threads()
 
     def committed() -> bool:
         arrays = [*runner.cache.k, *runner.cache.v, runner.cache.k_scale, runner.no_outputs,
