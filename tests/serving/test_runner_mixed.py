@@ -164,7 +164,8 @@ def test_a_failed_compile_ahead_leaves_the_warm_up_to_compile(model: MoondreamMo
     cfg = EngineConfig(runner=RunnerConfig(num_pages=16, kv_dtype="f32", max_seq_len=128, page_size=PAGE,
                                            vision_buckets=(2,)),
                        decode_buckets=(2,), decode_steps=1, prefill_token_buckets=(1024,), max_prefill_seqs=2,
-                       warmup_runs=2)  # the GPU default (here, on the CPU, None means 1)
+                       warmup_runs=2,  # the GPU default (here, on the CPU, None means 1)
+                       compile_threads=2)  # compiling ahead on threads (a 2-core machine's default: 1)
     worker = EngineWorker(cfg, model, Tokenizer(build_synthetic_tokenizer(model.cfg.text.vocab_size)))
     assert worker.warmup_runs == 2
     for runs, want in ((None, 1), (3, 3)):
