@@ -21,7 +21,11 @@ no faster: a lower XLA backend optimisation level (2 or 1: the engine files' com
 gained: 2,330 worker-seconds against 2,168; and a rounding-exact kernel test no longer matched),
 one Eigen thread per process, and passing the interpreter's
 callbacks their NumPy operands without JAX's device_put (a profile put a sixth of test_moe.py's
-time there; measured without the profiler, the bypass was slower: 27.5 s against 24.7 s)."""
+time there; measured without the profiler, the bypass was slower: 27.5 s against 24.7 s).
+What did cut it (sixty-third session, 1,203 -> 1,023 s wall on the same day's machine): engines
+compiling their steps on one thread, the default on a 2-core machine (`default_compile_threads`;
+eight threads per worker only contended), and the golden parity's vision stages jitted (op by op
+they ran 7-9 s per model)."""
 
 from __future__ import annotations
 
@@ -59,49 +63,56 @@ SHARED = {"serving/test_engine.py": _ENGINE_GROUP,
           "serving/test_soak.py": _ENGINE_GROUP}
 # The slowest files (12 s or more of summed test time each on a 2-core CPU, with the shared compile
 # cache), slowest first: longest first keeps the two workers' totals close (replaying three
-# session-16 runs' file times: 40-58 s less wall time than the order before; measured after the
-# change, the workers ended 11 s apart). The others follow in collection order. A worker takes the
-# next file when it is done with one. Ordered by a full run's file times (2026-12-06, after the
-# test-time trims: 1,828 s summed, 932 s wall; seconds below).
+# session-16 runs' file times: 40-58 s less wall time than the order before). The others follow in
+# collection order. A worker takes the next file when it is done with one. Ordered by a full run's
+# file times (2026-12-07, sixty-third session, after its trims: 2,020 s summed, 1,023 s wall; the
+# workers' totals ended 25 s apart; seconds below).
 SLOW_FIRST = (
-    "pallas/test_moe.py",  # 236
-    "models/test_fused_dense_decode.py",  # 170
-    "models/test_dense_residual_in_rows.py",  # ~150 (fifty-fourth session, alone on a core)
-    "serving/test_engine.py",  # 105; with test_soak.py and test_server.py one unit of work (SHARED): 138
+    "pallas/test_moe.py",  # 223
+    "serving/test_engine.py",  # 111; with test_soak.py and test_server.py one unit of work (SHARED): 152
     "serving/test_soak.py",  # before test_server.py, whose last test shuts the shared engine down
     "serving/test_server.py",
-    "test_cli.py",  # 128
-    "pallas/test_paged_attention.py",  # 91
-    "models/test_parity.py",  # 88
-    "serving/test_runner_mixed.py",  # 72
-    "serving/test_segment.py",  # 59
-    "pallas/test_qkv_epilogue.py",  # 57
-    "models/test_decode_fusion.py",  # 53
-    "serving/test_export_cache.py",  # 52
-    "test_kv_scales.py",  # 48
-    "pallas/test_sampling.py",  # 42
-    "pallas/test_gemv.py",  # 38
-    "tools/test_benchmark.py",  # 37
-    "tools/test_bench_attention.py",  # 37
-    "serving/test_multi_device.py",  # 37 (one test: ~28 s alone)
-    "serving/test_engine_paths.py",  # 32
-    "pallas/test_linear_gelu.py",  # 32
-    "models/test_prefill_qkv_path.py",  # 30
-    "serving/test_vision_batches.py",  # 25
-    "serving/test_region_gate_engine.py",  # 25 (one test)
-    "serving/test_put_inputs.py",  # 24
-    "serving/test_defer_unready_images.py",  # 20
-    "models/test_generate.py",  # 20
-    "models/test_loader.py",  # 18
-    "models/test_region_heads.py",  # 18
-    "pallas/test_layer_norm_blocks.py",  # 17
-    "serving/test_admit_before_wait.py",  # 16
-    "models/test_device_crops.py",  # 15
-    "pallas/test_lowering_cache.py",  # 15 (sixtieth session, alone)
-    "tools/test_bench_vision_batch.py",  # 15
-    "pallas/test_gemv_ln_in_rows.py",  # 14
-    "tools/test_check_decode_fusion.py",  # 14
-    "serving/test_vision_thread.py",  # 13
+    "models/test_fused_dense_decode.py",  # 148
+    "test_cli.py",  # 142
+    "pallas/test_paged_attention.py",  # 94
+    "serving/test_runner_mixed.py",  # 74
+    "pallas/test_qkv_epilogue.py",  # 68
+    "serving/test_segment.py",  # 66
+    "models/test_parity.py",  # 56
+    "serving/test_export_cache.py",  # 55
+    "tools/test_bench_attention.py",  # 54
+    "test_kv_scales.py",  # 50
+    "models/test_decode_fusion.py",  # 43
+    "pallas/test_gemv.py",  # 43
+    "serving/test_multi_device.py",  # 41
+    "serving/test_region_gate_engine.py",  # 40
+    "pallas/test_sampling.py",  # 40
+    "tools/test_benchmark.py",  # 34
+    "serving/test_engine_paths.py",  # 33
+    "models/test_prefill_qkv_path.py",  # 32
+    "serving/test_put_inputs.py",  # 31
+    "pallas/test_linear_gelu.py",  # 30
+    "serving/test_vision_batches.py",  # 30
+    "tools/test_check_decode_fusion.py",  # 23
+    "serving/test_defer_unready_images.py",  # 22
+    "models/test_dense_residual_in_rows.py",  # 22
+    "models/test_region_heads.py",  # 20
+    "models/test_loader.py",  # 20
+    "models/test_generate.py",  # 19
+    "pallas/test_gemv_ln_in_rows.py",  # 18
+    "serving/test_admit_before_wait.py",  # 18
+    "pallas/test_gemv_residual.py",  # 18
+    "pallas/test_lowering_cache.py",  # 17
+    "tools/test_bench_vision_batch.py",  # 17
+    "pallas/test_mgpu_interpret.py",  # 17
+    "pallas/test_layer_norm_blocks.py",  # 16
+    "serving/test_vision_thread.py",  # 15
+    "models/test_device_crops.py",  # 14
+    "test_hang_guard.py",  # 14
+    "serving/test_text_steps.py",  # 14
+    "tools/test_check_ln_in_rows.py",  # 14
+    "serving/test_decode_steps_to_finish.py",  # 13
+    "serving/test_runner_vision.py",  # 13
 )
 TESTS = REPO / "tests"
 
