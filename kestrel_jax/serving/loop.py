@@ -76,16 +76,15 @@ def load_engine_model(config: EngineConfig, model: Any = None, tokenizer: Tokeni
 
 class EngineWorker:
     def __init__(self, config: EngineConfig, model: Any, tokenizer: Tokenizer):
+        # EngineConfig.compile_threads, its default resolved for this machine
+        self.compile_threads = default_compile_threads() if config.compile_threads is None else config.compile_threads
         counts = {"decode_steps": config.decode_steps, "multi_step_max_batch": config.multi_step_max_batch,
-                  "compile_threads": 1 if config.compile_threads is None else config.compile_threads,
-                  "vision_ahead": config.vision_ahead,
+                  "compile_threads": self.compile_threads, "vision_ahead": config.vision_ahead,
                   "warmup_runs": 1 if config.warmup_runs is None else config.warmup_runs}
         bad = {k: v for k, v in counts.items() if v < 1}
         if bad:
             raise ValueError(f"these engine settings must be >= 1: {bad}")
         self.config = config
-        # EngineConfig.compile_threads, its default resolved for this machine
-        self.compile_threads = default_compile_threads() if config.compile_threads is None else config.compile_threads
         self.model = model
         self.tokenizer = tokenizer
         self.mixed_buckets = config.mixed_buckets()
